@@ -1,0 +1,38 @@
+"""taas_magic: ``#pragma taas --gpus N`` runs a notebook cell as N DDP ranks.
+
+``%load_ext taas_magic`` registers the ``%%taas``/``%taas`` magics and the input
+transformer that routes ``#pragma taas`` cells to ``%%taas``; ``%unload_ext taas_magic``
+removes all of it. This module imports nothing heavy: ranks import the package too.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_loaded: dict = {}
+
+
+def load_ipython_extension(ipython) -> None:
+    from .magics import TaasMagics
+    from .transformer import route_taas_cell
+
+    if _loaded.get("shell") is ipython:
+        return
+    magics = TaasMagics(shell=ipython)
+    ipython.register_magics(magics)
+    ipython.input_transformers_cleanup.insert(0, route_taas_cell)
+    _loaded.update(shell=ipython, magics=magics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from .transformer import route_taas_cell
+
+    # IPython has no API to unregister magics: remove our entries, as alias.py does.
+    manager = ipython.magics_manager
+    for kind in ("line", "cell"):
+        if getattr(manager.magics[kind].get("taas"), "__self__", None) is _loaded.get("magics"):
+            del manager.magics[kind]["taas"]
+    manager.registry.pop("TaasMagics", None)
+    while route_taas_cell in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(route_taas_cell)
+    _loaded.clear()

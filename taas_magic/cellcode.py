@@ -1,0 +1,55 @@
+"""The cell as the ranks run it: IPython syntax translated in the kernel, lines kept.
+
+``!cmd`` and ``%magic`` are translated with the kernel's own IPython transformers
+(minus ours, which would route the cell back to ``%%taas``), so they work in ranks.
+IPython's transformers keep one output line per input line, so line ``k`` of the
+translated code is line ``k`` of the cell as the person sees it, and a rank's
+traceback can show the person's own text (registered in the rank's linecache).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.inputtransformer2 import TransformerManager
+
+from .errors import TaasError
+from .transformer import route_taas_cell
+
+
+@dataclass(frozen=True)
+class CellCode:
+    display_source: str  # what the person wrote (head lines included)
+    source: str  # plain Python, same line numbers
+    tree: ast.Module
+    filename: str
+    suppress_final: bool  # the cell ends with ';', as IPython's displayhook honours
+
+
+def _transformer_manager(shell) -> TransformerManager:
+    manager = TransformerManager()
+    own = shell.input_transformer_manager
+    manager.cleanup_transforms = [t for t in own.cleanup_transforms if t is not route_taas_cell]
+    manager.line_transforms = list(own.line_transforms)
+    manager.token_transformers = list(own.token_transformers)
+    return manager
+
+
+def translate(shell, display_source: str) -> CellCode:
+    """Translate the cell's IPython syntax to Python and parse it.
+
+    Raises:
+        TaasError: the cell has a syntax error (reported with the person's line number).
+    """
+    source = _transformer_manager(shell).transform_cell(display_source)
+    for transform in shell.input_transformers_post:
+        source = "".join(transform(source.splitlines(keepends=True)))
+    filename = f"<taas In[{shell.execution_count}]>"
+    try:
+        tree = ast.parse(source, filename=filename)
+    except SyntaxError as exc:
+        line = (exc.text or "").strip()
+        raise TaasError(f"taas: SyntaxError on line {exc.lineno} of the cell: {exc.msg}: {line!r}") from None
+    return CellCode(display_source, source, tree, filename, DisplayHook.semicolon_at_end_of_expression(source))

@@ -1,0 +1,88 @@
+"""Which notebook names a cell uses, and shipping exactly those to the ranks.
+
+The cell's free names are every identifier it mentions (at any depth, in nested
+functions too) that the notebook namespace holds, plus identifiers inside the string
+arguments of ``get_ipython()`` calls, which is how IPython spells ``!cmd $x`` and
+``%time f(x)`` after translation. Names IPython keeps for itself (``In``, ``Out``,
+``_``, ``_i3``...) and dunders are never shipped. A name the cell does not mention is
+never pickled, however large.
+
+What is shipped is one dict, serialised once with cloudpickle (protocol 5): notebook
+functions, classes and lambdas travel by value with what they reference; importable
+modules and library objects travel by reference and are re-imported in the ranks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any, Mapping
+
+import cloudpickle
+
+from .errors import ClosureError
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_IPYTHON_PRIVATE = re.compile(r"^_+$|^_i+$|^_i?\d+$|^__.*__$")
+
+
+def _is_get_ipython_call(node: ast.AST) -> bool:
+    """``get_ipython().something(...)``, IPython's translation of ``!`` and ``%``."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Call)
+        and isinstance(node.func.value.func, ast.Name)
+        and node.func.value.func.id == "get_ipython"
+    )
+
+
+def mentioned_names(tree: ast.AST) -> set[str]:
+    """Every identifier the code mentions, including inside IPython command strings."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names.update(node.names)
+        elif _is_get_ipython_call(node):
+            for arg in node.args:  # type: ignore[attr-defined]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    names.update(_IDENTIFIER.findall(arg.value))
+    return names
+
+
+def select_closure(tree: ast.AST, user_ns: Mapping[str, Any], hidden: Mapping[str, Any]) -> dict[str, Any]:
+    """The notebook names the cell uses, mapped to their values."""
+    return {
+        name: user_ns[name]
+        for name in sorted(mentioned_names(tree))
+        if name in user_ns
+        and not _IPYTHON_PRIVATE.match(name)
+        and not (name in hidden and hidden[name] is user_ns[name])
+    }
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def serialise_closure(closure: Mapping[str, Any]) -> bytes:
+    """Pickle the closure once, or name the first variable that cannot be pickled.
+
+    Raises:
+        ClosureError: with the variable's name, type and pickle's reason.
+    """
+    try:
+        return cloudpickle.dumps(dict(closure), protocol=5)
+    except Exception as whole_error:  # noqa: BLE001 - pickling can fail with any exception type
+        for name, value in closure.items():
+            try:
+                cloudpickle.dumps(value, protocol=5)
+            except Exception as exc:  # noqa: BLE001
+                raise ClosureError(name, _type_name(value), f"{type(exc).__name__}: {exc}") from None
+        # Each value pickles alone but not together (e.g. a shared object's state differs).
+        raise ClosureError(
+            ", ".join(closure), "closure", f"{type(whole_error).__name__}: {whole_error}"
+        ) from None

@@ -1,0 +1,111 @@
+"""The errors a taas cell can end with. Each renders itself as the cell's error.
+
+::
+
+    Exception
+    ├── PragmaError (IPython UsageError)   malformed head; one line, nothing launched   [pragma.py]
+    ├── AuthenticationError (ConnectionError)  a peer without the key                   [wire.py]
+    └── TaasError                          one line, no kernel-side traceback
+        ├── ClosureError                   a used notebook name cannot be pickled
+        ├── LaunchError                    the ranks cannot be started (too few GPUs, ...)
+        └── RunError                       the ranks started, the run failed
+            ├── RankFailed                 a rank raised, exited non-zero or was killed
+            └── RunTimeout                 --timeout passed; names the ranks still running
+
+IPython shows an exception through its ``_render_traceback_`` when it has one (as
+ipyparallel's RemoteError does): the lines are the rank's traceback, already pointing
+at the cell's own line numbers, not the kernel's frames that supervised it.
+Every class defines ``__reduce__`` so it survives pickling.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class TaasError(Exception):
+    """Base of taas's own errors; shown as one message, without the kernel's traceback."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class ClosureError(TaasError):
+    """A notebook name the cell uses cannot be sent to the ranks."""
+
+    def __init__(self, name: str, type_name: str, reason: str):
+        super().__init__(
+            f"taas: cannot send `{name}` ({type_name}) to the ranks: {reason}. "
+            f"Create it inside the cell, or make it picklable."
+        )
+        self.name, self.type_name, self.reason = name, type_name, reason
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.type_name, self.reason))
+
+
+class LaunchError(TaasError):
+    """The ranks could not be started; nothing is left running."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class RunError(TaasError):
+    """The ranks started but the run did not succeed; every rank has been stopped."""
+
+
+def describe_exit(code: int | None) -> str:
+    """A person's words for a process exit code (negative means killed by a signal)."""
+    if code is None:
+        return "was still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+class RankFailed(RunError):
+    """The first rank to fail: its traceback (cell line numbers) and last output lines."""
+
+    def __init__(
+        self,
+        rank: int,
+        host: str,
+        summary: str,
+        traceback_text: str = "",
+        last_lines: tuple[str, ...] = (),
+    ):
+        super().__init__(f"rank {rank} on {host} {summary}")
+        self.rank, self.host, self.summary = rank, host, summary
+        self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines))
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"taas: rank {self.rank} on {self.host} {self.summary}; every rank was stopped."]
+        if self.traceback_text:
+            lines.append(f"--- traceback of rank {self.rank} ---")
+            lines.extend(self.traceback_text.rstrip("\n").splitlines())
+        if self.last_lines:
+            lines.append(f"--- last {len(self.last_lines)} lines of output of rank {self.rank} ---")
+            lines.extend(self.last_lines)
+        return lines
+
+
+class RunTimeout(RunError):
+    """``--timeout`` passed before every rank finished."""
+
+    def __init__(self, timeout: float, running: tuple[int, ...]):
+        ranks = ", ".join(str(rank) for rank in running) or "none"
+        super().__init__(
+            f"taas: the run passed --timeout {timeout:g}s; ranks still running: {ranks}. Every rank was stopped."
+        )
+        self.timeout, self.running = timeout, tuple(running)
+
+    def __reduce__(self):
+        return (type(self), (self.timeout, self.running))

@@ -1,0 +1,41 @@
+"""The contract between the supervisor and a launcher (local processes, or Ray later).
+
+A launcher turns a :class:`LaunchPlan` into a :class:`RankGroup`. The supervisor only
+reads rank output fds, polls exit codes, and calls ``stop``/``close``; it never asks
+which launcher is in use (as torch's ``PContext`` and httpx's ``BaseTransport``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything needed to start the ranks of one run."""
+
+    world_size: int
+    envs: Sequence[Mapping[str, str]]  # one environment per rank, index = RANK
+    cwd: str
+    handshake: str  # "HOST PORT KEY", written on each rank's stdin (never in its environment)
+
+
+class RankProcess(Protocol):
+    rank: int
+    host: str
+    stdout_fd: int
+    stderr_fd: int
+
+    def poll(self) -> int | None:
+        """The exit code once the rank has exited (negative: killed by that signal)."""
+
+
+class RankGroup(Protocol):
+    ranks: Sequence[RankProcess]
+
+    def stop(self) -> list[str]:
+        """Stop every rank (INT -> TERM -> KILL); return the signals it took."""
+
+    def close(self) -> None:
+        """Idempotent: stop what still runs, reap everything, release every fd."""

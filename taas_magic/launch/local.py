@@ -1,0 +1,90 @@
+"""Ranks as fresh local processes: never forked from the kernel, each in its own session.
+
+Forking a kernel that has touched CUDA breaks the child ("cannot re-initialize CUDA in
+forked subprocess"); starting ``python -m taas_magic.rank`` does not. Each rank gets:
+
+- its own stdout/stderr pipes (never the kernel's fds 1 and 2, which ipykernel points
+  at whatever cell is current);
+- a stdin pipe that carries the handshake and then serves as its lifeline;
+- its own session and process group, so stopping a rank stops what its cell started.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from ..errors import LaunchError
+from ..procs import kill_leftovers, stop_groups
+from .base import LaunchPlan
+
+RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
+
+
+@dataclass
+class LocalRank:
+    rank: int
+    process: subprocess.Popen
+    host: str = "localhost"
+    stdout_fd: int = field(init=False)
+    stderr_fd: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stdout_fd = self.process.stdout.fileno()  # type: ignore[union-attr]
+        self.stderr_fd = self.process.stderr.fileno()  # type: ignore[union-attr]
+
+    def poll(self) -> int | None:
+        code = self.process.poll()
+        if code is not None:
+            kill_leftovers(self.process)
+        return code
+
+
+class LocalRankGroup:
+    """N rank processes on this host."""
+
+    def __init__(self, ranks: list[LocalRank]):
+        self.ranks = ranks
+        self._closed = False
+
+    @classmethod
+    def start(cls, plan: LaunchPlan) -> "LocalRankGroup":
+        ranks: list[LocalRank] = []
+        try:
+            for rank, env in enumerate(plan.envs):
+                process = subprocess.Popen(
+                    RANK_COMMAND,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=dict(env),
+                    cwd=plan.cwd,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+                ranks.append(LocalRank(rank, process))
+                process.stdin.write(plan.handshake.encode("ascii") + b"\n")  # type: ignore[union-attr]
+                process.stdin.flush()  # type: ignore[union-attr]
+        except (OSError, subprocess.SubprocessError) as exc:
+            cls(ranks).close()
+            raise LaunchError(f"taas: could not start rank {len(ranks)}: {exc}") from exc
+        return cls(ranks)
+
+    def stop(self) -> list[str]:
+        return stop_groups([rank.process for rank in self.ranks]).signals
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        stop_groups([rank.process for rank in self.ranks])
+        for rank in self.ranks:
+            for pipe in (rank.process.stdin, rank.process.stdout, rank.process.stderr):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass
+            rank.process.wait()
+

@@ -1,0 +1,124 @@
+"""``%%taas`` and ``%taas``: orchestration only (parse -> plan -> run -> render).
+
+Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
+``ipython_config.py`` work; a pragma option always wins over a default.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from traitlets import Enum, Float
+
+from . import wire
+from .cellcode import translate
+from .closure import select_closure, serialise_closure
+from .launch.base import LaunchPlan
+from .launch.local import LocalRankGroup
+from .pragma import parse_cell
+from .rankenv import LOOPBACK, plan_devices, rank_environment, reserve_port, visible_gpu_count
+from .relay import OutputRelay
+from .results import apply_results
+from .server import RankServer
+from .status import LastRun, header_line, help_text, status_text
+from .supervisor import run_ranks
+
+
+@magics_class
+class TaasMagics(Magics):
+    output = Enum(("rank0", "all"), "rank0", config=True, help="Default for --output.")
+    timeout = Float(None, allow_none=True, config=True, help="Default for --timeout, in seconds.")
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self.last_run: LastRun | None = None
+
+    @cell_magic("taas")
+    def taas_cell(self, line: str, cell: str):
+        """Run this cell as N DDP ranks: ``%%taas --gpus N [...]`` (see ``%taas help``)."""
+        parsed = parse_cell(cell, line)
+        options = parsed.options
+        output = options.output or self.output
+        timeout = options.timeout if options.timeout is not None else self.timeout
+        code = translate(self.shell, parsed.source)
+        closure = select_closure(code.tree, self.shell.user_ns, self.shell.user_ns_hidden)
+        closure_blob = serialise_closure(closure)
+        devices = plan_devices(options.gpus)
+
+        run_id = secrets.token_hex(6)
+        key = wire.new_key()
+        spec = {
+            "run_id": run_id,
+            "sys_path": list(sys.path),
+            "source": code.source,
+            "display_source": code.display_source,
+            "filename": code.filename,
+            "device": devices.device,
+            "output": output,
+            "kernel_has_cuda": devices.device == "cuda",
+            "suppress_final": code.suppress_final,
+        }
+        bodies = [wire.encode_body("spec", wire.dumps(spec)), wire.encode_body("closure", closure_blob)]
+        print(header_line(options, devices, run_id, len(closure_blob)), flush=True)
+
+        record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
+        self.last_run = record
+        port_reservation = reserve_port()
+        server = RankServer(key, options.gpus)
+        started = time.monotonic()
+        try:
+            envs = [
+                rank_environment(
+                    dict(os.environ),
+                    rank=rank,
+                    local_rank=rank,
+                    world_size=options.gpus,
+                    local_world_size=options.gpus,
+                    group_rank=0,
+                    master_addr=LOOPBACK,
+                    master_port=port_reservation.getsockname()[1],
+                    run_id=run_id,
+                    loopback_only=True,
+                )
+                for rank in range(options.gpus)
+            ]
+            plan = LaunchPlan(options.gpus, envs, os.getcwd(), f"{server.address[0]} {server.address[1]} {key.hex()}")
+            relay = OutputRelay(output, options.gpus, {"stdout": sys.stdout, "stderr": sys.stderr})
+            outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, bodies, relay, self._publish, timeout)
+            record.outcome = "ok"
+        except BaseException as exc:
+            record.outcome = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise
+        finally:
+            record.seconds = time.monotonic() - started
+            port_reservation.close()
+            server.close()
+        return apply_results(self.shell.user_ns, outcome.result)
+
+    def _publish(self, kind: str, message: dict) -> None:
+        display_pub = self.shell.display_pub
+        if kind == "clear_output":
+            display_pub.clear_output(wait=message["wait"])
+            return
+        kwargs = {"metadata": message["metadata"]}
+        if message["transient"]:
+            kwargs["transient"] = message["transient"]
+        if message["update"]:
+            kwargs["update"] = True
+        display_pub.publish(message["data"], **kwargs)
+
+    @line_magic("taas")
+    def taas_line(self, line: str):
+        """``%taas help`` | ``%taas status``."""
+        command = line.strip() or "help"
+        if command == "help":
+            print(help_text())
+        elif command == "status":
+            print(status_text(self.last_run, visible_gpu_count(), {"output": self.output, "timeout": self.timeout}))
+        else:
+            raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")

@@ -1,0 +1,221 @@
+"""The taas cell grammar: ``#!<config>`` lines, one ``#pragma taas`` line, options.
+
+A taas cell looks like::
+
+    #!g2.8                         <- optional config lines, recorded and shown
+    #pragma taas --gpus 8 --cpus 1 <- the pragma: must come before any code
+    ...the cell body...
+
+or, as a cell magic, ``%%taas --gpus 8`` followed by the body.
+
+Options (each at most once; ``--opt VALUE`` or ``--opt=VALUE``):
+
+    --gpus N        required, N >= 1: the number of ranks
+    --cpus M        1..8, default 1: data workers (used by ``taas.register``)
+    --units K       K >= 1: elements the data workers extract (default: one pass)
+    --timeout S     S > 0 seconds: end the run and name the ranks still running
+    --output MODE   rank0 (default) or all: which ranks' output reaches the cell
+
+Everything here is pure: text in, a frozen :class:`PragmaOptions` or a
+:class:`PragmaError` out. Nothing is launched by this module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from IPython.core.error import UsageError
+
+PRAGMA_RE = re.compile(r"^\s*#\s*pragma\s+taas(?=\s|$)(?P<args>.*)$")
+CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
+
+OUTPUT_MODES = ("rank0", "all")
+MAX_CPUS = 8
+
+USAGE = "usage: #pragma taas --gpus N [--cpus M] [--units K] [--timeout SECONDS] [--output rank0|all]"
+
+
+class PragmaError(UsageError):
+    """A malformed taas cell head. The message names the bad token; nothing is launched."""
+
+    def __init__(self, message: str):
+        super().__init__(f"taas: {message}\n{USAGE}")
+        self.reason = message
+
+    def __reduce__(self):
+        return (type(self), (self.reason,))
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shortens only exact UsageErrors; a subclass says how to show itself.
+        return [f"UsageError: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
+
+
+@dataclass(frozen=True)
+class PragmaOptions:
+    gpus: int
+    cpus: int = 1
+    units: int | None = None
+    timeout: float | None = None
+    output: str | None = None  # None: the session default (rank0 unless configured)
+    configs: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class TaasCell:
+    """A parsed taas cell: its options and its body with the person's line numbers kept.
+
+    ``source`` is the whole cell as the person sees it (head lines included), so that
+    line ``k`` of ``source`` is line ``k`` of the cell in the notebook. The head lines
+    are comments in Python, so ``source`` can be compiled as it is.
+    """
+
+    options: PragmaOptions
+    source: str
+
+
+def is_pragma_line(line: str) -> bool:
+    return PRAGMA_RE.match(line) is not None
+
+
+def _int_value(option: str, token: str, minimum: int, maximum: int | None = None) -> int:
+    try:
+        value = int(token, 10)
+    except ValueError:
+        raise PragmaError(f"{option} needs an integer, got {token!r}") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise PragmaError(f"{option} must be {bound}, got {token!r}")
+    return value
+
+
+def _timeout_value(option: str, token: str) -> float:
+    try:
+        value = float(token)
+    except ValueError:
+        raise PragmaError(f"{option} needs a number of seconds, got {token!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise PragmaError(f"{option} must be a positive number of seconds, got {token!r}")
+    return value
+
+
+def _output_value(option: str, token: str) -> str:
+    if token not in OUTPUT_MODES:
+        raise PragmaError(f"{option} must be one of {', '.join(OUTPUT_MODES)}, got {token!r}")
+    return token
+
+
+_PARSERS = {
+    "--gpus": lambda opt, tok: _int_value(opt, tok, 1),
+    "--cpus": lambda opt, tok: _int_value(opt, tok, 1, MAX_CPUS),
+    "--units": lambda opt, tok: _int_value(opt, tok, 1),
+    "--timeout": _timeout_value,
+    "--output": _output_value,
+}
+
+
+def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
+    """Parse the option part of a pragma (everything after ``#pragma taas``)."""
+    tokens = args.split()
+    values: dict[str, object] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        name, eq, inline = token.partition("=")
+        if name not in _PARSERS:
+            if token.startswith("-"):
+                raise PragmaError(f"unknown option {token!r}")
+            raise PragmaError(f"unexpected token {token!r} (options start with --)")
+        if name in values:
+            raise PragmaError(f"duplicate option {name!r}")
+        if eq:
+            if not inline:
+                raise PragmaError(f"{name} needs a value, got {token!r}")
+            raw = inline
+            i += 1
+        else:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise PragmaError(f"{name} needs a value")
+            raw = tokens[i + 1]
+            i += 2
+        values[name] = _PARSERS[name](name, raw)
+    if "--gpus" not in values:
+        raise PragmaError("--gpus N is required")
+    return PragmaOptions(
+        gpus=values["--gpus"],  # type: ignore[arg-type]
+        cpus=values.get("--cpus", 1),  # type: ignore[arg-type]
+        units=values.get("--units"),  # type: ignore[arg-type]
+        timeout=values.get("--timeout"),  # type: ignore[arg-type]
+        output=values.get("--output"),  # type: ignore[arg-type]
+        configs=configs,
+    )
+
+
+def _config_name(line: str, lineno: int) -> str:
+    config = CONFIG_RE.match(line).group("config").strip()  # type: ignore[union-attr]
+    if not config or " " in config:
+        raise PragmaError(f"bad config line {line.strip()!r} on line {lineno} (expected e.g. #!g2.8)")
+    return config
+
+
+def _check_no_more_pragmas(lines: list[str], start: int, why: str) -> None:
+    for index in range(start, len(lines)):
+        if is_pragma_line(lines[index]):
+            raise PragmaError(f"{why}: {lines[index].strip()!r} on line {index + 1}")
+
+
+def parse_cell(cell: str, magic_args: str | None = None) -> TaasCell:
+    """Parse a whole taas cell.
+
+    Args:
+        cell: the cell text. For the pragma form it starts with the ``#!``/``#pragma``
+            head; for the ``%%taas ARGS`` form it is the body below the magic line.
+        magic_args: the ``%%taas`` line's arguments, or ``None``/blank for the pragma form.
+
+    Raises:
+        PragmaError: the head or the options are malformed.
+    """
+    lines = cell.splitlines()
+    configs: list[str] = []
+    if magic_args is not None and magic_args.strip():
+        # %%taas ARGS form: the body may open with #! lines, and must hold no pragma.
+        index = 0
+        while index < len(lines) and (not lines[index].strip() or CONFIG_RE.match(lines[index])):
+            if lines[index].strip():
+                configs.append(_config_name(lines[index], index + 2))
+            index += 1
+        _check_no_more_pragmas(lines, 0, "two pragmas (the %%taas line is one)")
+        options = parse_options(magic_args, tuple(configs))
+        # Line 1 of the cell is the %%taas line: keep the body's numbering as the person sees it.
+        return TaasCell(options, "#%%taas " + magic_args.strip() + "\n" + cell)
+
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if not line.strip():
+            index += 1
+        elif CONFIG_RE.match(line):
+            configs.append(_config_name(line, index + 1))
+            index += 1
+        else:
+            break
+    if index >= len(lines) or not is_pragma_line(lines[index]):
+        for later in range(index, len(lines)):
+            if is_pragma_line(lines[later]):
+                raise PragmaError(
+                    f"the #pragma taas line must come before any code, found on line {later + 1}: "
+                    f"{lines[later].strip()!r}"
+                )
+        raise PragmaError("no #pragma taas line at the top of the cell")
+    pragma_index = index
+    _check_no_more_pragmas(lines, pragma_index + 1, "two pragmas in one cell")
+    args = PRAGMA_RE.match(lines[pragma_index]).group("args")  # type: ignore[union-attr]
+    options = parse_options(args, tuple(configs))
+    # Blank lines above the pragma become empty comments so that IPython's
+    # leading_empty_lines cleanup cannot shift the person's line numbers.
+    head = ["#" if not line.strip() else line for line in lines[:pragma_index]]
+    source = "\n".join(head + lines[pragma_index:])
+    if cell.endswith("\n"):
+        source += "\n"
+    return TaasCell(options, source)

@@ -1,0 +1,3 @@
+from taas_magic.rank.main import main
+
+main()

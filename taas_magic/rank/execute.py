@@ -1,0 +1,45 @@
+"""Run the cell's code as a module's body, the way IPython would, but not interactively.
+
+The last expression statement is split off and evaluated, so it can become the cell's
+``Out``. The person's cell text is registered in ``linecache`` under the cell's file
+name (as IPython's compilerop does), so a traceback shows the cell's own lines with
+the person's line numbers; our frames are stripped from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import traceback
+from types import ModuleType
+from typing import Any
+
+NO_VALUE = object()
+
+
+def register_source(filename: str, display_source: str) -> None:
+    lines = display_source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(display_source), None, lines, filename)
+
+
+def run_cell(source: str, filename: str, module: ModuleType) -> Any:
+    """Execute ``source`` in ``module``; return its last expression's value or NO_VALUE."""
+    tree = ast.parse(source, filename=filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    namespace = module.__dict__
+    exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - running the person's cell is the point
+    if last is None:
+        return NO_VALUE
+    return eval(compile(last, filename, "eval"), namespace)  # noqa: S307
+
+
+def format_cell_traceback(exc: BaseException, filename: str) -> str:
+    """The traceback from the first frame of the cell down, like a local error's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+        tb = tb.tb_next
+    if tb is None:
+        tb = exc.__traceback__
+    return "".join(traceback.format_exception(type(exc), exc, tb))

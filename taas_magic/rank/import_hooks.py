@@ -1,0 +1,62 @@
+"""Run a callback right after a module is first imported in the rank.
+
+Used to pay only for what a cell uses: the non-interactive IPython shell is built when
+the cell (or matplotlib's inline backend) imports IPython, and ``nccl`` is mapped to
+``gloo`` when ``torch.distributed`` is imported on a host without GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Callable
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]):
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec):  # type: ignore[override]
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str):  # get_data, is_package, ... for importlib.resources & co
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.callbacks: dict[str, Callable[[ModuleType], None]] = {}
+
+    def find_spec(self, fullname, path, target=None):  # type: ignore[override]
+        callback = self.callbacks.pop(fullname, None)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _CallbackLoader(spec.loader, callback)
+                return spec
+        return None
+
+
+_finder = _PostImportFinder()
+
+
+def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Call ``callback(module)`` once ``name`` is imported (now, if it already is)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    _finder.callbacks[name] = callback

@@ -1,0 +1,120 @@
+"""A rank's life: lifeline, authenticated handshake, the cell, what goes back, exit.
+
+The kernel starts ``python -m taas_magic.rank`` with the rank's environment (RANK,
+WORLD_SIZE, ...), its own pipes for stdout/stderr, and writes ``HOST PORT KEY`` on
+stdin. The rank then:
+
+1. guards its life (lifeline.py) and connects to the kernel, proving it holds the key;
+2. receives the run spec and the closure (both verified before unpickling);
+3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
+4. rank 0 sends back what the cell bound; a failing rank sends its traceback;
+5. exits with ``os._exit`` (0, or 1 when the cell raised), so no atexit hook or
+   non-daemon thread of the cell can hang the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import types
+
+from taas_magic import wire
+from taas_magic.rank import execute, lifeline, returns, shell
+from taas_magic.rank.import_hooks import when_imported
+
+EXIT_CELL_RAISED = 1
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _send_error(channel: wire.BlockingChannel, summary: str, text: str) -> None:
+    # The kernel stops every rank as soon as it reads this report: an interrupt
+    # arriving now must not bury the report under a second traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _flush()
+    channel.send("error", wire.dumps({"summary": summary, "traceback": text}))
+
+
+def _exit(code: int) -> None:
+    _flush()
+    os._exit(code)
+
+
+def main() -> None:
+    parent = os.getppid()
+    host, port, key_hex = lifeline.read_first_line().split()
+    lifeline.hold_lifeline()
+    lifeline.die_with_parent(parent)
+    rank = int(os.environ["RANK"])
+
+    channel = wire.BlockingChannel.connect(host, int(port), bytes.fromhex(key_hex), rank)
+    spec = wire.loads_verified(channel.expect("spec"))
+    closure_blob = channel.expect("closure")
+
+    sys.path[:] = spec["sys_path"]
+    sys.argv = ["taas-rank"]
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    import taas
+
+    taas._IN_RANK = True
+
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = module
+    forwards_display = rank == 0 or spec["output"] == "all"
+    shell.configure(module, (lambda kind, msg: channel.send(kind, wire.dumps(msg))) if forwards_display else None)
+    when_imported("IPython", shell.on_ipython_import)
+    if spec["device"] == "cuda":
+        from taas_magic.rank.devices import bind_gpu
+
+        bind_gpu()
+    else:
+        from taas_magic.rank.devices import serve_nccl_with_gloo
+
+        when_imported("torch.distributed", serve_nccl_with_gloo)
+
+    filename = spec["filename"]
+    execute.register_source(filename, spec["display_source"])
+    try:
+        import cloudpickle
+
+        closure = cloudpickle.loads(closure_blob)
+    except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
+        _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
+                    execute.format_cell_traceback(exc, filename))
+        _exit(EXIT_CELL_RAISED)
+    module.__dict__.update(closure)
+    module.__dict__.setdefault("get_ipython", shell.get_ipython)
+
+    before = returns.snapshot(module.__dict__, set(closure)) if rank == 0 else {}
+    final = execute.NO_VALUE
+    try:
+        final = execute.run_cell(spec["source"], filename, module)
+        shell.after_cell()
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _send_error(channel, f"called sys.exit({exc.code!r})", execute.format_cell_traceback(exc, filename))
+            _exit(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
+        _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, filename))
+        _exit(EXIT_CELL_RAISED)
+
+    if rank == 0:
+        private = shell.hidden_names() | {"get_ipython", "__builtins__"}
+        names, deleted = returns.changed_names(module.__dict__, before, private)
+        has_final = final is not execute.NO_VALUE and not spec["suppress_final"]
+        blob, failed = returns.pack_returns(
+            module.__dict__, names, final if has_final else None, has_final, not spec["kernel_has_cuda"]
+        )
+        _flush()
+        channel.send("result", wire.dumps({"blob": blob, "failed": failed, "deleted": deleted}))
+    channel.close()
+    _exit(0)

@@ -1,0 +1,90 @@
+"""A non-interactive IPython shell for the rank, built only when the cell needs one.
+
+``!cmd``, ``%time`` and friends arrive in the rank as ``get_ipython().system(...)``
+and ``get_ipython().run_line_magic(...)`` (translated in the kernel with IPython's own
+transformers). ``display(...)`` and matplotlib's inline backend need an initialised
+InteractiveShell too. This shell:
+
+- publishes rich output to the kernel over the authenticated channel (rank 0, or every
+  rank with ``--output all``) after flushing the rank's stdout, so order is kept;
+- keeps no history file (eight ranks would fight over ``history.sqlite``);
+- does not look interactive: IPython sets ``sys.ps1``, which makes Lightning refuse
+  ``strategy="ddp"``; it is removed again at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+Forward = Callable[[str, dict], None]
+
+_state: dict[str, Any] = {"shell": None, "module": None, "forward": None}
+
+
+def configure(module: ModuleType, forward: Forward | None) -> None:
+    """Set the cell's module and where display messages go (None: drop them)."""
+    _state["module"], _state["forward"] = module, forward
+
+
+def _forward(kind: str, message: dict) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    forward = _state["forward"]
+    if forward is not None:
+        forward(kind, message)
+
+
+def get_shell() -> Any:
+    """The rank's InteractiveShell, created on first use."""
+    if _state["shell"] is not None:
+        return _state["shell"]
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    class ForwardingDisplayPublisher(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+            _forward(
+                "display",
+                {"data": data, "metadata": metadata or {}, "transient": transient or {}, "update": update},
+            )
+
+        def clear_output(self, wait=False):
+            _forward("clear_output", {"wait": wait})
+
+    config = Config()
+    config.HistoryManager.enabled = False
+    shell = InteractiveShell.instance(
+        config=config,
+        user_module=_state["module"],
+        display_pub_class=ForwardingDisplayPublisher,
+    )
+    for name in ("ps1", "ps2", "ps3"):
+        sys.__dict__.pop(name, None)
+    _state["shell"] = shell
+    return shell
+
+
+def hidden_names() -> set[str]:
+    """Names the shell put into the cell's namespace for itself."""
+    shell = _state["shell"]
+    return set(shell.user_ns_hidden) if shell is not None else set()
+
+
+def after_cell() -> None:
+    """What IPython does after a cell: matplotlib's inline backend shows open figures."""
+    shell = _state["shell"]
+    if shell is not None:
+        shell.events.trigger("post_execute")
+        shell.events.trigger("post_run_cell", None)
+
+
+def get_ipython() -> Any:
+    """Stand-in placed in the cell's namespace: builds the shell on the first call."""
+    return get_shell()
+
+
+def on_ipython_import(_module: ModuleType) -> None:
+    get_shell()

@@ -1,0 +1,135 @@
+"""The per-rank environment (torchrun's contract), ports, and the device plan.
+
+Each rank gets, as ``torchrun`` sets them (see torch/distributed/run.py)::
+
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+    MASTER_ADDR (127.0.0.1 locally), MASTER_PORT (free, reserved), TORCHELASTIC_RUN_ID
+
+plus ``OMP_NUM_THREADS`` (the host's cores divided among its ranks) unless the person
+set one, and, in the local mode, ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME`` pointing at
+the loopback interface unless set. ``TORCHELASTIC_RUN_ID`` is what makes PyTorch
+Lightning trust an external launcher instead of spawning its own processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from .errors import LaunchError
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where the ranks compute: ``cuda`` (one GPU per rank, NCCL) or ``cpu`` (gloo)."""
+
+    device: str
+    gpus_on_host: int
+    backend: str
+
+    @property
+    def notice(self) -> str | None:
+        if self.device == "cpu":
+            return "no GPU on this host: ranks run on CPU, and a request for nccl is served by gloo"
+        return None
+
+
+def visible_gpu_count() -> int:
+    """GPUs this host offers the kernel, without creating a CUDA context in the kernel.
+
+    Counts NVIDIA devices from /proc (no torch import, so the first cell does not pay
+    for torch in the kernel), narrowed by CUDA_VISIBLE_DEVICES. If torch is already
+    imported in the kernel, its (NVML-based) count is used instead.
+    """
+    override = os.environ.get("TAAS_VISIBLE_GPUS")
+    if override is not None:
+        return max(0, int(override))
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda"):
+        try:
+            return int(torch.cuda.device_count())
+        except Exception:  # noqa: BLE001 - a broken driver means no usable GPU
+            return 0
+    physical = len(glob.glob("/proc/driver/nvidia/gpus/*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return physical
+    entries = [entry for entry in visible.split(",") if entry.strip()]
+    if not entries or entries[0].strip().startswith("-"):
+        return 0
+    return min(len(entries), physical)
+
+
+def plan_devices(ranks: int, gpus_on_host: int | None = None) -> DevicePlan:
+    """One GPU per rank with NCCL, or CPU with gloo when the host has no GPU.
+
+    Raises:
+        LaunchError: the host has GPUs, but fewer than ``ranks``.
+    """
+    gpus = visible_gpu_count() if gpus_on_host is None else gpus_on_host
+    if gpus == 0:
+        return DevicePlan("cpu", 0, "gloo")
+    if gpus < ranks:
+        raise LaunchError(
+            f"--gpus {ranks} asks for {ranks} ranks but this host has {gpus} GPU(s); "
+            f"use --gpus {gpus} or fewer, or attach a cluster"
+        )
+    return DevicePlan("cuda", gpus, "nccl")
+
+
+def reserve_port(host: str = LOOPBACK) -> socket.socket:
+    """Reserve a free TCP port for MASTER_PORT and keep it reserved for the run.
+
+    The socket is bound with SO_REUSEADDR but never listens: the kernel will not hand
+    the port to anyone else while it is held (so two notebooks launching at once cannot
+    clash), yet torch's TCPStore, which also sets SO_REUSEADDR, can still bind it.
+    Close the socket when the run ends.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+def omp_threads(local_world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))
+
+
+def rank_environment(
+    base: dict[str, str],
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    group_rank: int,
+    master_addr: str,
+    master_port: int,
+    run_id: str,
+    loopback_only: bool,
+) -> dict[str, str]:
+    """The environment of one rank: the kernel's environment plus torchrun's variables."""
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size),
+        GROUP_RANK=str(group_rank),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        TORCHELASTIC_RUN_ID=run_id,
+    )
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(local_world_size)))
+    if loopback_only:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("TP_SOCKET_IFNAME", "lo")
+    return env

@@ -1,0 +1,125 @@
+"""Rank output -> the cell: incremental decoding, ``\\r`` kept, coalesced, last lines kept.
+
+Bytes from a rank's pipes are decoded with an incremental UTF-8 decoder (a character
+split across two reads is not mangled, as IPython's ``%%script`` does). Rank 0's text
+goes to the cell as it is, ``\\r`` included, so tqdm bars update in place. With
+``--output all`` every rank's lines are prefixed ``[rank k] `` and only whole lines
+(ended by ``\\n`` or ``\\r``) are written, so ranks never interleave inside a line.
+
+Text is gathered and written to the kernel's streams at most once per
+``flush_interval`` per stream, so a rank printing in a tight loop produces a bounded
+number of iopub messages. The last lines of every rank are kept for error reports.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import re
+import time
+from typing import IO
+
+_LINE_END = re.compile(r"(?<=[\n\r])")
+
+
+class _RankText:
+    """Decoding and the tail of one rank's output."""
+
+    def __init__(self, keep_lines: int):
+        self.decoders = {
+            name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in ("stdout", "stderr")
+        }
+        self.partial = {"stdout": "", "stderr": ""}
+        self.tail: collections.deque[str] = collections.deque(maxlen=keep_lines)
+        self.tail_partial = ""
+
+    def remember(self, text: str) -> None:
+        pieces = (self.tail_partial + text).split("\n")
+        self.tail_partial = pieces.pop()
+        for piece in pieces:  # what a terminal shows of a line: the text after its last \r
+            self.tail.append(piece.rstrip("\r").rsplit("\r", 1)[-1])
+
+    def last_lines(self) -> tuple[str, ...]:
+        lines = list(self.tail)
+        partial = self.tail_partial.rstrip("\r").rsplit("\r", 1)[-1]
+        if partial:
+            lines.append(partial)
+        return tuple(lines[-(self.tail.maxlen or len(lines)) :])
+
+
+class OutputRelay:
+    def __init__(
+        self,
+        mode: str,
+        world_size: int,
+        streams: dict[str, IO[str]],
+        *,
+        keep_lines: int = 20,
+        flush_interval: float = 0.02,
+    ):
+        self.mode = mode
+        self.streams = streams
+        self.flush_interval = flush_interval
+        self.ranks = [_RankText(keep_lines) for _ in range(world_size)]
+        self.pending: dict[str, list[str]] = {name: [] for name in streams}
+        self.last_flush = 0.0
+        self.muted = False
+
+    def mute(self) -> None:
+        """From now on drop everything: ranks being stopped print only noise."""
+        self.muted = True
+        for chunks in self.pending.values():
+            chunks.clear()
+
+    def shows(self, rank: int) -> bool:
+        return rank == 0 or self.mode == "all"
+
+    def feed(self, rank: int, stream: str, data: bytes, final: bool = False) -> None:
+        if self.muted:
+            return
+        state = self.ranks[rank]
+        text = state.decoders[stream].decode(data, final=final)
+        if not text:
+            return
+        state.remember(text)
+        if not self.shows(rank):
+            return
+        if self.mode != "all":
+            self.pending[stream].append(text)
+            return
+        pieces = _LINE_END.split(state.partial[stream] + text)
+        state.partial[stream] = "" if pieces[-1].endswith(("\n", "\r")) else pieces.pop()
+        self.pending[stream].extend(f"[rank {rank}] {piece}" for piece in pieces if piece)
+
+    def end_of_stream(self, rank: int, stream: str) -> None:
+        """The rank closed this pipe: emit its undecoded bytes and unfinished line."""
+        self.feed(rank, stream, b"", final=True)
+        state = self.ranks[rank]
+        if self.mode == "all" and state.partial[stream]:
+            self.pending[stream].append(f"[rank {rank}] {state.partial[stream]}\n")
+            state.partial[stream] = ""
+
+    def last_lines(self, rank: int) -> tuple[str, ...]:
+        return self.ranks[rank].last_lines()
+
+    def has_pending(self) -> bool:
+        return any(self.pending.values())
+
+    def seconds_until_flush(self, now: float) -> float:
+        if not self.has_pending():
+            return float("inf")
+        return max(0.0, self.last_flush + self.flush_interval - now)
+
+    def flush(self, force: bool = False) -> None:
+        if self.muted:
+            return
+        now = time.monotonic()
+        if not self.has_pending() or (not force and now - self.last_flush < self.flush_interval):
+            return
+        for name, chunks in self.pending.items():
+            if chunks:
+                stream = self.streams[name]
+                stream.write("".join(chunks))
+                stream.flush()
+                chunks.clear()
+        self.last_flush = now

@@ -1,0 +1,78 @@
+"""The text a person reads: the run header, ``%taas help`` and ``%taas status``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .pragma import PragmaOptions
+from .rankenv import DevicePlan
+
+HELP = """\
+taas: run one notebook cell as N DDP ranks.
+
+  #!<config>                   optional config lines (e.g. #!g2.8), recorded and shown
+  #pragma taas --gpus N        first line of the cell (or: %%taas --gpus N)
+
+Options:
+  --gpus N         number of ranks, one per GPU (CPU + gloo where the host has no GPU)
+  --cpus M         1..8 data workers for loaders registered with taas.register (default 1)
+  --units K        elements the data workers extract (default: one pass of the loader)
+  --timeout S      stop every rank after S seconds and name those still running
+  --output MODE    rank0 (default): only rank 0's output; all: every rank's, prefixed [rank k]
+
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+MASTER_PORT and TORCHELASTIC_RUN_ID, so init_process_group(init_method='env://') and
+Lightning's Trainer(strategy="ddp") work unchanged. Rank 0's new or changed names come
+back to the notebook; its last expression becomes the cell's result.
+
+%taas status     the last run, the devices seen, the session defaults
+%taas help       this text"""
+
+
+@dataclass
+class LastRun:
+    options: PragmaOptions
+    devices: DevicePlan
+    run_id: str
+    closure_names: tuple[str, ...]
+    outcome: str = "running"
+    seconds: float = 0.0
+
+
+def _devices_text(devices: DevicePlan, ranks: int) -> str:
+    if devices.device == "cuda":
+        return f"{ranks} GPU(s) of {devices.gpus_on_host}, backend nccl"
+    return "CPU, backend gloo"
+
+
+def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closure_bytes: int) -> str:
+    parts = [f"taas: {options.gpus} rank(s)", _devices_text(devices, options.gpus)]
+    if options.configs:
+        parts.append("config " + ", ".join(options.configs))
+    parts.append(f"run {run_id}")
+    parts.append(f"closure {closure_bytes / 1e6:.1f} MB" if closure_bytes >= 1e5 else f"closure {closure_bytes} B")
+    line = " · ".join(parts)
+    if devices.notice:
+        line += f"\ntaas: {devices.notice}"
+    return line
+
+
+def help_text() -> str:
+    return HELP
+
+
+def status_text(last: LastRun | None, gpus_seen: int, defaults: dict) -> str:
+    lines = [f"devices seen: {gpus_seen} GPU(s)" if gpus_seen else "devices seen: no GPU (ranks run on CPU with gloo)"]
+    lines.append("defaults: " + ", ".join(f"--{name} {value}" for name, value in defaults.items()))
+    if last is None:
+        lines.append("last run: none yet")
+    else:
+        options = last.options
+        lines.append(
+            f"last run: {last.run_id}, --gpus {options.gpus}, {_devices_text(last.devices, options.gpus)}, "
+            f"{last.seconds:.2f} s, {last.outcome}"
+        )
+        if options.configs:
+            lines.append("  config: " + ", ".join(options.configs))
+        lines.append("  names sent: " + (", ".join(last.closure_names) or "none"))
+    return "\n".join(lines)

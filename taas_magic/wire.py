@@ -1,0 +1,203 @@
+"""Framed, HMAC-signed messages between the kernel and its ranks.
+
+IMPORTANT: nothing read from a socket is unpickled before it is authenticated.
+
+Handshake (the rank connects, the kernel listens on loopback)::
+
+    kernel -> rank : nonce (32 random bytes, fresh per connection)
+    rank -> kernel : HMAC(key, "taas-hello" | nonce | rank) | rank (4 bytes)
+
+The kernel checks the MAC with ``hmac.compare_digest`` and drops the connection on
+any mismatch, having read a fixed 36 bytes and unpickled nothing.
+
+Frames, both directions::
+
+    length (8 bytes) | HMAC(key, direction | nonce | seq | body) (32 bytes) | body
+
+``direction`` stops a frame being reflected back to its sender, ``nonce`` stops it
+being replayed on another connection, ``seq`` stops replay or reordering on this one.
+``body`` is ``kind_len (1) | kind (ascii) | data``. A frame that fails verification
+raises :class:`AuthenticationError`; its body is never decoded.
+
+The per-run key reaches a rank on its stdin, never in its environment (which the
+cell's own subprocesses inherit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import secrets
+import socket
+import struct
+import threading
+from typing import Any
+
+KEY_SIZE = 32
+NONCE_SIZE = 32
+MAC_SIZE = 32
+RANK = struct.Struct("!I")
+LENGTH = struct.Struct("!Q")
+HELLO_SIZE = MAC_SIZE + RANK.size
+KERNEL_TO_RANK = b"k>r"
+RANK_TO_KERNEL = b"r>k"
+
+
+class AuthenticationError(ConnectionError):
+    """A peer could not prove it holds the run's key; nothing it sent was unpickled."""
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(KEY_SIZE)
+
+
+def hello_mac(key: bytes, nonce: bytes, rank: int) -> bytes:
+    return hmac.new(key, b"taas-hello" + nonce + RANK.pack(rank), hashlib.sha256).digest()
+
+
+def check_hello(key: bytes, nonce: bytes, hello: bytes) -> int:
+    """Return the rank a hello claims, or raise AuthenticationError."""
+    if len(hello) != HELLO_SIZE:
+        raise AuthenticationError("short handshake")
+    mac, rank_bytes = hello[:MAC_SIZE], hello[MAC_SIZE:]
+    (rank,) = RANK.unpack(rank_bytes)
+    if not hmac.compare_digest(mac, hello_mac(key, nonce, rank)):
+        raise AuthenticationError("handshake MAC mismatch")
+    return rank
+
+
+def encode_body(kind: str, data: bytes) -> bytes:
+    kind_bytes = kind.encode("ascii")
+    return bytes([len(kind_bytes)]) + kind_bytes + data
+
+
+def decode_body(body: bytes | memoryview) -> tuple[str, memoryview]:
+    view = memoryview(body)
+    size = view[0]
+    return bytes(view[1 : 1 + size]).decode("ascii"), view[1 + size :]
+
+
+class FrameCodec:
+    """Signs outgoing and verifies incoming frames of one connection."""
+
+    def __init__(self, key: bytes, nonce: bytes, *, outgoing: bytes, incoming: bytes):
+        self._key = key
+        self._nonce = nonce
+        self._outgoing = outgoing
+        self._incoming = incoming
+        self._send_seq = 0
+        self._recv_seq = 0
+
+    def _mac(self, direction: bytes, seq: int, body: bytes | memoryview) -> bytes:
+        mac = hmac.new(self._key, direction + self._nonce + LENGTH.pack(seq), hashlib.sha256)
+        mac.update(body)
+        return mac.digest()
+
+    def header(self, body: bytes | memoryview) -> bytes:
+        mac = self._mac(self._outgoing, self._send_seq, body)
+        self._send_seq += 1
+        return LENGTH.pack(len(body)) + mac
+
+    def verify(self, mac: bytes, body: bytes | memoryview) -> None:
+        expected = self._mac(self._incoming, self._recv_seq, body)
+        if not hmac.compare_digest(mac, expected):
+            raise AuthenticationError("frame MAC mismatch: forged, replayed or reordered frame")
+        self._recv_seq += 1
+
+
+class FrameReader:
+    """Incremental frame parser for non-blocking reads: feed bytes, get verified frames."""
+
+    def __init__(self, codec: FrameCodec):
+        self._codec = codec
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[str, memoryview]]:
+        self._buffer += data
+        frames = []
+        head = LENGTH.size + MAC_SIZE
+        while len(self._buffer) >= head:
+            (length,) = LENGTH.unpack_from(self._buffer)
+            if len(self._buffer) < head + length:
+                break
+            mac = bytes(self._buffer[LENGTH.size : head])
+            body = bytes(self._buffer[head : head + length])
+            del self._buffer[: head + length]
+            self._codec.verify(mac, body)
+            frames.append(decode_body(body))
+        return frames
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads_verified(data: bytes | memoryview) -> Any:
+    """Unpickle a body that a FrameCodec has already verified."""
+    return pickle.loads(data)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(min(size - len(chunks), 1 << 20))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        chunks += chunk
+    return bytes(chunks)
+
+
+class BlockingChannel:
+    """The rank's end: a blocking socket that sends and receives verified frames."""
+
+    def __init__(self, sock: socket.socket, codec: FrameCodec):
+        self._sock = sock
+        self._codec = codec
+        self._send_lock = threading.Lock()  # the cell may display() from its own threads
+
+    @classmethod
+    def connect(cls, host: str, port: int, key: bytes, rank: int) -> "BlockingChannel":
+        sock = socket.create_connection((host, port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = _recv_exactly(sock, NONCE_SIZE)
+        sock.sendall(hello_mac(key, nonce, rank) + RANK.pack(rank))
+        codec = FrameCodec(key, nonce, outgoing=RANK_TO_KERNEL, incoming=KERNEL_TO_RANK)
+        return cls(sock, codec)
+
+    def send(self, kind: str, data: bytes) -> None:
+        body = encode_body(kind, data)
+        with self._send_lock:
+            self._sock.sendall(self._codec.header(body))
+            self._sock.sendall(body)
+
+    def recv(self) -> tuple[str, memoryview]:
+        head = _recv_exactly(self._sock, LENGTH.size + MAC_SIZE)
+        (length,) = LENGTH.unpack_from(head)
+        body = _recv_exactly(self._sock, length)
+        self._codec.verify(head[LENGTH.size :], body)
+        return decode_body(body)
+
+    def expect(self, kind: str) -> memoryview:
+        got, body = self.recv()
+        if got != kind:
+            raise ConnectionError(f"expected a {kind!r} frame from the kernel, got {got!r}")
+        return body
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def send_blocking(sock: socket.socket, codec: FrameCodec, body: bytes) -> None:
+    """Send one encoded body (see encode_body) on a socket otherwise read without blocking."""
+    sock.setblocking(True)
+    try:
+        sock.sendall(codec.header(body))
+        sock.sendall(body)
+    finally:
+        sock.setblocking(False)
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_SIZE)
