@@ -1,0 +1,188 @@
+"""A taas cell against a real kernel: streaming, namespace, environment, syntax, output."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ALL_REDUCE = """\
+#!g2.8
+#pragma taas --gpus 2
+import os, time, torch
+import torch.distributed as dist
+dist.init_process_group(backend="nccl", init_method="env://")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()} total {total.item()}", flush=True)
+time.sleep(1.0)
+doubled = scale(total.item())
+dist.destroy_process_group()
+doubled + offset
+"""
+
+
+def test_rank0_streams_live_and_names_come_back(kernel):
+    kernel.execute("offset = 100\ndef scale(v):\n    return v * 2")
+    ran = kernel.execute(ALL_REDUCE)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    out = ran.stream("stdout")
+    assert "config g2.8" in out.splitlines()[0] and "2 rank(s)" in out
+    assert "nccl is served by gloo" in out
+    assert "rank 0 total 3.0" in out and "rank 1" not in out
+    line_at = next(m.at for m in ran.messages if m.type == "stream" and "rank 0 total" in m.content["text"])
+    assert line_at < ran.reply_at - 0.5  # streamed while the ranks were still sleeping
+    assert ran.result["text/plain"] == "106.0"
+    after = kernel.execute("print(doubled, float(total), type(total).__name__)")
+    assert after.stream("stdout") == "6.0 3.0 Tensor\n"
+
+
+def test_rank_environment_matches_torchrun(kernel):
+    ran = kernel.execute("import sys\nkernel_path = list(sys.path)")
+    assert ran.reply["status"] == "ok"
+    ran = kernel.execute(
+        """#pragma taas --gpus 2 --output all
+import os, sys, json
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"]
+info = {k: os.environ.get(k) for k in keys}
+info["cwd"] = os.getcwd()
+info["ps1"] = hasattr(sys, "ps1")
+info["path_ok"] = sys.path == kernel_path
+info["stdin_empty"] = sys.stdin.read() == ""
+print("ENV" + json.dumps(info))
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    lines = [line for line in ran.stream("stdout").splitlines() if "ENV{" in line]
+    assert sorted(line.split("]")[0] for line in lines) == ["[rank 0", "[rank 1"]
+    infos = {int(info["RANK"]): info for info in (json.loads(line.split("ENV", 1)[1]) for line in lines)}
+    cwd = kernel.execute("import os; print(os.getcwd())").stream("stdout").strip()
+    for rank, info in infos.items():
+        assert info["LOCAL_RANK"] == str(rank) and info["WORLD_SIZE"] == "2" and info["LOCAL_WORLD_SIZE"] == "2"
+        assert info["GROUP_RANK"] == "0" and info["MASTER_ADDR"] == "127.0.0.1"
+        assert info["GLOO_SOCKET_IFNAME"] == "lo"
+        assert info["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+        assert info["cwd"] == cwd and info["path_ok"] and not info["ps1"] and info["stdin_empty"]
+    assert infos[0]["MASTER_PORT"] == infos[1]["MASTER_PORT"]
+    assert infos[0]["TORCHELASTIC_RUN_ID"] == infos[1]["TORCHELASTIC_RUN_ID"]
+
+
+def test_the_run_key_is_not_in_the_rank_environment(kernel):
+    ran = kernel.execute(
+        """#pragma taas --gpus 1
+import os
+print("KEYISH", [k for k, v in os.environ.items() if len(v) == 64 and set(v) <= set("0123456789abcdef")])
+"""
+    )
+    assert "KEYISH []" in ran.stream("stdout"), ran.stream()
+
+
+def test_ipython_syntax_runs_in_the_ranks(kernel):
+    ran = kernel.execute(
+        """#pragma taas --gpus 2
+word = "hello"
+!echo shell-says-$word
+%time squares = [i * i for i in range(5)]
+files = !echo captured
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert "shell-says-hello" in ran.stream("stdout")
+    assert "Wall time" in ran.stream()
+    check = kernel.execute("print(squares, files)")
+    assert check.stream("stdout") == "[0, 1, 4, 9, 16] ['captured']\n"
+
+
+def test_rich_output_and_matplotlib_figures(kernel):
+    pytest.importorskip("matplotlib")
+    ran = kernel.execute(
+        """#pragma taas --gpus 2
+from IPython.display import display, HTML
+print("before")
+display(HTML("<b>from rank 0</b>"))
+print("after")
+import matplotlib
+matplotlib.use("module://matplotlib_inline.backend_inline")
+import matplotlib.pyplot as plt
+plt.plot([1, 2, 3])
+plt.show()
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    kinds = [(m.type, m.content.get("text") or sorted(m.content.get("data", {}))) for m in ran.messages if m.type in ("stream", "display_data")]
+    displays = ran.of_type("display_data")
+    assert len(displays) == 2, kinds
+    assert displays[0].content["data"]["text/html"] == "<b>from rank 0</b>"
+    assert "image/png" in displays[1].content["data"]
+    order = [m.type if m.type != "stream" else m.content["text"].strip() for m in ran.messages if m.type in ("stream", "display_data")]
+    assert order.index("before") < order.index("display_data") < order.index("after")
+
+
+def test_final_expression_and_names_that_cannot_come_back(kernel):
+    ran = kernel.execute(
+        """#pragma taas --gpus 1
+import threading
+guard = threading.Lock()
+answer = 41
+answer + 1
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert ran.result["text/plain"] == "42"
+    assert "could not come back" in ran.stream("stderr") and "guard" in ran.stream("stderr")
+    assert kernel.execute("print(answer)").stream("stdout") == "41\n"
+
+
+def test_trailing_semicolon_suppresses_the_result(kernel):
+    ran = kernel.execute("#pragma taas --gpus 1\nvalue = 3\nvalue * 2;")
+    assert ran.reply["status"] == "ok" and ran.result is None
+
+
+def test_in_place_changes_to_shipped_values_come_back(kernel):
+    kernel.execute("history = []\nunchanged = {'a': 1}")
+    ran = kernel.execute("#pragma taas --gpus 1\nhistory.append('trained')\nunchanged['a']")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert kernel.execute("print(history)").stream("stdout") == "['trained']\n"
+
+
+def test_lightning_style_no_ps1_and_get_worker_info(kernel):
+    ran = kernel.execute(
+        """#pragma taas --gpus 2 --output all
+import sys, taas
+info = taas.get_worker_info()
+print("INFO", info.id, info.num_workers, hasattr(sys, "ps1"), sys.flags.interactive)
+"""
+    )
+    out = ran.stream("stdout")
+    assert "[rank 0] INFO 0 2 False 0" in out and "[rank 1] INFO 1 2 False 0" in out
+    assert kernel.execute("import taas; print(taas.get_worker_info())").stream("stdout") == "None\n"
+
+
+def test_percent_percent_taas_form(kernel):
+    ran = kernel.execute("%%taas --gpus 2\nimport os\nprint('rank', os.environ['RANK'])\nint(os.environ['WORLD_SIZE'])")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert ran.stream("stdout").endswith("rank 0\n")
+    assert ran.result["text/plain"] == "2"
+
+
+def test_status_and_help(kernel):
+    kernel.execute("#pragma taas --gpus 1\nx_status = 1")
+    status = kernel.execute("%taas status").stream("stdout")
+    assert "last run:" in status and "--gpus 1" in status and "ok" in status and "devices seen" in status
+    assert "--gpus N" in kernel.execute("%taas help").stream("stdout")
+    bad = kernel.execute("%taas nonsense")
+    assert bad.reply["status"] == "error" and "UsageError: taas: unknown %taas command" in bad.stream("stderr")
+
+
+def test_cell_without_process_group_runs_once_per_rank(kernel):
+    ran = kernel.execute("#pragma taas --gpus 3 --output all\nprint('hello')")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert sorted(line for line in ran.stream("stdout").splitlines() if "hello" in line) == [
+        "[rank 0] hello", "[rank 1] hello", "[rank 2] hello"
+    ]
+
+
+def test_python_in_the_kernel_is_untouched(kernel):
+    ran = kernel.execute("import sys\nprint(sys.version_info[:2] == %r)" % (tuple(sys.version_info[:2]),))
+    assert ran.stream("stdout") == "True\n"

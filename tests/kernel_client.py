@@ -1,0 +1,122 @@
+"""Drive a real IPython kernel through jupyter_client and collect its iopub messages.
+
+Modelled on ipykernel's tests/utils.py: execute, gather every iopub message whose
+parent is our request until the kernel is idle again, and keep their arrival times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from jupyter_client.manager import KernelManager
+
+
+@dataclass
+class Message:
+    at: float  # seconds after the execute request
+    type: str
+    content: dict
+
+
+@dataclass
+class Execution:
+    reply: dict
+    reply_at: float
+    messages: list[Message] = field(default_factory=list)
+
+    def stream(self, name: str | None = None) -> str:
+        return "".join(m.content["text"] for m in self.messages if m.type == "stream" and name in (None, m.content["name"]))
+
+    def of_type(self, kind: str) -> list[Message]:
+        return [m for m in self.messages if m.type == kind]
+
+    @property
+    def error(self) -> dict | None:
+        errors = self.of_type("error")
+        return errors[0].content if errors else None
+
+    @property
+    def result(self) -> dict | None:
+        results = self.of_type("execute_result")
+        return results[0].content["data"] if results else None
+
+    def error_text(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+
+class Kernel:
+    def __init__(self, kernel_name: str = "python3", load_ext: bool = True, cwd: str | None = None):
+        self.manager = KernelManager(kernel_name=kernel_name)
+        self.manager.start_kernel(cwd=cwd) if cwd else self.manager.start_kernel()
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+        if load_ext:
+            ran = self.execute("%load_ext taas_magic")
+            assert ran.reply["status"] == "ok", ran.error_text()
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.pid  # type: ignore[union-attr]
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def submit(self, code: str) -> tuple[str, float]:
+        return self.client.execute(code), time.monotonic()
+
+    def collect(self, msg_id: str, started: float, timeout: float = 120) -> Execution:
+        messages: list[Message] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "status" and msg["content"]["execution_state"] == "idle":
+                break
+            messages.append(Message(time.monotonic() - started, kind, msg["content"]))
+        while True:
+            reply = self.client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        reply_at = min(time.monotonic() - started, messages[-1].at if messages else 0.0)
+        return Execution(reply["content"], reply_at, messages)
+
+    def execute(self, code: str, timeout: float = 120) -> Execution:
+        msg_id, started = self.submit(code)
+        return self.collect(msg_id, started, timeout)
+
+    def wait_for_stream(self, msg_id: str, needle: str, timeout: float = 60) -> list[Message]:
+        """Read iopub until rank output containing ``needle`` arrives (the run is going)."""
+        seen: list[Message] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            seen.append(Message(0.0, msg["msg_type"], msg["content"]))
+            if msg["msg_type"] == "stream" and needle in msg["content"]["text"]:
+                return seen
+        raise AssertionError(f"{needle!r} never arrived; saw {seen}")
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+        self.manager.cleanup_resources()
+
+
+def wait_until_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return alive
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI") == "true"
