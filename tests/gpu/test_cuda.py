@@ -1,0 +1,53 @@
+"""CUDA paths: NCCL ranks, the rank's own GPU, CUDA tensors back. Skipped without a GPU."""
+
+import pytest
+import torch
+
+from tests.kernel_client import Kernel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_kernel():
+    kernel = Kernel()
+    yield kernel
+    kernel.shutdown()
+
+
+def test_one_rank_with_nccl_and_cuda_tensors_back(gpu_kernel):
+    ran = gpu_kernel.execute(
+        """#pragma taas --gpus 1
+import torch, torch.distributed as dist
+dist.init_process_group(backend="nccl", init_method="env://")
+device = torch.device("cuda")
+t = torch.ones(4, device=device) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("backend", dist.get_backend(), "device", torch.cuda.current_device(), t.device)
+dist.destroy_process_group()
+t
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    out = ran.stream("stdout")
+    assert "1 GPU(s)" in out and "backend nccl device 0 cuda:0" in out
+    # the kernel has CUDA here, so the tensor comes back on the GPU
+    check = gpu_kernel.execute("print(t.device.type, t.sum().item())")
+    assert check.stream("stdout") == "cuda 4.0\n"
+
+
+def test_cuda_initialised_in_the_notebook_does_not_break_a_launch(gpu_kernel):
+    gpu_kernel.execute("import torch\nwarm = torch.zeros(1, device='cuda')")
+    ran = gpu_kernel.execute("#pragma taas --gpus 1\nimport torch\nprint(torch.zeros(1, device='cuda').device)")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert "cuda:0" in ran.stream("stdout")
+
+
+def test_more_gpus_than_the_host_has_is_a_clear_error(gpu_kernel):
+    too_many = torch.cuda.device_count() + 1
+    ran = gpu_kernel.execute(f"#pragma taas --gpus {too_many}\nprint('ran')")
+    assert ran.error["ename"] == "LaunchError"
+    assert f"--gpus {too_many}" in ran.error_text() and "ran" not in ran.stream()

@@ -1,0 +1,48 @@
+"""A PyTorch Lightning cell trains on exactly N processes with no init call."""
+
+import pytest
+
+pytest.importorskip("lightning")
+
+
+def test_lightning_ddp_trains_on_exactly_n_processes(kernel, tmp_path):
+    kernel.execute(
+        "import torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        f"root = {str(tmp_path)!r}\n"
+        "dataset = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))"
+    )
+    ran = kernel.execute(
+        """#pragma taas --gpus 2 --output all
+import os
+import lightning as L
+import torch
+
+class Regressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+trainer = L.Trainer(devices=2, strategy="ddp", max_epochs=2, default_root_dir=root, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+module = Regressor()
+trainer.fit(module, DataLoader(dataset, batch_size=8))
+print(f"FIT pid={os.getpid()} global_rank={trainer.global_rank} world={trainer.world_size} steps={trainer.global_step}")
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    fits = [line for line in ran.stream("stdout").splitlines() if "FIT" in line]
+    assert len(fits) == 2, ran.stream()
+    assert len({line.split("pid=")[1].split()[0] for line in fits}) == 2
+    assert sorted(line.split("global_rank=")[1].split()[0] for line in fits) == ["0", "1"]
+    assert all("world=2" in line for line in fits)
+    # DistributedSampler halves each rank's data: 64 / 8 / 2 = 4 steps an epoch, 2 epochs.
+    assert all("steps=8" in line for line in fits)
+    # The trained module comes back (the trainer too, though its properties read the ranks' environment).
+    after = kernel.execute("print(type(module).__name__, tuple(module.layer.weight.shape), type(trainer).__name__)")
+    assert after.stream("stdout") == "Regressor (1, 8) Trainer\n", after.error_text()

@@ -1,0 +1,46 @@
+"""The quickstart notebook runs end to end with the README's command, unchanged."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quickstart_notebook_runs_end_to_end(tmp_path):
+    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "notebooks" / "run.py"), str(tmp_path / "quickstart.ipynb")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "taas: 2 rank(s)" in out and "config g2.8" in out
+    assert "epoch 2" in out and "saved mnist_cnn.pt" in out
+    assert "saved file holds rank 0's weights: True" in out
+    accuracy = float(out.split("test accuracy ")[1].split(";")[0])
+    assert accuracy > 0.9  # the synthetic classes are easy: the model really trained
+    state = torch.load(tmp_path / "mnist_cnn.pt")
+    assert state["fc2.weight"].shape == (10, 128)
+    assert not list(Path(os.getcwd()).glob("mnist_cnn.pt"))
+
+
+def test_kernelspec_python3_taas_loads_the_extension():
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from tests.kernel_client import Kernel
+
+    specs = KernelSpecManager().find_kernel_specs()
+    assert "taas" in specs, "install the package (pip install .) or see the README's kernelspec line"
+    assert KernelSpecManager().get_kernel_spec("taas").display_name == "Python 3 (taas)"
+    taas_kernel = Kernel(kernel_name="taas", load_ext=False)
+    try:
+        ran = taas_kernel.execute("#pragma taas --gpus 1\nimport os\nos.environ['WORLD_SIZE']")
+        assert ran.reply["status"] == "ok", ran.error_text()
+        assert ran.result["text/plain"] == "'1'"
+    finally:
+        taas_kernel.shutdown()
