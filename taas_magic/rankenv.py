@@ -76,7 +76,7 @@ def plan_devices(ranks: int, gpus_on_host: int | None = None) -> DevicePlan:
         return DevicePlan("cpu", 0, "gloo")
     if gpus < ranks:
         raise LaunchError(
-            f"--gpus {ranks} asks for {ranks} ranks but this host has {gpus} GPU(s); "
+            f"taas: --gpus {ranks} asks for {ranks} ranks but this host has {gpus} GPU(s); "
             f"use --gpus {gpus} or fewer, or attach a cluster"
         )
     return DevicePlan("cuda", gpus, "nccl")

@@ -254,11 +254,10 @@ def run_ranks(
     publish: Publish,
     timeout: float | None,
 ) -> RunOutcome:
-    """Start the ranks and supervise them; whatever happens, nothing outlives the call."""
+    """Start the ranks and supervise them; whatever happens, no rank outlives the call."""
     group = start()
     try:
         return supervise(group, server, bodies, relay, publish, timeout)
     finally:
         group.close()
-        server.close()
 

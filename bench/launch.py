@@ -1,0 +1,178 @@
+"""Launch latency and training throughput of a taas cell, beside its floor and torchrun.
+
+    python bench/launch.py [--repeats 5] [--steps 300]
+
+Everything is measured in one run, side by side, through a real kernel driven by
+jupyter_client (the time a person waits: execute_request -> first rank-0 line on iopub):
+
+- floor: two ``python -c "import torch"`` started in parallel, until both have imported
+  torch (what any fresh-process launcher of 2 torch ranks must pay at least);
+- taas, first cell: the first taas cell of a freshly started kernel (extension loaded);
+- taas, later cell: a following cell in the same kernel;
+- torchrun: the same DDP loop as a script under ``python -m torch.distributed.run``;
+- steps/s: steady-state DDP steps per second of the same loop (2 ranks, gloo, a small
+  MLP), under taas and under torchrun;
+- flushed-line latency: rank 0 prints its clock and flushes, 20 times, 0.1 s apart; the
+  latency is the iopub arrival time (same host clock) minus the printed time.
+
+Medians of --repeats runs; ratios are of medians measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.kernel_client import Kernel  # noqa: E402
+
+LOOP = """\
+import os, time, torch, torch.distributed as dist
+print("first-line", flush=True)
+dist.init_process_group("gloo", init_method="env://")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+WARM, STEPS = 20, {steps}
+for i in range(WARM + STEPS):
+    if i == WARM:
+        t0 = time.perf_counter()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+rate = STEPS / (time.perf_counter() - t0)
+if dist.get_rank() == 0:
+    print(f"steps_per_sec {{rate:.2f}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def floor_seconds() -> float:
+    """Until both of two parallel ``python -c "import torch"`` have imported it (exit not counted)."""
+    started = time.monotonic()
+    code = "import torch; print('imported', flush=True)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        proc.stdout.readline()  # type: ignore[union-attr]
+    imported = time.monotonic() - started
+    for proc in procs:
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    return imported
+
+
+def taas_cell(kernel: Kernel, steps: int) -> tuple[float, float, float]:
+    """(first rank-0 line, whole cell, steps/s) of one taas cell."""
+    msg_id, started = kernel.submit("#pragma taas --gpus 2\n" + LOOP.format(steps=steps))
+    ran = kernel.collect(msg_id, started, timeout=600)
+    if ran.reply["status"] != "ok":
+        raise RuntimeError(ran.error_text())
+    first = next(m.at for m in ran.messages if m.type == "stream" and "first-line" in m.content["text"])
+    rate = float(ran.stream("stdout").split("steps_per_sec ")[1].split()[0])
+    return first, ran.reply_at, rate
+
+
+LATENCY_CELL = """#pragma taas --gpus 2
+import time
+for _ in range(20):
+    print(f"stamp {time.time():.6f}", flush=True)
+    time.sleep(0.1)
+"""
+
+
+def flushed_line_latencies(kernel: Kernel) -> list[float]:
+    msg_id = kernel.client.execute(LATENCY_CELL)
+    latencies = []
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        arrived = time.time()
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return latencies
+        if msg["msg_type"] == "stream":
+            latencies += [arrived - float(line.split()[1]) for line in msg["content"]["text"].splitlines() if line.startswith("stamp ")]
+
+
+def torchrun(script: Path) -> tuple[float, float, float]:
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    first = None
+    out = []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if first is None and "first-line" in line:
+            first = time.monotonic() - started
+        out.append(line)
+    proc.wait()
+    whole = time.monotonic() - started
+    rate = float("".join(out).split("steps_per_sec ")[1].split()[0])
+    return first or whole, whole, rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+
+    results: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        results.setdefault(name, []).append(value)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "loop.py"
+        script.write_text(LOOP.format(steps=args.steps))
+        for _ in range(args.repeats):
+            add("floor", floor_seconds())
+            kernel = Kernel(cwd=tmp)
+            try:
+                first, whole, rate = taas_cell(kernel, args.steps)
+                add("taas first cell: first line", first)
+                add("taas first cell: whole cell", whole)
+                add("taas steps/s", rate)
+                first, whole, rate = taas_cell(kernel, args.steps)
+                add("taas later cell: first line", first)
+                add("taas later cell: whole cell", whole)
+                add("taas steps/s", rate)
+                for latency in flushed_line_latencies(kernel):
+                    add("flushed line -> iopub", latency)
+            finally:
+                kernel.shutdown()
+            first, whole, rate = torchrun(script)
+            add("torchrun: first line", first)
+            add("torchrun: whole", whole)
+            add("torchrun steps/s", rate)
+
+    med = {name: statistics.median(values) for name, values in results.items()}
+    floor = med["floor"]
+    print(f"\nbench/launch.py: --gpus 2 on CPU (gloo), {os.cpu_count()} cores, {args.repeats} repeats, {args.steps} steps")
+    print(f"{'measure':<34} {'median':>9} {'min':>9} {'max':>9}  vs")
+    for name, values in results.items():
+        unit = "" if "steps/s" in name else " s"
+        if name == "flushed line -> iopub":
+            versus = f"p90 {statistics.quantiles(values, n=10)[-1]:.3f} s, max {max(values):.3f} s (target < 0.2 s)"
+        elif "steps/s" in name:
+            versus = f"{med[name] / med['torchrun steps/s']:.3f}x torchrun"
+        elif name == "floor":
+            versus = "2x python -c 'import torch' in parallel"
+        else:
+            versus = f"{med[name] / floor:.2f}x floor"
+        print(f"{name:<34} {med[name]:>8.3f}{unit[:2]:<2} {min(values):>8.3f} {max(values):>8.3f}  {versus}")
+
+
+if __name__ == "__main__":
+    main()
