@@ -6,6 +6,11 @@ goes to the cell as it is, ``\\r`` included, so tqdm bars update in place. With
 ``--output all`` every rank's lines are prefixed ``[rank k] `` and only whole lines
 (ended by ``\\n`` or ``\\r``) are written, so ranks never interleave inside a line.
 
+Rich output keeps its place in the text through markers: a rank that publishes display
+``n`` sends it over its channel and then writes ``\\0taas-display:n\\0`` to its own fd 1.
+The relay cuts the marker out of the stream and calls ``on_marker(rank, n)`` at exactly
+that point, after the text that preceded it and before the text that follows.
+
 Text is gathered and written to the kernel's streams at most once per
 ``flush_interval`` per stream, so a rank printing in a tight loop produces a bounded
 number of iopub messages. The last lines of every rank are kept for error reports.
@@ -17,9 +22,26 @@ import codecs
 import collections
 import re
 import time
-from typing import IO
+from typing import IO, Callable
 
 _LINE_END = re.compile(r"(?<=[\n\r])")
+MARKER_PREFIX = "\x00taas-display:"
+_MARKER = re.compile("\x00taas-display:(\\d+)\x00")
+_MARKER_AT_END = re.compile("\x00taas-display:\\d+\x00$")
+_MARKER_HEAD = re.compile("\x00taas-display:\\d*")
+
+
+def display_marker(number: int) -> bytes:
+    return f"{MARKER_PREFIX}{number}\x00".encode("ascii")
+
+
+def _incomplete_marker_start(text: str) -> int:
+    """Where ``text`` ends with the first part of a marker (to hold back), or -1."""
+    start = text.rfind("\x00")
+    if start == -1 or _MARKER_AT_END.search(text):
+        return -1
+    tail = text[start:]
+    return start if MARKER_PREFIX.startswith(tail) or _MARKER_HEAD.fullmatch(tail) else -1
 
 
 class _RankText:
@@ -30,6 +52,7 @@ class _RankText:
             name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in ("stdout", "stderr")
         }
         self.partial = {"stdout": "", "stderr": ""}
+        self.marker_hold = ""
         self.tail: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self.tail_partial = ""
 
@@ -56,6 +79,7 @@ class OutputRelay:
         *,
         keep_lines: int = 20,
         flush_interval: float = 0.02,
+        on_marker: Callable[[int, int], None] | None = None,
     ):
         self.mode = mode
         self.streams = streams
@@ -64,6 +88,7 @@ class OutputRelay:
         self.pending: dict[str, list[str]] = {name: [] for name in streams}
         self.last_flush = 0.0
         self.muted = False
+        self.on_marker = on_marker
 
     def mute(self) -> None:
         """From now on drop everything: ranks being stopped print only noise."""
@@ -79,8 +104,23 @@ class OutputRelay:
             return
         state = self.ranks[rank]
         text = state.decoders[stream].decode(data, final=final)
-        if not text:
+        if stream == "stdout" and self.on_marker is not None:
+            text = state.marker_hold + text
+            hold = -1 if final else _incomplete_marker_start(text)
+            text, state.marker_hold = (text[:hold], text[hold:]) if hold != -1 else (text, "")
+            pieces = _MARKER.split(text)  # text, number, text, number, ..., text
+            for index, piece in enumerate(pieces):
+                if index % 2:
+                    self.on_marker(rank, int(piece))
+                else:
+                    self._emit(rank, stream, piece)
             return
+        self._emit(rank, stream, text)
+
+    def _emit(self, rank: int, stream: str, text: str) -> None:
+        if not text or self.muted:
+            return
+        state = self.ranks[rank]
         state.remember(text)
         if not self.shows(rank):
             return

@@ -53,6 +53,8 @@ class _Loop:
         self.exit_codes: dict[int, int] = {}
         self.failure: RankFailed | None = None
         self.result: dict | None = None
+        self.displays: dict[tuple[int, int], tuple[str, dict]] = {}
+        relay.on_marker = self.on_marker
 
     # -- registration -----------------------------------------------------------------
     def open(self) -> None:
@@ -163,14 +165,28 @@ class _Loop:
     def _on_frame(self, rank: int, kind: str, body: memoryview) -> None:
         message = wire.loads_verified(body)
         if kind in ("display", "clear_output"):
-            if self.relay.shows(rank):
-                self.drain_pipes(rank)
-                self.relay.flush(force=True)
-                self.publish(kind, message)
+            self.displays[(rank, message["number"])] = (kind, message)
         elif kind == "error":
             self._fail(RankFailed(rank, self._host(rank), message["summary"], message["traceback"]))
         elif kind == "result" and rank == 0:
             self.result = message
+
+    def on_marker(self, rank: int, number: int) -> None:
+        """A rank's display ``number`` belongs here in its text: publish it now."""
+        if (rank, number) not in self.displays:
+            self.drain_connection(rank)  # sent before the marker was written: it is buffered
+        shown = self.displays.pop((rank, number), None)
+        if shown is not None and self.relay.shows(rank):
+            self.relay.flush(force=True)
+            self.publish(*shown)
+
+    def publish_leftovers(self) -> None:
+        """Displays whose marker never came (the cell closed fd 1): show them last."""
+        for key in sorted(self.displays):
+            if self.relay.shows(key[0]):
+                self.relay.flush(force=True)
+                self.publish(*self.displays[key])
+        self.displays.clear()
 
     def _fail(self, failure: RankFailed) -> None:
         if self.failure is None:  # the root cause is the first failure
@@ -238,6 +254,7 @@ def supervise(
             relay.mute()
             group.stop()
             raise RankFailed(failure.rank, failure.host, failure.summary, failure.traceback_text, last_lines)
+        loop.publish_leftovers()
         if loop.result is None and loop.exit_codes.get(0) == 0:
             return RunOutcome(None, dict(loop.exit_codes))
         return RunOutcome(loop.result, dict(loop.exit_codes))

@@ -6,7 +6,8 @@ transformers). ``display(...)`` and matplotlib's inline backend need an initiali
 InteractiveShell too. This shell:
 
 - publishes rich output to the kernel over the authenticated channel (rank 0, or every
-  rank with ``--output all``) after flushing the rank's stdout, so order is kept;
+  rank with ``--output all``), then writes a marker to fd 1 so the kernel shows it at
+  exactly its place among the rank's text (see relay.py);
 - keeps no history file (eight ranks would fight over ``history.sqlite``);
 - does not look interactive: IPython sets ``sys.ps1``, which makes Lightning refuse
   ``strategy="ddp"``; it is removed again at once.
@@ -14,13 +15,18 @@ InteractiveShell too. This shell:
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 from types import ModuleType
 from typing import Any, Callable
 
+from taas_magic.relay import display_marker
+
 Forward = Callable[[str, dict], None]
 
 _state: dict[str, Any] = {"shell": None, "module": None, "forward": None}
+_numbers = itertools.count()
 
 
 def configure(module: ModuleType, forward: Forward | None) -> None:
@@ -32,8 +38,11 @@ def _forward(kind: str, message: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     forward = _state["forward"]
-    if forward is not None:
-        forward(kind, message)
+    if forward is None:
+        return
+    number = next(_numbers)
+    forward(kind, dict(message, number=number))
+    os.write(1, display_marker(number))
 
 
 def get_shell() -> Any:

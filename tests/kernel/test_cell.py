@@ -102,9 +102,7 @@ from IPython.display import display, HTML
 print("before")
 display(HTML("<b>from rank 0</b>"))
 print("after")
-import matplotlib
-matplotlib.use("module://matplotlib_inline.backend_inline")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # the backend is the kernel's (ipykernel sets MPLBACKEND), not forced
 plt.plot([1, 2, 3])
 plt.show()
 """

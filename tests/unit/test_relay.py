@@ -1,6 +1,6 @@
 import io
 
-from taas_magic.relay import OutputRelay
+from taas_magic.relay import OutputRelay, display_marker
 
 
 def _relay(mode="rank0", ranks=2):
@@ -39,13 +39,28 @@ def test_coalescing_bounds_writes():
     writes = []
     out.write = lambda text, _w=out.write: (writes.append(text), _w(text))[1]  # type: ignore[method-assign]
     relay = OutputRelay("rank0", 1, {"stdout": out, "stderr": io.StringIO()}, flush_interval=3600)
+    relay.feed(0, "stdout", b"first\n")
     relay.flush(force=True)
     for i in range(1000):
         relay.feed(0, "stdout", f"{i}\n".encode())
-        relay.flush()
+        relay.flush()  # within the interval: gathered, not written
     relay.flush(force=True)
-    assert len(writes) == 1
-    assert out.getvalue() == "".join(f"{i}\n" for i in range(1000))
+    assert len(writes) == 2
+    assert out.getvalue() == "first\n" + "".join(f"{i}\n" for i in range(1000))
+
+
+def test_display_markers_are_cut_out_in_place_even_when_split():
+    events = []
+    out = io.StringIO()
+    relay = OutputRelay("rank0", 1, {"stdout": out, "stderr": io.StringIO()}, flush_interval=0.0,
+                        on_marker=lambda rank, n: events.append((out.getvalue() + "".join(relay.pending["stdout"]), n)))
+    data = b"before\n" + display_marker(0) + b"after\n" + display_marker(1)
+    for i in range(len(data)):  # one byte at a time: markers split everywhere
+        relay.feed(0, "stdout", data[i : i + 1])
+    relay.flush(force=True)
+    assert events == [("before\n", 0), ("before\nafter\n", 1)]
+    assert out.getvalue() == "before\nafter\n"
+    assert relay.last_lines(0) == ("before", "after")
 
 
 def test_mute_drops_noise_after_a_failure():
