@@ -184,3 +184,25 @@ def test_cell_without_process_group_runs_once_per_rank(kernel):
 def test_python_in_the_kernel_is_untouched(kernel):
     ran = kernel.execute("import sys\nprint(sys.version_info[:2] == %r)" % (tuple(sys.version_info[:2]),))
     assert ran.stream("stdout") == "True\n"
+
+
+def test_two_notebooks_launching_at_once_do_not_clash(kernel):
+    from tests.kernel_client import Kernel
+
+    other = Kernel()
+    cell = (
+        "#pragma taas --gpus 2\nimport os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+        "dist.destroy_process_group()\n(os.environ['MASTER_PORT'], t.item())"
+    )
+    try:
+        first = kernel.submit(cell)
+        second = other.submit(cell)
+        ran = [kernel.collect(*first), other.collect(*second)]
+        for result in ran:
+            assert result.reply["status"] == "ok", result.error_text()
+        ports = [eval(result.result["text/plain"]) for result in ran]  # noqa: S307 - our own repr
+        assert ports[0][1] == ports[1][1] == 2.0
+        assert ports[0][0] != ports[1][0]
+    finally:
+        other.shutdown()
