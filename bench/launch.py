@@ -16,6 +16,10 @@ jupyter_client (the time a person waits: execute_request -> first rank-0 line on
   latency is the iopub arrival time (same host clock) minus the printed time.
 
 Medians of --repeats runs; ratios are of medians measured in this run.
+
+``--throughput-only`` measures steps/s alone, alternating a taas cell (one kernel) and a
+torchrun run --repeats times, and prints the median of the paired ratios: on a noisy
+2-core machine that is a fairer comparison than two medians taken minutes apart.
 """
 
 from __future__ import annotations
@@ -122,11 +126,37 @@ def torchrun(script: Path) -> tuple[float, float, float]:
     return first or whole, whole, rate
 
 
+def paired_throughput(repeats: int, steps: int) -> None:
+    ratios, taas_rates, torchrun_rates = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "loop.py"
+        script.write_text(LOOP.format(steps=steps))
+        kernel = Kernel(cwd=tmp)
+        try:
+            taas_cell(kernel, 50)  # let the kernel settle; not counted
+            for _ in range(repeats):
+                taas_rate = taas_cell(kernel, steps)[2]
+                torchrun_rate = torchrun(script)[2]
+                taas_rates.append(taas_rate)
+                torchrun_rates.append(torchrun_rate)
+                ratios.append(taas_rate / torchrun_rate)
+        finally:
+            kernel.shutdown()
+    print(f"\nbench/launch.py --throughput-only: {repeats} alternating pairs, {steps} steps, --gpus 2 gloo on CPU")
+    print(f"{'measure':<24} {'median':>9} {'min':>9} {'max':>9}")
+    for name, values in (("taas steps/s", taas_rates), ("torchrun steps/s", torchrun_rates), ("paired ratio", ratios)):
+        print(f"{name:<24} {statistics.median(values):>9.3f} {min(values):>9.3f} {max(values):>9.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--throughput-only", action="store_true")
     args = parser.parse_args()
+    if args.throughput_only:
+        paired_throughput(args.repeats, args.steps)
+        return
 
     results: dict[str, list[float]] = {}
 

@@ -55,3 +55,13 @@ def test_function_capturing_something_unpicklable_is_named():
     with pytest.raises(ClosureError) as info:
         serialise_closure({"uses_lock": uses_lock})
     assert info.value.name == "uses_lock" and info.value.type_name == "function"
+
+
+def test_modules_travel_by_name_and_are_reimported():
+    import json
+
+    import cloudpickle
+
+    blob = serialise_closure({"j": json})
+    assert len(blob) < 100  # a reference, not the module's contents
+    assert cloudpickle.loads(blob)["j"] is json
