@@ -83,5 +83,5 @@ def get_worker_info() -> Any:
         id=rank,
         num_workers=int(os.environ["WORLD_SIZE"]),
         seed=int(os.environ.get("TAAS_SEED", "0")) + rank,
-        dataset=None,
+        dataset=None,  # type: ignore[arg-type]  # a rank has no dataset of its own
     )

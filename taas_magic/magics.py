@@ -12,6 +12,7 @@ import sys
 import time
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Enum, Float
 
@@ -38,15 +39,20 @@ class TaasMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self.last_run: LastRun | None = None
 
-    @cell_magic("taas")
+    @property
+    def _shell(self) -> InteractiveShell:
+        assert self.shell is not None, "TaasMagics is registered with a shell"
+        return self.shell
+
+    @cell_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_cell(self, line: str, cell: str):
         """Run this cell as N DDP ranks: ``%%taas --gpus N [...]`` (see ``%taas help``)."""
         parsed = parse_cell(cell, line)
         options = parsed.options
         output = options.output or self.output
         timeout = options.timeout if options.timeout is not None else self.timeout
-        code = translate(self.shell, parsed.source)
-        closure = select_closure(code.tree, self.shell.user_ns, self.shell.user_ns_hidden)
+        code = translate(self._shell, parsed.source)
+        closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
         closure_blob = serialise_closure(closure)
         devices = plan_devices(options.gpus)
 
@@ -98,10 +104,10 @@ class TaasMagics(Magics):
             record.seconds = time.monotonic() - started
             port_reservation.close()
             server.close()
-        return apply_results(self.shell.user_ns, outcome.result)
+        return apply_results(self._shell.user_ns, outcome.result)
 
     def _publish(self, kind: str, message: dict) -> None:
-        display_pub = self.shell.display_pub
+        display_pub = self._shell.display_pub
         if kind == "clear_output":
             display_pub.clear_output(wait=message["wait"])
             return
@@ -112,7 +118,7 @@ class TaasMagics(Magics):
             kwargs["update"] = True
         display_pub.publish(message["data"], **kwargs)
 
-    @line_magic("taas")
+    @line_magic("taas")  # type: ignore[arg-type]
     def taas_line(self, line: str):
         """``%taas help`` | ``%taas status``."""
         command = line.strip() or "help"

@@ -32,7 +32,9 @@ class RankProcess(Protocol):
 
 
 class RankGroup(Protocol):
-    ranks: Sequence[RankProcess]
+    @property
+    def ranks(self) -> Sequence[RankProcess]:
+        """The ranks, index = RANK."""
 
     def stop(self) -> list[str]:
         """Stop every rank (INT -> TERM -> KILL); return the signals it took."""

@@ -27,7 +27,9 @@ def run_cell(source: str, filename: str, module: ModuleType) -> Any:
     tree = ast.parse(source, filename=filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        final_statement = tree.body.pop()
+        assert isinstance(final_statement, ast.Expr)
+        last = ast.Expression(final_statement.value)
     namespace = module.__dict__
     exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - running the person's cell is the point
     if last is None:
