@@ -19,6 +19,7 @@ from traitlets import Enum, Float
 from . import wire
 from .cellcode import translate
 from .closure import select_closure, serialise_closure
+from .isolation import OVERLAY, ScratchLayers, WriteRule, find_repository, probe_mode
 from .launch.base import LaunchPlan
 from .launch.local import LocalRankGroup
 from .pragma import parse_cell
@@ -38,6 +39,7 @@ class TaasMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.last_run: LastRun | None = None
+        self.repository: str | None = None  # %taas config repo PATH
 
     @property
     def _shell(self) -> InteractiveShell:
@@ -70,12 +72,14 @@ class TaasMagics(Magics):
             "suppress_final": code.suppress_final,
         }
         bodies = [wire.encode_body("spec", wire.dumps(spec)), wire.encode_body("closure", closure_blob)]
-        print(header_line(options, devices, run_id, len(closure_blob)), flush=True)
+        rule = WriteRule(find_repository(os.getcwd(), self.repository), *probe_mode())
+        print(header_line(options, devices, run_id, len(closure_blob)) + "\ntaas: " + rule.header(), flush=True)
 
         record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
         self.last_run = record
         port_reservation = reserve_port()
         server = RankServer(key, options.gpus)
+        layers = ScratchLayers(options.gpus) if rule.mode == OVERLAY else None
         started = time.monotonic()
         try:
             envs = [
@@ -93,6 +97,9 @@ class TaasMagics(Magics):
                 )
                 for rank in range(options.gpus)
             ]
+            if layers is not None:
+                for rank, layer in layers.dirs.items():
+                    envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer)
             plan = LaunchPlan(options.gpus, envs, os.getcwd(), f"{server.address[0]} {server.address[1]} {key.hex()}")
             relay = OutputRelay(output, options.gpus, {"stdout": sys.stdout, "stderr": sys.stderr})
             outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, bodies, relay, self._publish, timeout)
@@ -104,6 +111,10 @@ class TaasMagics(Magics):
             record.seconds = time.monotonic() - started
             port_reservation.close()
             server.close()
+            if layers is not None:
+                for line in layers.report(rule.repository):
+                    print(line, file=sys.stderr)
+                layers.remove()
         return apply_results(self._shell.user_ns, outcome.result)
 
     def _publish(self, kind: str, message: dict) -> None:
@@ -120,11 +131,20 @@ class TaasMagics(Magics):
 
     @line_magic("taas")  # type: ignore[arg-type]
     def taas_line(self, line: str):
-        """``%taas help`` | ``%taas status``."""
+        """``%taas help`` | ``%taas status`` | ``%taas config repo PATH``."""
         command = line.strip() or "help"
-        if command == "help":
+        words = command.split(maxsplit=2)
+        if words[:2] == ["config", "repo"] and len(words) == 3:
+            path = os.path.realpath(os.path.expanduser(words[2]))
+            if not os.path.isdir(path):
+                raise UsageError(f"taas: the repository must be a directory, got {words[2]!r}")
+            self.repository = path
+            print(f"taas: repository {path}")
+        elif command == "help":
             print(help_text())
         elif command == "status":
+            rule = WriteRule(find_repository(os.getcwd(), self.repository), *probe_mode())
             print(status_text(self.last_run, visible_gpu_count(), {"output": self.output, "timeout": self.timeout}))
+            print("write rule: " + rule.header())
         else:
             raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")

@@ -25,8 +25,12 @@ MASTER_PORT and TORCHELASTIC_RUN_ID, so init_process_group(init_method='env://')
 Lightning's Trainer(strategy="ddp") work unchanged. Rank 0's new or changed names come
 back to the notebook; its last expression becomes the cell's result.
 
-%taas status     the last run, the devices seen, the session defaults
-%taas help       this text"""
+Only rank 0 writes to the repository (the git work tree holding the working directory):
+the other ranks' writes there are diverted to a private layer, thrown away after the cell.
+
+%taas status             the last run, the devices seen, the defaults, the write rule
+%taas config repo PATH   set the repository (default: $TAAS_REPO, the git work tree, the cwd)
+%taas help               this text"""
 
 
 @dataclass

@@ -4,7 +4,8 @@ The kernel starts ``python -m taas_magic.rank`` with the rank's environment (RAN
 WORLD_SIZE, ...), its own pipes for stdout/stderr, and writes ``HOST PORT KEY`` on
 stdin. The rank then:
 
-1. guards its life (lifeline.py) and connects to the kernel, proving it holds the key;
+1. ranks other than 0 mount their copy-on-write view of the repository (isolation.py);
+   then it guards its life (lifeline.py) and connects to the kernel, proving it holds the key;
 2. receives the run spec and the closure (both verified before unpickling);
 3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
 4. rank 0 sends back what the cell bound; a failing rank sends its traceback;
@@ -50,6 +51,11 @@ def _exit(code: int) -> None:
 def main() -> None:
     parent = os.getppid()
     host, port, key_hex = lifeline.read_first_line().split()
+    layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
+    if layer and repository:  # before any thread starts: unshare() needs a single-threaded process
+        from taas_magic.rank.isolation import divert_writes
+
+        divert_writes(repository, layer)
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
     rank = int(os.environ["RANK"])

@@ -1,0 +1,126 @@
+"""The write rule: only rank 0 writes to the repository (kernel side).
+
+The repository is, in order: what ``%taas config repo PATH`` set, the ``TAAS_REPO``
+environment variable, the top of the git work tree holding the kernel's working
+directory, or that directory itself. Ranks other than 0 get a private scratch layer
+each (rank/isolation.py mounts it over the repository); the layers are read for the
+report and removed when the cell ends.
+
+Whether this host allows the overlay is probed once per kernel, in a throwaway process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+
+OVERLAY = "overlay"
+NOT_DIVERTED = "off"
+
+
+def find_repository(cwd: str, configured: str | None = None) -> str:
+    chosen = configured or os.environ.get("TAAS_REPO")
+    if chosen:
+        return os.path.realpath(os.path.expanduser(chosen))
+    here = os.path.realpath(cwd)
+    probe = here
+    while True:
+        if os.path.exists(os.path.join(probe, ".git")):
+            return probe
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return here
+        probe = parent
+
+
+@lru_cache(maxsize=1)
+def probe_mode() -> tuple[str, str | None]:
+    """(mode, reason): OVERLAY when the namespaces and the overlay mount work here."""
+    lower, scratch = tempfile.mkdtemp(prefix="taas-probe-"), tempfile.mkdtemp(prefix="taas-probe-")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "taas_magic.rank.isolation", lower, scratch],
+            capture_output=True, text=True, timeout=30,
+        )
+    finally:
+        remove_tree(lower)
+        remove_tree(scratch)
+    if run.returncode == 0:
+        return OVERLAY, None
+    output = (run.stdout + run.stderr).strip().splitlines()
+    return NOT_DIVERTED, output[-1] if output else f"the probe exited with code {run.returncode}"
+
+
+def remove_tree(path: str) -> None:
+    """rmtree that also clears overlayfs's mode-000 work directories."""
+
+    def make_writable_and_retry(function, target, _excinfo):
+        parent = os.path.dirname(target)
+        for item in (parent, target):
+            try:
+                os.chmod(item, stat.S_IRWXU)
+            except OSError:
+                pass
+        function(target)
+
+    shutil.rmtree(path, onerror=make_writable_and_retry)
+
+
+@dataclass(frozen=True)
+class WriteRule:
+    repository: str
+    mode: str
+    reason: str | None = None
+
+    def header(self) -> str:
+        if self.mode == OVERLAY:
+            return f"repository {self.repository} · other ranks' writes there are diverted (overlay)"
+        return f"repository {self.repository} · WARNING: other ranks' writes are NOT diverted ({self.reason})"
+
+
+class ScratchLayers:
+    """One private scratch directory per rank other than 0, removed by :meth:`remove`."""
+
+    def __init__(self, world_size: int):
+        self.root = tempfile.mkdtemp(prefix="taas-scratch-")  # 0700: the ranks' diverted files
+        self.dirs = {rank: os.path.join(self.root, f"rank{rank}") for rank in range(1, world_size)}
+        for path in self.dirs.values():
+            os.mkdir(path, 0o700)
+
+    def report(self, repository: str) -> list[str]:
+        """One line per rank whose writes were diverted: how many changes, the first path."""
+        lines = []
+        for rank, path in self.dirs.items():
+            changes = _changes(os.path.join(path, "upper"), repository)
+            if changes:
+                first = min(changes, key=lambda item: item[0])[1]
+                lines.append(
+                    f"taas: rank {rank} tried to change {len(changes)} path(s) in the repository; "
+                    f"diverted and discarded (first: {first})"
+                )
+        return lines
+
+    def remove(self) -> None:
+        remove_tree(self.root)
+
+
+def _changes(upper: str, repository: str) -> list[tuple[float, str]]:
+    """(time, path) of every change in an overlay upper layer (whiteouts are deletions)."""
+    found: list[tuple[float, str]] = []
+    if not os.path.isdir(upper):
+        return found
+    for directory, subdirs, files in os.walk(upper):
+        for name in files + subdirs:
+            full = os.path.join(directory, name)
+            relative = os.path.relpath(full, upper)
+            info = os.lstat(full)
+            if stat.S_ISDIR(info.st_mode) and os.path.isdir(os.path.join(repository, relative)):
+                continue  # an existing directory copied up only because something inside changed
+            found.append((info.st_mtime, relative))
+    return found
