@@ -12,6 +12,9 @@ jupyter_client (the time a person waits: execute_request -> first rank-0 line on
 - torchrun: the same DDP loop as a script under ``python -m torch.distributed.run``;
 - steps/s: steady-state DDP steps per second of the same loop (2 ranks, gloo, a small
   MLP), under taas and under torchrun;
+- isolation cost: a 2-rank cell whose ranks print their clock first thing; rank 1 runs
+  under the write rule's isolation, rank 0 never does, so rank 1's start minus rank 0's
+  start is what the isolation adds (overlay and Python modes, one kernel);
 - flushed-line latency: rank 0 prints its clock and flushes, 20 times, 0.1 s apart; the
   latency is the iopub arrival time (same host clock) minus the printed time.
 
@@ -108,6 +111,27 @@ def flushed_line_latencies(kernel: Kernel) -> list[float]:
             latencies += [arrived - float(line.split()[1]) for line in msg["content"]["text"].splitlines() if line.startswith("stamp ")]
 
 
+START_CELL = """#pragma taas --gpus 2 --output all
+import time
+print(f"start {time.time():.6f}", flush=True)
+"""
+
+
+def isolation_costs(kernel: Kernel, repeats: int) -> dict[str, list[float]]:
+    costs: dict[str, list[float]] = {}
+    for mode in ("overlay", "python"):
+        kernel.execute(f"%taas config isolation {mode}")
+        for _ in range(repeats):
+            ran = kernel.execute(START_CELL)
+            stamps = {
+                line.split("]")[0]: float(line.split("start ")[1])
+                for line in ran.stream("stdout").splitlines() if "start " in line
+            }
+            costs.setdefault(f"isolation cost ({mode})", []).append(stamps["[rank 1"] - stamps["[rank 0"])
+    kernel.execute("%taas config isolation auto")
+    return costs
+
+
 def torchrun(script: Path) -> tuple[float, float, float]:
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -180,6 +204,9 @@ def main() -> None:
                 add("taas steps/s", rate)
                 for latency in flushed_line_latencies(kernel):
                     add("flushed line -> iopub", latency)
+                for name, values in isolation_costs(kernel, 3).items():
+                    for value in values:
+                        add(name, value)
             finally:
                 kernel.shutdown()
             first, whole, rate = torchrun(script)
@@ -193,7 +220,9 @@ def main() -> None:
     print(f"{'measure':<34} {'median':>9} {'min':>9} {'max':>9}  vs")
     for name, values in results.items():
         unit = "" if "steps/s" in name else " s"
-        if name == "flushed line -> iopub":
+        if name.startswith("isolation cost"):
+            versus = "rank 1 (isolated) start - rank 0 start; target <= 0.050 s"
+        elif name == "flushed line -> iopub":
             versus = f"p90 {statistics.quantiles(values, n=10)[-1]:.3f} s, max {max(values):.3f} s (target < 0.2 s)"
         elif "steps/s" in name:
             versus = f"{med[name] / med['torchrun steps/s']:.3f}x torchrun"

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 OVERLAY = "overlay"
-NOT_DIVERTED = "off"
+PYTHON = "python"
+MODES = ("auto", OVERLAY, PYTHON)
 
 
 def find_repository(cwd: str, configured: str | None = None) -> str:
@@ -40,8 +41,8 @@ def find_repository(cwd: str, configured: str | None = None) -> str:
 
 
 @lru_cache(maxsize=1)
-def probe_mode() -> tuple[str, str | None]:
-    """(mode, reason): OVERLAY when the namespaces and the overlay mount work here."""
+def probe_overlay() -> str | None:
+    """None when the namespaces and the overlay mount work here, else why not."""
     lower, scratch = tempfile.mkdtemp(prefix="taas-probe-"), tempfile.mkdtemp(prefix="taas-probe-")
     try:
         run = subprocess.run(
@@ -52,9 +53,19 @@ def probe_mode() -> tuple[str, str | None]:
         remove_tree(lower)
         remove_tree(scratch)
     if run.returncode == 0:
-        return OVERLAY, None
+        return None
     output = (run.stdout + run.stderr).strip().splitlines()
-    return NOT_DIVERTED, output[-1] if output else f"the probe exited with code {run.returncode}"
+    return output[-1] if output else f"the probe exited with code {run.returncode}"
+
+
+def choose_rule(repository: str, wanted: str) -> "WriteRule":
+    """The overlay where the host allows it (or ``wanted`` says python), else Python's."""
+    if wanted == PYTHON:
+        return WriteRule(repository, PYTHON, "chosen with %taas config isolation python")
+    reason = probe_overlay()
+    if reason is None:
+        return WriteRule(repository, OVERLAY)
+    return WriteRule(repository, PYTHON, f"user namespaces or overlay mounts unavailable: {reason}")
 
 
 def remove_tree(path: str) -> None:
@@ -81,7 +92,10 @@ class WriteRule:
     def header(self) -> str:
         if self.mode == OVERLAY:
             return f"repository {self.repository} · other ranks' writes there are diverted (overlay)"
-        return f"repository {self.repository} · WARNING: other ranks' writes are NOT diverted ({self.reason})"
+        return (
+            f"repository {self.repository} · other ranks' writes there are diverted by Python ({self.reason}); "
+            "writes by their subprocesses and C extensions other than torch.save are NOT diverted"
+        )
 
 
 class ScratchLayers:
@@ -97,7 +111,12 @@ class ScratchLayers:
         """One line per rank whose writes were diverted: how many changes, the first path."""
         lines = []
         for rank, path in self.dirs.items():
-            changes = _changes(os.path.join(path, "upper"), repository)
+            log = os.path.join(path, "changes.log")  # kept by the Python diversion
+            if os.path.exists(log):
+                with open(log) as handle:
+                    changes = [(float(index), line.rstrip("\n")) for index, line in enumerate(handle)]
+            else:
+                changes = _changes(os.path.join(path, "upper"), repository)
             if changes:
                 first = min(changes, key=lambda item: item[0])[1]
                 lines.append(

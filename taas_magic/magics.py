@@ -19,7 +19,7 @@ from traitlets import Enum, Float
 from . import wire
 from .cellcode import translate
 from .closure import select_closure, serialise_closure
-from .isolation import OVERLAY, ScratchLayers, WriteRule, find_repository, probe_mode
+from .isolation import MODES, ScratchLayers, choose_rule, find_repository
 from .launch.base import LaunchPlan
 from .launch.local import LocalRankGroup
 from .pragma import parse_cell
@@ -40,6 +40,7 @@ class TaasMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self.last_run: LastRun | None = None
         self.repository: str | None = None  # %taas config repo PATH
+        self.isolation = "auto"  # %taas config isolation auto|overlay|python
 
     @property
     def _shell(self) -> InteractiveShell:
@@ -72,14 +73,14 @@ class TaasMagics(Magics):
             "suppress_final": code.suppress_final,
         }
         bodies = [wire.encode_body("spec", wire.dumps(spec)), wire.encode_body("closure", closure_blob)]
-        rule = WriteRule(find_repository(os.getcwd(), self.repository), *probe_mode())
+        rule = choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
         print(header_line(options, devices, run_id, len(closure_blob)) + "\ntaas: " + rule.header(), flush=True)
 
         record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
         self.last_run = record
         port_reservation = reserve_port()
         server = RankServer(key, options.gpus)
-        layers = ScratchLayers(options.gpus) if rule.mode == OVERLAY else None
+        layers = ScratchLayers(options.gpus)
         started = time.monotonic()
         try:
             envs = [
@@ -97,9 +98,8 @@ class TaasMagics(Magics):
                 )
                 for rank in range(options.gpus)
             ]
-            if layers is not None:
-                for rank, layer in layers.dirs.items():
-                    envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer)
+            for rank, layer in layers.dirs.items():
+                envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=rule.mode)
             plan = LaunchPlan(options.gpus, envs, os.getcwd(), f"{server.address[0]} {server.address[1]} {key.hex()}")
             relay = OutputRelay(output, options.gpus, {"stdout": sys.stdout, "stderr": sys.stderr})
             outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, bodies, relay, self._publish, timeout)
@@ -111,10 +111,9 @@ class TaasMagics(Magics):
             record.seconds = time.monotonic() - started
             port_reservation.close()
             server.close()
-            if layers is not None:
-                for line in layers.report(rule.repository):
-                    print(line, file=sys.stderr)
-                layers.remove()
+            for line in layers.report(rule.repository):
+                print(line, file=sys.stderr)
+            layers.remove()
         return apply_results(self._shell.user_ns, outcome.result)
 
     def _publish(self, kind: str, message: dict) -> None:
@@ -140,10 +139,15 @@ class TaasMagics(Magics):
                 raise UsageError(f"taas: the repository must be a directory, got {words[2]!r}")
             self.repository = path
             print(f"taas: repository {path}")
+        elif words[:2] == ["config", "isolation"] and len(words) == 3:
+            if words[2] not in MODES:
+                raise UsageError(f"taas: isolation must be one of {', '.join(MODES)}, got {words[2]!r}")
+            self.isolation = "auto" if words[2] == "overlay" else words[2]
+            print(f"taas: isolation {words[2]}")
         elif command == "help":
             print(help_text())
         elif command == "status":
-            rule = WriteRule(find_repository(os.getcwd(), self.repository), *probe_mode())
+            rule = choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
             print(status_text(self.last_run, visible_gpu_count(), {"output": self.output, "timeout": self.timeout}))
             print("write rule: " + rule.header())
         else:

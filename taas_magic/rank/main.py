@@ -52,10 +52,16 @@ def main() -> None:
     parent = os.getppid()
     host, port, key_hex = lifeline.read_first_line().split()
     layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
+    write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
     if layer and repository:  # before any thread starts: unshare() needs a single-threaded process
-        from taas_magic.rank.isolation import divert_writes
+        if write_mode == "overlay":
+            from taas_magic.rank.isolation import divert_writes
 
-        divert_writes(repository, layer)
+            divert_writes(repository, layer)
+        else:
+            from taas_magic.rank import divert
+
+            divert.install(repository, layer)
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
     rank = int(os.environ["RANK"])

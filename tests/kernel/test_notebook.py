@@ -22,6 +22,8 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     assert "taas: 2 rank(s)" in out and "config g2.8" in out
     assert "epoch 2" in out and "saved mnist_cnn.pt" in out
     assert "saved file holds rank 0's weights: True" in out
+    # the unguarded save ran on both ranks; rank 1's was diverted and reported
+    assert "taas: rank 1 tried to change 1 path(s) in the repository" in run.stderr and "mnist_cnn.pt" in run.stderr
     accuracy = float(out.split("test accuracy ")[1].split(";")[0])
     assert accuracy > 0.9  # the synthetic classes are easy: the model really trained
     state = torch.load(tmp_path / "mnist_cnn.pt")

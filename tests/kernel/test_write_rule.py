@@ -10,7 +10,7 @@ import pytest
 # Every way of writing, as a function of the rank: run by every rank in the cell, and by
 # the test for rank 0 alone on a copy, which gives the repository we must end up with.
 OPERATIONS = '''
-def write_everything(root, r):
+def write_everything(root, r, subprocesses=True):
     import os, pathlib, shutil, subprocess
     import numpy, torch
     j = lambda name: os.path.join(root, name)
@@ -26,11 +26,14 @@ def write_everything(root, r):
     torch.save({"rank": torch.tensor([r])}, j(f"t_{r}.pt"))
     numpy.save(j(f"n_{r}.npy"), numpy.arange(4) + r)
     pathlib.Path(j(f"p_{r}.txt")).write_text(f"pathlib {r}")
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    TorchCheckpointIO().save_checkpoint({"rank": torch.tensor([r])}, j(f"lightning_{r}.pt"))
     shutil.copy(j("src.txt"), j(f"copy_{r}.txt"))
     shutil.move(j(f"smv_{r}.txt"), j(f"smoved_{r}.txt"))
     shutil.rmtree(j(f"tree_{r}"))
-    subprocess.run(["touch", j(f"touched_{r}")], check=True)
-    subprocess.run(["cp", j("src.txt"), j(f"cp_{r}.txt")], check=True)
+    if subprocesses:
+        subprocess.run(["touch", j(f"touched_{r}")], check=True)
+        subprocess.run(["cp", j("src.txt"), j(f"cp_{r}.txt")], check=True)
     with open(j(f"new_{r}.txt")) as f:  # the rank reads back what it wrote
         assert f.read() == f"made by {r}"
     assert not os.path.exists(j(f"del_{r}.txt"))
@@ -66,8 +69,22 @@ def snapshot(root: Path) -> dict:
     return state
 
 
+HEADERS = {
+    "overlay": "other ranks' writes there are diverted (overlay)",
+    "python": "other ranks' writes there are diverted by Python (chosen with %taas config isolation python)",
+}
+
+
+@pytest.fixture(params=["overlay", "python"])
+def mode(request, kernel):
+    ran = kernel.execute(f"%taas config isolation {request.param}")
+    assert ran.reply["status"] == "ok", ran.stream()
+    yield request.param
+    kernel.execute("%taas config isolation auto")
+
+
 @pytest.fixture()
-def scratch_repo(kernel, tmp_path):
+def scratch_repo(kernel, tmp_path, mode):
     repo = tmp_path / "repo"
     repo.mkdir()
     _seed(repo)
@@ -77,21 +94,23 @@ def scratch_repo(kernel, tmp_path):
     kernel.execute(f"%taas config repo {os.getcwd()}")
 
 
-def test_repository_holds_exactly_rank_0s_changes(kernel, scratch_repo, tmp_path):
+def test_repository_holds_exactly_rank_0s_changes(kernel, scratch_repo, tmp_path, mode):
+    subprocesses = mode == "overlay"  # the Python fallback documents that it cannot see them
     expected_root = tmp_path / "expected"
     shutil.copytree(scratch_repo, expected_root)
     namespace: dict = {}
     exec(OPERATIONS, namespace)  # noqa: S102 - the same operations, for rank 0 only
-    namespace["write_everything"](str(expected_root), 0)
+    namespace["write_everything"](str(expected_root), 0, subprocesses)
 
     kernel.execute(OPERATIONS)
     ran = kernel.execute(
-        f"#pragma taas --gpus 2 --output all\nimport os\nwrite_everything({str(scratch_repo)!r}, int(os.environ['RANK']))\n"
+        f"#pragma taas --gpus 2 --output all\nimport os\n"
+        f"write_everything({str(scratch_repo)!r}, int(os.environ['RANK']), {subprocesses})\n"
         "print('wrote', os.environ['RANK'])"
     )
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
     assert "[rank 0] wrote 0" in ran.stream("stdout") and "[rank 1] wrote 1" in ran.stream("stdout")
-    assert "other ranks' writes there are diverted (overlay)" in ran.stream("stdout")
+    assert HEADERS[mode] in ran.stream("stdout")
     assert snapshot(scratch_repo) == snapshot(expected_root)
     report = [line for line in ran.stream("stderr").splitlines() if "tried to change" in line]
     assert len(report) == 1 and report[0].startswith("taas: rank 1 tried to change")

@@ -1,0 +1,225 @@
+"""The Python-level write diversion, for hosts that forbid user namespaces.
+
+A copy-on-write view of the repository kept by Python itself: paths under the
+repository are resolved through a private layer directory. A write goes to the layer
+(appending or updating copies the repository's file up first); a delete leaves a
+tombstone; reads, ``stat`` and ``listdir`` see the layer over the repository, so the
+rank reads back what it wrote and the repository itself never changes.
+
+Covered: ``open``/``io.open`` (so ``pathlib``, ``numpy.save``, ``shutil.copy*``, fsspec
+and Lightning's checkpoint writer), ``os.open``, ``os.remove``/``unlink``/``rename``/
+``replace``/``mkdir``/``makedirs``/``rmdir``/``chmod``/``stat``/``lstat``/``listdir``/
+``scandir``-free existence checks, ``shutil.rmtree``/``move``, and ``torch.save`` (whose
+C++ writer opens the file itself).
+
+Paths are compared after ``os.path.abspath`` (not ``realpath``): a symbolic link from
+outside into the repository is not followed.
+
+NOT covered (the header says which mode is in force; the README repeats this): any
+process the rank starts (``!cmd``, ``subprocess``), C extensions other than torch.save
+that open files themselves, file descriptors opened before the cell, ``os.link``/
+``symlink``/``truncate(path)``/``utime``, and ``dir_fd=`` arguments.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import shutil
+from typing import Any
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+class Diversion:
+    def __init__(self, repository: str, layer: str):
+        self.repository = os.path.realpath(repository)
+        self.layer = os.path.realpath(layer)
+        self.upper = os.path.join(self.layer, "upper")
+        self.log_path = os.path.join(layer, "changes.log")
+        self.deleted: set[str] = set()
+        self.logged: set[str] = set()
+        os.makedirs(self.upper, exist_ok=True)
+        self.real = {name: getattr(os, name) for name in (
+            "open", "remove", "unlink", "rename", "replace", "mkdir", "rmdir", "chmod", "stat", "lstat", "listdir")}
+        self.real_open = builtins.open
+        self.real_rmtree = shutil.rmtree
+
+    # -- paths ---------------------------------------------------------------------------
+    def relative(self, path: Any) -> str | None:
+        if isinstance(path, int):
+            return None
+        try:
+            # IMPORTANT: abspath, not realpath: realpath calls os.lstat, which is patched.
+            full = os.path.abspath(os.fsdecode(os.fspath(path)))
+        except TypeError:
+            return None
+        if full != self.repository and not full.startswith(self.repository + os.sep):
+            return None
+        if full == self.layer or full.startswith(self.layer + os.sep):
+            return None
+        return os.path.relpath(full, self.repository)
+
+    def _is_deleted(self, relative: str) -> bool:
+        return any(relative == gone or relative.startswith(gone + os.sep) for gone in self.deleted)
+
+    def for_reading(self, path: Any) -> Any:
+        relative = self.relative(path)
+        if relative is None:
+            return path
+        upper = os.path.join(self.upper, relative)
+        if os.path.lexists(upper):
+            return upper
+        if self._is_deleted(relative):
+            return os.path.join(self.upper, ".taas-deleted", relative)  # does not exist
+        return path
+
+    def for_writing(self, path: Any, copy_up: bool) -> Any:
+        relative = self.relative(path)
+        if relative is None:
+            return path
+        upper = os.path.join(self.upper, relative)
+        os.makedirs(os.path.dirname(upper), exist_ok=True)
+        source = self.for_reading(path)
+        if copy_up and source != upper and os.path.exists(source) and not os.path.exists(upper):
+            if os.path.isdir(source):
+                shutil.copytree(source, upper, symlinks=True)
+            else:
+                shutil.copy2(source, upper)
+        self.deleted.discard(relative)
+        self._log(relative)
+        return upper
+
+    def _log(self, relative: str) -> None:
+        if relative not in self.logged:
+            self.logged.add(relative)
+            with self.real_open(self.log_path, "a") as log:
+                log.write(relative + "\n")
+
+    def _delete(self, path: Any, is_dir: bool) -> None:
+        relative = self.relative(path)
+        upper = os.path.join(self.upper, relative)  # type: ignore[arg-type]
+        if os.path.lexists(upper):
+            (self.real_rmtree if is_dir and not os.path.islink(upper) else self.real["unlink"])(upper)
+        self.deleted.add(relative)  # type: ignore[arg-type]
+        self._log(relative)  # type: ignore[arg-type]
+
+    # -- the patched functions -----------------------------------------------------------
+    def open(self, file, mode="r", *args, **kwargs):
+        if self.relative(file) is None:
+            return self.real_open(file, mode, *args, **kwargs)
+        writes = any(flag in mode for flag in "wax+")
+        target = self.for_writing(file, copy_up="a" in mode or "+" in mode and "w" not in mode) if writes else self.for_reading(file)
+        return self.real_open(target, mode, *args, **kwargs)
+
+    def os_open(self, path, flags, mode=0o777, *, dir_fd=None):
+        if dir_fd is not None or self.relative(path) is None:
+            return self.real["open"](path, flags, mode, dir_fd=dir_fd)
+        if flags & _WRITE_FLAGS:
+            target = self.for_writing(path, copy_up=not flags & os.O_TRUNC)
+        else:
+            target = self.for_reading(path)
+        return self.real["open"](target, flags, mode)
+
+    def remove(self, path, *, dir_fd=None):
+        if dir_fd is not None or self.relative(path) is None:
+            return self.real["remove"](path, dir_fd=dir_fd)
+        self.real["lstat"](self.for_reading(path))  # FileNotFoundError as without taas
+        self._delete(path, is_dir=False)
+
+    def rmdir(self, path, *, dir_fd=None):
+        if dir_fd is not None or self.relative(path) is None:
+            return self.real["rmdir"](path, dir_fd=dir_fd)
+        if self.listdir(path):
+            raise OSError(39, "Directory not empty", path)
+        self._delete(path, is_dir=True)
+
+    def rmtree(self, path, *args, **kwargs):
+        if self.relative(path) is None:
+            return self.real_rmtree(path, *args, **kwargs)
+        self.real["lstat"](self.for_reading(path))
+        self._delete(path, is_dir=True)
+
+    def rename(self, src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        if src_dir_fd is not None or dst_dir_fd is not None or (self.relative(src) is None and self.relative(dst) is None):
+            return self.real["rename"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        source = self.for_reading(src)
+        target = self.for_writing(dst, copy_up=False)
+        if os.path.isdir(target) and not os.path.isdir(source):
+            raise IsADirectoryError(21, "Is a directory", dst)
+        if self.relative(src) is None:  # into the repository from outside: move it in
+            return self.real["rename"](source, target)
+        if os.path.isdir(source):
+            if os.path.lexists(target):
+                self.real_rmtree(target)
+            shutil.copytree(source, target, symlinks=True)
+        else:
+            shutil.copy2(source, target)
+        self._delete(src, is_dir=os.path.isdir(source))
+
+    def mkdir(self, path, mode=0o777, *, dir_fd=None):
+        if dir_fd is not None or self.relative(path) is None:
+            return self.real["mkdir"](path, mode, dir_fd=dir_fd)
+        if os.path.lexists(self.for_reading(path)):
+            raise FileExistsError(17, "File exists", path)
+        self.real["mkdir"](self.for_writing(path, copy_up=False), mode)
+
+    def chmod(self, path, mode, *, dir_fd=None, follow_symlinks=True):
+        if dir_fd is not None or self.relative(path) is None:
+            return self.real["chmod"](path, mode, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        self.real["lstat"](self.for_reading(path))
+        self.real["chmod"](self.for_writing(path, copy_up=True), mode, follow_symlinks=follow_symlinks)
+
+    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
+        if dir_fd is None:
+            path = self.for_reading(path)
+        return self.real["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+
+    def lstat(self, path, *, dir_fd=None):
+        if dir_fd is None:
+            path = self.for_reading(path)
+        return self.real["lstat"](path, dir_fd=dir_fd)
+
+    def listdir(self, path="."):
+        relative = self.relative(path)
+        if relative is None:
+            return self.real["listdir"](path)
+        names = set()
+        base = os.path.join(self.repository, relative)
+        if os.path.isdir(base) and not self._is_deleted(relative):
+            names.update(self.real["listdir"](base))
+        upper = os.path.join(self.upper, relative)
+        if os.path.isdir(upper):
+            names.update(self.real["listdir"](upper))
+        return sorted(name for name in names if not self._is_deleted(os.path.normpath(os.path.join(relative, name))))
+
+    def torch_save(self, real_save):
+        def save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, bytes, os.PathLike)):
+                f = self.for_writing(f, copy_up=False)
+            return real_save(obj, f, *args, **kwargs)
+
+        return save
+
+
+def install(repository: str, layer: str) -> Diversion:
+    """Divert this process's Python-level writes under ``repository`` into ``layer``."""
+    from taas_magic.rank.import_hooks import when_imported
+
+    diversion = Diversion(repository, layer)
+    builtins.open = io.open = diversion.open  # type: ignore[assignment]
+    os.open = diversion.os_open  # type: ignore[assignment]
+    os.remove = os.unlink = diversion.remove  # type: ignore[assignment]
+    os.rename, os.replace = diversion.rename, diversion.rename  # type: ignore[assignment]
+    os.mkdir, os.rmdir, os.chmod = diversion.mkdir, diversion.rmdir, diversion.chmod  # type: ignore[assignment]
+    os.stat, os.lstat, os.listdir = diversion.stat, diversion.lstat, diversion.listdir  # type: ignore[assignment]
+    shutil.rmtree = diversion.rmtree  # type: ignore[assignment]
+
+    def patch_torch(torch_module) -> None:
+        import torch.serialization as serialization
+
+        torch_module.save = serialization.save = diversion.torch_save(serialization.save)
+
+    when_imported("torch", patch_torch)
+    return diversion
