@@ -1,6 +1,6 @@
 """Launch latency and training throughput of a taas cell, beside its floor and torchrun.
 
-    python bench/launch.py [--repeats 5] [--steps 300]
+    python bench/launch.py [--repeats 5] [--steps 1000]
 
 Everything is measured in one run, side by side, through a real kernel driven by
 jupyter_client (the time a person waits: execute_request -> first rank-0 line on iopub):
@@ -175,7 +175,7 @@ def paired_throughput(repeats: int, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--throughput-only", action="store_true")
     args = parser.parse_args()
     if args.throughput_only:

@@ -51,3 +51,25 @@ def test_more_gpus_than_the_host_has_is_a_clear_error(gpu_kernel):
     ran = gpu_kernel.execute(f"#pragma taas --gpus {too_many}\nprint('ran')")
     assert ran.error["ename"] == "LaunchError"
     assert f"--gpus {too_many}" in ran.error_text() and "ran" not in ran.stream()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: rank 1 is the isolated one")
+def test_nccl_across_an_isolated_rank(gpu_kernel):
+    ran = gpu_kernel.execute(
+        """#pragma taas --gpus 2 --output all
+import os, torch, torch.distributed as dist
+dist.init_process_group(backend="nccl", init_method="env://")
+t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(t)
+torch.save(t.cpu(), "taas_gpu_write_rule.pt")
+print("SUM", t.item(), torch.cuda.current_device())
+dist.destroy_process_group()
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert "[rank 0] SUM 3.0 0" in ran.stream("stdout") and "[rank 1] SUM 3.0 1" in ran.stream("stdout")
+    assert "diverted (overlay)" in ran.stream("stdout")
+    assert "rank 1 tried to change 1 path(s)" in ran.stream("stderr")
+    import os
+
+    os.remove("taas_gpu_write_rule.pt")

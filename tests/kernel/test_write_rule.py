@@ -147,3 +147,22 @@ def test_scratch_layers_are_removed_after_the_cell(kernel, scratch_repo):
     kernel.execute(f"#pragma taas --gpus 2\nopen({str(scratch_repo / 'x.txt')!r}, 'w').write('x')")
     after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("taas-scratch-")}
     assert after <= before
+
+
+def test_shared_memory_and_sockets_work_in_an_isolated_rank(kernel, scratch_repo):
+    # DataLoader workers hand tensors over through /dev/shm; the all-reduce crosses from
+    # rank 1's namespaces to rank 0 over gloo's sockets.
+    ran = kernel.execute(
+        """#pragma taas --gpus 2 --output all
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+dist.init_process_group("gloo")
+loader = DataLoader(TensorDataset(torch.arange(32.0)), batch_size=8, num_workers=2)
+total = torch.tensor([sum(batch[0].sum().item() for batch in loader)])
+dist.all_reduce(total)
+print("TOTAL", total.item())
+dist.destroy_process_group()
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    assert ran.stream("stdout").count("TOTAL 992.0") == 2
