@@ -130,7 +130,7 @@ class TaasMagics(Magics):
 
     @line_magic("taas")  # type: ignore[arg-type]
     def taas_line(self, line: str):
-        """``%taas help`` | ``%taas status`` | ``%taas config repo PATH``."""
+        """``%taas help`` | ``%taas status`` | ``%taas config repo PATH`` | ``%taas config isolation auto|python``."""
         command = line.strip() or "help"
         words = command.split(maxsplit=2)
         if words[:2] == ["config", "repo"] and len(words) == 3:

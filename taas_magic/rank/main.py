@@ -48,20 +48,29 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _isolate(repository: str, layer: str, write_mode: str | None) -> None:
+    """Divert this rank's writes under the repository (overlay, else Python-level)."""
+    from taas_magic.rank import divert
+
+    if write_mode == "overlay":
+        from taas_magic.rank.isolation import IsolationUnavailable, divert_writes
+
+        try:
+            divert_writes(repository, layer)
+            return
+        except IsolationUnavailable as exc:  # the probe passed, this repository did not
+            print(f"taas: rank {os.environ['RANK']} could not mount the overlay over {repository} ({exc}); "
+                  "its writes there are diverted by Python instead", file=sys.stderr, flush=True)
+    divert.install(repository, layer)
+
+
 def main() -> None:
     parent = os.getppid()
     host, port, key_hex = lifeline.read_first_line().split()
     layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
     write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
     if layer and repository:  # before any thread starts: unshare() needs a single-threaded process
-        if write_mode == "overlay":
-            from taas_magic.rank.isolation import divert_writes
-
-            divert_writes(repository, layer)
-        else:
-            from taas_magic.rank import divert
-
-            divert.install(repository, layer)
+        _isolate(repository, layer, write_mode)
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
     rank = int(os.environ["RANK"])

@@ -166,3 +166,15 @@ dist.destroy_process_group()
     )
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
     assert ran.stream("stdout").count("TOTAL 992.0") == 2
+
+
+def test_a_repository_the_overlay_refuses_falls_back_to_python_in_the_rank(kernel):
+    # The probe passed, but overlayfs refuses /proc/sys as its lower layer.
+    kernel.execute("%taas config repo /proc/sys")
+    try:
+        ran = kernel.execute("#pragma taas --gpus 2 --output all\nimport os\nprint('entries', len(os.listdir('/proc/sys')) > 0)")
+    finally:
+        kernel.execute(f"%taas config repo {os.getcwd()}")
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    assert "rank 1 could not mount the overlay over /proc/sys" in ran.stream("stderr")
+    assert ran.stream("stdout").count("entries True") == 2
