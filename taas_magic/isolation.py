@@ -101,8 +101,13 @@ class WriteRule:
 class ScratchLayers:
     """One private scratch directory per rank other than 0, removed by :meth:`remove`."""
 
+    PREFIX = "taas-scratch-"
+
     def __init__(self, world_size: int):
-        self.root = tempfile.mkdtemp(prefix="taas-scratch-")  # 0700: the ranks' diverted files
+        sweep_orphans()
+        # 0700: the ranks' diverted files. The kernel's pid in the name lets a later run
+        # sweep the layers of a kernel that was killed before it could remove them.
+        self.root = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-")
         self.dirs = {rank: os.path.join(self.root, f"rank{rank}") for rank in range(1, world_size)}
         for path in self.dirs.values():
             os.mkdir(path, 0o700)
@@ -127,6 +132,30 @@ class ScratchLayers:
 
     def remove(self) -> None:
         remove_tree(self.root)
+
+
+def sweep_orphans() -> None:
+    """Remove scratch layers left by kernels that no longer run."""
+    directory = tempfile.gettempdir()
+    for name in os.listdir(directory):
+        if not name.startswith(ScratchLayers.PREFIX):
+            continue
+        pid = name[len(ScratchLayers.PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and os.stat(path).st_uid == os.getuid():
+            remove_tree(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _changes(upper: str, repository: str) -> list[tuple[float, str]]:

@@ -178,3 +178,15 @@ def test_a_repository_the_overlay_refuses_falls_back_to_python_in_the_rank(kerne
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
     assert "rank 1 could not mount the overlay over /proc/sys" in ran.stream("stderr")
     assert ran.stream("stdout").count("entries True") == 2
+
+
+def test_layers_of_a_killed_kernel_are_swept(kernel, tmp_path):
+    import tempfile
+
+    dead = 2**22 + 12345  # above pid_max's default range: no such process
+    orphan = Path(tempfile.gettempdir()) / f"taas-scratch-{dead}-abcd"
+    (orphan / "rank1" / "upper").mkdir(parents=True)
+    (orphan / "rank1" / "upper" / "model.pt").write_bytes(b"diverted")
+    ran = kernel.execute("#pragma taas --gpus 2\nx_swept = 1")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert not orphan.exists()
