@@ -119,14 +119,13 @@ class ScratchLayers:
             log = os.path.join(path, "changes.log")  # kept by the Python diversion
             if os.path.exists(log):
                 with open(log) as handle:
-                    changes = [(float(index), line.rstrip("\n")) for index, line in enumerate(handle)]
+                    changes = [line.rstrip("\n") for line in handle]
             else:
                 changes = _changes(os.path.join(path, "upper"), repository)
             if changes:
-                first = min(changes, key=lambda item: item[0])[1]
                 lines.append(
                     f"taas: rank {rank} tried to change {len(changes)} path(s) in the repository; "
-                    f"diverted and discarded (first: {first})"
+                    f"diverted and discarded (first: {changes[0]})"
                 )
         return lines
 
@@ -158,11 +157,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _changes(upper: str, repository: str) -> list[tuple[float, str]]:
-    """(time, path) of every change in an overlay upper layer (whiteouts are deletions)."""
+def _changes(upper: str, repository: str) -> list[str]:
+    """Every changed path in an overlay upper layer, oldest first (whiteouts are deletions)."""
     found: list[tuple[float, str]] = []
     if not os.path.isdir(upper):
-        return found
+        return []
     for directory, subdirs, files in os.walk(upper):
         for name in files + subdirs:
             full = os.path.join(directory, name)
@@ -171,4 +170,4 @@ def _changes(upper: str, repository: str) -> list[tuple[float, str]]:
             if stat.S_ISDIR(info.st_mode) and os.path.isdir(os.path.join(repository, relative)):
                 continue  # an existing directory copied up only because something inside changed
             found.append((info.st_mtime, relative))
-    return found
+    return [relative for _, relative in sorted(found)]

@@ -19,7 +19,7 @@ from traitlets import Enum, Float
 from . import wire
 from .cellcode import translate
 from .closure import select_closure, serialise_closure
-from .isolation import MODES, ScratchLayers, choose_rule, find_repository
+from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_repository
 from .launch.base import LaunchPlan
 from .launch.local import LocalRankGroup
 from .pragma import parse_cell
@@ -47,6 +47,9 @@ class TaasMagics(Magics):
         assert self.shell is not None, "TaasMagics is registered with a shell"
         return self.shell
 
+    def _write_rule(self) -> WriteRule:
+        return choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
+
     @cell_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_cell(self, line: str, cell: str):
         """Run this cell as N DDP ranks: ``%%taas --gpus N [...]`` (see ``%taas help``)."""
@@ -73,7 +76,7 @@ class TaasMagics(Magics):
             "suppress_final": code.suppress_final,
         }
         bodies = [wire.encode_body("spec", wire.dumps(spec)), wire.encode_body("closure", closure_blob)]
-        rule = choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
+        rule = self._write_rule()
         print(header_line(options, devices, run_id, len(closure_blob)) + "\ntaas: " + rule.header(), flush=True)
 
         record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
@@ -147,7 +150,7 @@ class TaasMagics(Magics):
         elif command == "help":
             print(help_text())
         elif command == "status":
-            rule = choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
+            rule = self._write_rule()
             print(status_text(self.last_run, visible_gpu_count(), {"output": self.output, "timeout": self.timeout}))
             print("write rule: " + rule.header())
         else:

@@ -26,9 +26,9 @@ from typing import IO, Callable
 
 _LINE_END = re.compile(r"(?<=[\n\r])")
 MARKER_PREFIX = "\x00taas-display:"
-_MARKER = re.compile("\x00taas-display:(\\d+)\x00")
-_MARKER_AT_END = re.compile("\x00taas-display:\\d+\x00$")
-_MARKER_HEAD = re.compile("\x00taas-display:\\d*")
+_MARKER = re.compile(re.escape(MARKER_PREFIX) + "(\\d+)\x00")
+_MARKER_AT_END = re.compile(re.escape(MARKER_PREFIX) + "\\d+\x00$")
+_MARKER_HEAD = re.compile(re.escape(MARKER_PREFIX) + "\\d*")
 
 
 def display_marker(number: int) -> bytes:
@@ -118,7 +118,7 @@ class OutputRelay:
         self._emit(rank, stream, text)
 
     def _emit(self, rank: int, stream: str, text: str) -> None:
-        if not text or self.muted:
+        if not text:  # feed() has already dropped everything while muted
             return
         state = self.ranks[rank]
         state.remember(text)

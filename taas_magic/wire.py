@@ -167,10 +167,8 @@ class BlockingChannel:
         return cls(sock, codec)
 
     def send(self, kind: str, data: bytes) -> None:
-        body = encode_body(kind, data)
         with self._send_lock:
-            self._sock.sendall(self._codec.header(body))
-            self._sock.sendall(body)
+            write_frame(self._sock, self._codec, encode_body(kind, data))
 
     def recv(self) -> tuple[str, memoryview]:
         head = _recv_exactly(self._sock, LENGTH.size + MAC_SIZE)
@@ -189,12 +187,17 @@ class BlockingChannel:
         self._sock.close()
 
 
+def write_frame(sock: socket.socket, codec: FrameCodec, body: bytes) -> None:
+    """Sign and send one encoded body (see encode_body) on a blocking socket."""
+    sock.sendall(codec.header(body))
+    sock.sendall(body)  # separately: a large closure is not copied to prepend the header
+
+
 def send_blocking(sock: socket.socket, codec: FrameCodec, body: bytes) -> None:
-    """Send one encoded body (see encode_body) on a socket otherwise read without blocking."""
+    """Send one encoded body on a socket that is otherwise read without blocking."""
     sock.setblocking(True)
     try:
-        sock.sendall(codec.header(body))
-        sock.sendall(body)
+        write_frame(sock, codec, body)
     finally:
         sock.setblocking(False)
 

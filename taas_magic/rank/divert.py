@@ -32,6 +32,10 @@ from typing import Any
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + os.sep)
+
+
 class Diversion:
     def __init__(self, repository: str, layer: str):
         self.repository = os.path.realpath(repository)
@@ -42,7 +46,7 @@ class Diversion:
         self.logged: set[str] = set()
         os.makedirs(self.upper, exist_ok=True)
         self.real = {name: getattr(os, name) for name in (
-            "open", "remove", "unlink", "rename", "replace", "mkdir", "rmdir", "chmod", "stat", "lstat", "listdir")}
+            "open", "remove", "unlink", "rename", "mkdir", "rmdir", "chmod", "stat", "lstat", "listdir")}
         self.real_open = builtins.open
         self.real_rmtree = shutil.rmtree
 
@@ -55,14 +59,12 @@ class Diversion:
             full = os.path.abspath(os.fsdecode(os.fspath(path)))
         except TypeError:
             return None
-        if full != self.repository and not full.startswith(self.repository + os.sep):
-            return None
-        if full == self.layer or full.startswith(self.layer + os.sep):
+        if not _inside(full, self.repository) or _inside(full, self.layer):
             return None
         return os.path.relpath(full, self.repository)
 
     def _is_deleted(self, relative: str) -> bool:
-        return any(relative == gone or relative.startswith(gone + os.sep) for gone in self.deleted)
+        return any(_inside(relative, gone) for gone in self.deleted)
 
     def for_reading(self, path: Any) -> Any:
         relative = self.relative(path)
