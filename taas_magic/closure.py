@@ -10,13 +10,19 @@ never pickled, however large.
 What is shipped is one dict, serialised once with cloudpickle (protocol 5): notebook
 functions, classes and lambdas travel by value with what they reference; importable
 modules and library objects travel by reference and are re-imported in the ranks.
+
+Loaders registered with ``taas.register`` are *externals*: wherever the closure reaches
+one (a name, a dict of loaders, a function's default), it is pickled as a reference
+``("taas-feed", i)`` that the rank resolves to its prepared loader (feed/proxy.py).
+Which externals were reached is how the kernel knows which loaders the cell uses.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import cloudpickle
 
@@ -68,18 +74,42 @@ def _type_name(value: Any) -> str:
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def serialise_closure(closure: Mapping[str, Any]) -> bytes:
-    """Pickle the closure once, or name the first variable that cannot be pickled.
+class _ClosurePickler(cloudpickle.Pickler):
+    def __init__(self, file: io.BytesIO, externals: Sequence[Any]):
+        super().__init__(file, protocol=5)
+        self._externals = {id(obj): index for index, obj in enumerate(externals)}
+        self.used: set[int] = set()
+
+    def persistent_id(self, obj: Any):
+        index = self._externals.get(id(obj))
+        if index is None:
+            return None
+        self.used.add(index)
+        return ("taas-feed", index)
+
+
+def _dumps(value: Any, externals: Sequence[Any]) -> tuple[bytes, set[int]]:
+    if not externals:
+        return cloudpickle.dumps(value, protocol=5), set()
+    buffer = io.BytesIO()
+    pickler = _ClosurePickler(buffer, externals)
+    pickler.dump(value)
+    return buffer.getvalue(), pickler.used
+
+
+def serialise_closure(closure: Mapping[str, Any], externals: Sequence[Any] = ()) -> tuple[bytes, list[int]]:
+    """Pickle the closure once; return it and the indices of the externals it reached.
 
     Raises:
         ClosureError: with the variable's name, type and pickle's reason.
     """
     try:
-        return cloudpickle.dumps(dict(closure), protocol=5)
+        blob, used = _dumps(dict(closure), externals)
+        return blob, sorted(used)
     except Exception as whole_error:  # noqa: BLE001 - pickling can fail with any exception type
         for name, value in closure.items():
             try:
-                cloudpickle.dumps(value, protocol=5)
+                _dumps(value, externals)
             except Exception as exc:  # noqa: BLE001
                 raise ClosureError(name, _type_name(value), f"{type(exc).__name__}: {exc}") from None
         # Each value pickles alone but not together (e.g. a shared object's state differs).

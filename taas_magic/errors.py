@@ -10,6 +10,7 @@
         ├── LaunchError                    the ranks cannot be started (too few GPUs, ...)
         └── RunError                       the ranks started, the run failed
             ├── RankFailed                 a rank raised, exited non-zero or was killed
+            ├── WorkerFailed               a data worker raised preparing an element, or died
             └── RunTimeout                 --timeout passed; names the ranks still running
 
 IPython shows an exception through its ``_render_traceback_`` when it has one (as
@@ -93,6 +94,55 @@ class RankFailed(RunError):
             lines.extend(self.traceback_text.rstrip("\n").splitlines())
         if self.last_lines:
             lines.append(f"--- last {len(self.last_lines)} lines of output of rank {self.rank} ---")
+            lines.extend(self.last_lines)
+        return lines
+
+
+class WorkerFailed(RunError):
+    """The first data worker to fail: the element it was preparing, its traceback."""
+
+    def __init__(
+        self,
+        worker: int,
+        host: str,
+        summary: str,
+        traceback_text: str = "",
+        last_lines: tuple[str, ...] = (),
+    ):
+        super().__init__(f"data worker {worker} on {host} {summary}")
+        self.worker, self.host, self.summary = worker, host, summary
+        self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
+
+    def __reduce__(self):
+        return (type(self), (self.worker, self.host, self.summary, self.traceback_text, self.last_lines))
+
+    @classmethod
+    def from_report(cls, worker: int, host: str, loader: str, report: dict) -> "WorkerFailed":
+        """From a worker's ``failed`` message: frames get the notebook's source lines here,
+        where IPython's cells are in ``linecache``; taas's own frames are left out."""
+        import linecache
+        import os
+
+        package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+        lines = ["Traceback (most recent call last):\n"]
+        for filename, lineno, name, line in report["frames"]:
+            if os.path.abspath(filename).startswith(package):
+                continue
+            lines.append(f'  File "{filename}", line {lineno}, in {name}\n')
+            line = line or linecache.getline(filename, lineno)
+            if line and line.strip():
+                lines.append(f"    {line.strip()}\n")
+        exception = report["exception"].strip()
+        summary = f"raised {exception.splitlines()[-1] if exception else 'an error'} while preparing {report['element']} of {loader}"
+        return cls(worker, host, summary, "".join(lines) + report["exception"])
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"taas: data worker {self.worker} on {self.host} {self.summary}; every rank and worker was stopped."]
+        if self.traceback_text:
+            lines.append(f"--- traceback of data worker {self.worker} ---")
+            lines.extend(self.traceback_text.rstrip("\n").splitlines())
+        if self.last_lines:
+            lines.append(f"--- last {len(self.last_lines)} lines of output of data worker {self.worker} ---")
             lines.extend(self.last_lines)
         return lines
 

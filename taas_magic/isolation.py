@@ -99,23 +99,26 @@ class WriteRule:
 
 
 class ScratchLayers:
-    """One private scratch directory per rank other than 0, removed by :meth:`remove`."""
+    """One private scratch directory per rank other than 0 and per data worker, removed by :meth:`remove`."""
 
     PREFIX = "taas-scratch-"
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, workers: int = 0):
         sweep_orphans()
         # 0700: the ranks' diverted files. The kernel's pid in the name lets a later run
         # sweep the layers of a kernel that was killed before it could remove them.
         self.root = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-")
         self.dirs = {rank: os.path.join(self.root, f"rank{rank}") for rank in range(1, world_size)}
-        for path in self.dirs.values():
+        self.worker_dirs = {worker: os.path.join(self.root, f"worker{worker}") for worker in range(workers)}
+        for path in (*self.dirs.values(), *self.worker_dirs.values()):
             os.mkdir(path, 0o700)
 
     def report(self, repository: str) -> list[str]:
         """One line per rank whose writes were diverted: how many changes, the first path."""
         lines = []
-        for rank, path in self.dirs.items():
+        named = [(f"rank {rank}", path) for rank, path in self.dirs.items()]
+        named += [(f"data worker {worker}", path) for worker, path in self.worker_dirs.items()]
+        for who, path in named:
             log = os.path.join(path, "changes.log")  # kept by the Python diversion
             if os.path.exists(log):
                 with open(log) as handle:
@@ -124,7 +127,7 @@ class ScratchLayers:
                 changes = _changes(os.path.join(path, "upper"), repository)
             if changes:
                 lines.append(
-                    f"taas: rank {rank} tried to change {len(changes)} path(s) in the repository; "
+                    f"taas: {who} tried to change {len(changes)} path(s) in the repository; "
                     f"diverted and discarded (first: {changes[0]})"
                 )
         return lines
@@ -133,13 +136,13 @@ class ScratchLayers:
         remove_tree(self.root)
 
 
-def sweep_orphans() -> None:
-    """Remove scratch layers left by kernels that no longer run."""
-    directory = tempfile.gettempdir()
+def sweep_orphans(directory: str | None = None, prefix: str = "taas-scratch-") -> None:
+    """Remove what killed kernels left: entries ``<prefix><pid>-...`` whose kernel is gone."""
+    directory = directory or tempfile.gettempdir()
     for name in os.listdir(directory):
-        if not name.startswith(ScratchLayers.PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(ScratchLayers.PREFIX):].split("-", 1)[0]
+        pid = name[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or _alive(int(pid)):
             continue
         path = os.path.join(directory, name)

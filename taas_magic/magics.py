@@ -14,15 +14,16 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from traitlets import Enum, Float
+from traitlets import Enum, Float, Int, Unicode
 
 from . import wire
 from .cellcode import translate
 from .closure import select_closure, serialise_closure
+from .feed.run import DataRun, default_cache_ram
 from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_repository
 from .launch.base import LaunchPlan
 from .launch.local import LocalRankGroup
-from .pragma import parse_cell
+from .pragma import PragmaError, parse_cell, parse_size
 from .rankenv import LOOPBACK, plan_devices, rank_environment, reserve_port, visible_gpu_count
 from .relay import OutputRelay
 from .results import apply_results
@@ -35,6 +36,8 @@ from .supervisor import run_ranks
 class TaasMagics(Magics):
     output = Enum(("rank0", "all"), "rank0", config=True, help="Default for --output.")
     timeout = Float(None, allow_none=True, config=True, help="Default for --timeout, in seconds.")
+    cache_ram = Unicode("", config=True, help="Default for --cache-ram (e.g. '4G'); empty: min(4G, half of /dev/shm free).")
+    ahead = Int(16, config=True, help="Default for --ahead: elements per rank that may wait before workers pause.")
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
@@ -59,8 +62,14 @@ class TaasMagics(Magics):
         timeout = options.timeout if options.timeout is not None else self.timeout
         code = translate(self._shell, parsed.source)
         closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
-        closure_blob = serialise_closure(closure)
+        import taas
+
+        registered = taas.registered()
+        closure_blob, used = serialise_closure(closure, registered)
+        data = self._data_run({index: registered[index] for index in used}, options) if used else None
         devices = plan_devices(options.gpus)
+        world_size = options.gpus
+        workers = data.workers if data is not None else 0
 
         run_id = secrets.token_hex(6)
         key = wire.new_key()
@@ -74,16 +83,20 @@ class TaasMagics(Magics):
             "output": output,
             "kernel_has_cuda": devices.device == "cuda",
             "suppress_final": code.suppress_final,
+            "feeds": data.rank_feeds() if data is not None else [],
         }
         bodies = [wire.encode_body("spec", wire.dumps(spec)), wire.encode_body("closure", closure_blob)]
         rule = self._write_rule()
-        print(header_line(options, devices, run_id, len(closure_blob)) + "\ntaas: " + rule.header(), flush=True)
+        header = header_line(options, devices, run_id, len(closure_blob)) + "\ntaas: " + rule.header()
+        if data is not None:
+            header += "\ntaas: " + data.header()
+        print(header, flush=True)
 
         record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
         self.last_run = record
         port_reservation = reserve_port()
-        server = RankServer(key, options.gpus)
-        layers = ScratchLayers(options.gpus)
+        server = RankServer(key, world_size + workers)
+        layers = ScratchLayers(world_size, workers)
         started = time.monotonic()
         try:
             envs = [
@@ -91,21 +104,31 @@ class TaasMagics(Magics):
                     dict(os.environ),
                     rank=rank,
                     local_rank=rank,
-                    world_size=options.gpus,
-                    local_world_size=options.gpus,
+                    world_size=world_size,
+                    local_world_size=world_size,
                     group_rank=0,
                     master_addr=LOOPBACK,
                     master_port=port_reservation.getsockname()[1],
                     run_id=run_id,
                     loopback_only=True,
                 )
-                for rank in range(options.gpus)
+                for rank in range(world_size)
             ]
             for rank, layer in layers.dirs.items():
                 envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=rule.mode)
-            plan = LaunchPlan(options.gpus, envs, os.getcwd(), f"{server.address[0]} {server.address[1]} {key.hex()}")
-            relay = OutputRelay(output, options.gpus, {"stdout": sys.stdout, "stderr": sys.stderr})
-            outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, bodies, relay, self._publish, timeout)
+            handshake = f"{server.address[0]} {server.address[1]} {key.hex()}"
+            plan = LaunchPlan(world_size, envs, os.getcwd(), handshake)
+            relay = OutputRelay(output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr}, workers=workers)
+
+            def greeting(peer: int) -> list[bytes]:
+                return bodies if peer < world_size else data.greeting(peer - world_size)  # type: ignore[union-attr]
+
+            start_data = None
+            if data is not None:
+                def start_data():
+                    return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
+
+            outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, greeting, relay, self._publish, timeout, start_data)
             record.outcome = "ok"
         except BaseException as exc:
             record.outcome = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -117,7 +140,28 @@ class TaasMagics(Magics):
             for line in layers.report(rule.repository):
                 print(line, file=sys.stderr)
             layers.remove()
+            if data is not None:
+                data.close()
         return apply_results(self._shell.user_ns, outcome.result)
+
+    def _data_run(self, loaders: dict, options) -> DataRun:
+        if options.cache_ram is not None:
+            cache_ram = options.cache_ram
+        elif self.cache_ram:
+            cache_ram = parse_size(self.cache_ram)
+            if cache_ram is None:
+                raise PragmaError(f"TaasMagics.cache_ram must be a size such as 4G, got {self.cache_ram!r}")
+        else:
+            cache_ram = default_cache_ram()
+        return DataRun(
+            loaders,
+            self._shell.user_ns,
+            units=options.units,
+            ranks=options.gpus,
+            workers=options.cpus,
+            cache_ram=cache_ram,
+            ahead=options.ahead if options.ahead is not None else max(2, self.ahead),
+        )
 
     def _publish(self, kind: str, message: dict) -> None:
         display_pub = self._shell.display_pub

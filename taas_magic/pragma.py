@@ -13,6 +13,8 @@ Options (each at most once; ``--opt VALUE`` or ``--opt=VALUE``):
     --gpus N        required, N >= 1: the number of ranks
     --cpus M        1..8, default 1: data workers (used by ``taas.register``)
     --units K       K >= 1: elements the data workers extract (default: one pass)
+    --cache-ram B   bytes of prepared elements kept in RAM (e.g. 512M, 4G); the rest on disk
+    --ahead E       E >= 2: elements per rank that may wait before the workers pause
     --timeout S     S > 0 seconds: end the run and name the ranks still running
     --output MODE   rank0 (default) or all: which ranks' output reaches the cell
 
@@ -34,7 +36,12 @@ CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
 OUTPUT_MODES = ("rank0", "all")
 MAX_CPUS = 8
 
-USAGE = "usage: #pragma taas --gpus N [--cpus M] [--units K] [--timeout SECONDS] [--output rank0|all]"
+USAGE = (
+    "usage: #pragma taas --gpus N [--cpus M] [--units K] [--cache-ram BYTES] [--ahead E] "
+    "[--timeout SECONDS] [--output rank0|all]"
+)
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(i?b)?$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 class PragmaError(UsageError):
@@ -59,6 +66,8 @@ class PragmaOptions:
     units: int | None = None
     timeout: float | None = None
     output: str | None = None  # None: the session default (rank0 unless configured)
+    cache_ram: int | None = None  # None: the session default
+    ahead: int | None = None  # None: the session default
     configs: tuple[str, ...] = field(default=())
 
 
@@ -100,6 +109,21 @@ def _timeout_value(option: str, token: str) -> float:
     return value
 
 
+def parse_size(token: str) -> int | None:
+    """``4G``, ``512MiB``, ``1.5g``, ``1000`` -> bytes (K/M/G/T are powers of 1024); None if malformed."""
+    match = _SIZE.match(token.strip())
+    if match is None:
+        return None
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _size_value(option: str, token: str) -> int:
+    value = parse_size(token)
+    if value is None:
+        raise PragmaError(f"{option} needs a size such as 512M or 4G, got {token!r}")
+    return value
+
+
 def _output_value(option: str, token: str) -> str:
     if token not in OUTPUT_MODES:
         raise PragmaError(f"{option} must be one of {', '.join(OUTPUT_MODES)}, got {token!r}")
@@ -110,6 +134,8 @@ _PARSERS = {
     "--gpus": lambda opt, tok: _int_value(opt, tok, 1),
     "--cpus": lambda opt, tok: _int_value(opt, tok, 1, MAX_CPUS),
     "--units": lambda opt, tok: _int_value(opt, tok, 1),
+    "--cache-ram": _size_value,
+    "--ahead": lambda opt, tok: _int_value(opt, tok, 2),
     "--timeout": _timeout_value,
     "--output": _output_value,
 }
@@ -148,6 +174,8 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
         units=values.get("--units"),  # type: ignore[arg-type]
         timeout=values.get("--timeout"),  # type: ignore[arg-type]
         output=values.get("--output"),  # type: ignore[arg-type]
+        cache_ram=values.get("--cache-ram"),  # type: ignore[arg-type]
+        ahead=values.get("--ahead"),  # type: ignore[arg-type]
         configs=configs,
     )
 

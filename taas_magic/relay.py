@@ -77,6 +77,7 @@ class OutputRelay:
         world_size: int,
         streams: dict[str, IO[str]],
         *,
+        workers: int = 0,
         keep_lines: int = 20,
         flush_interval: float = 0.02,
         on_marker: Callable[[int, int], None] | None = None,
@@ -84,7 +85,9 @@ class OutputRelay:
         self.mode = mode
         self.streams = streams
         self.flush_interval = flush_interval
-        self.ranks = [_RankText(keep_lines) for _ in range(world_size)]
+        # Slots 0..N-1 are the ranks, N..N+M-1 the data workers (shown only with --output all).
+        self.ranks = [_RankText(keep_lines) for _ in range(world_size + workers)]
+        self.labels = [f"rank {k}" for k in range(world_size)] + [f"worker {w}" for w in range(workers)]
         self.pending: dict[str, list[str]] = {name: [] for name in streams}
         self.last_flush = 0.0
         self.muted = False
@@ -129,14 +132,15 @@ class OutputRelay:
             return
         pieces = _LINE_END.split(state.partial[stream] + text)
         state.partial[stream] = "" if pieces[-1].endswith(("\n", "\r")) else pieces.pop()
-        self.pending[stream].extend(f"[rank {rank}] {piece}" for piece in pieces if piece)
+        label = self.labels[rank]
+        self.pending[stream].extend(f"[{label}] {piece}" for piece in pieces if piece)
 
     def end_of_stream(self, rank: int, stream: str) -> None:
         """The rank closed this pipe: emit its undecoded bytes and unfinished line."""
         self.feed(rank, stream, b"", final=True)
         state = self.ranks[rank]
         if self.mode == "all" and state.partial[stream]:
-            self.pending[stream].append(f"[rank {rank}] {state.partial[stream]}\n")
+            self.pending[stream].append(f"[{self.labels[rank]}] {state.partial[stream]}\n")
             state.partial[stream] = ""
 
     def last_lines(self, rank: int) -> tuple[str, ...]:

@@ -10,6 +10,12 @@ message keeps text and rich output in the order the rank produced them.
 
 The first failure (an error frame, or a non-zero exit) stops every rank; the cell's
 error names that rank. ``--timeout`` stops every rank and names those still running.
+
+With registered loaders in use, the data workers are peers on the same channel (ids
+N..N+M-1 after the ranks' 0..N-1) and their pipes go through the same relay; what they
+and the ranks say about data goes to the :class:`DataPlane`'s coordinator, and what it
+answers goes back out. A worker's failure stops the run like a rank's. The run ends
+when the ranks end: workers still extracting then are stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import wire
-from .errors import RankFailed, RunTimeout, describe_exit
+from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
+from .feed.coordinator import FeedCoordinator, Send
+from .feed.progress import ProgressLine
 from .launch.base import RankGroup
 from .relay import OutputRelay
 from .server import PendingPeer, RankConnection, RankServer
@@ -32,6 +40,17 @@ POLL_SECONDS = 0.05
 PIPE_GRACE_SECONDS = 2.0  # after every rank exited, how long to wait for pipes to close
 
 Publish = Callable[[str, dict], None]
+Greeting = Callable[[int], list[bytes]]  # peer id -> the frames it gets once connected
+
+
+@dataclass
+class DataPlane:
+    """The data workers of a run and the kernel's side of their element stream."""
+
+    coordinator: FeedCoordinator
+    workers: RankGroup  # worker w is ``workers.ranks[w]``, peer id N + w
+    progress: ProgressLine
+    usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
 
 
 @dataclass
@@ -41,28 +60,47 @@ class RunOutcome:
 
 
 class _Loop:
-    def __init__(self, group: RankGroup, server: RankServer, bodies: list[bytes], relay: OutputRelay, publish: Publish):
+    def __init__(
+        self,
+        group: RankGroup,
+        server: RankServer,
+        greeting: Greeting,
+        relay: OutputRelay,
+        publish: Publish,
+        data: DataPlane | None = None,
+    ):
         self.group = group
         self.server = server
-        self.bodies = bodies
+        self.greeting = greeting
         self.relay = relay
         self.publish = publish
+        self.data = data
+        self.world_size = len(group.ranks)
         self.selector = selectors.DefaultSelector()
-        self.pipes: dict[int, tuple[int, str]] = {}
-        self.connections: dict[int, RankConnection] = {}
-        self.exit_codes: dict[int, int] = {}
-        self.failure: RankFailed | None = None
+        self.pipes: dict[int, tuple[int, str]] = {}  # fd -> (peer, stream)
+        self.connections: dict[int, RankConnection] = {}  # peer -> connection
+        self.queued: dict[int, list[bytes]] = {}  # frames for peers not connected yet
+        self.exit_codes: dict[int, int] = {}  # rank -> code
+        self.worker_exits: dict[int, int] = {}  # worker -> code
+        self.failure: RunError | None = None
+        self.failure_peer = 0
         self.result: dict | None = None
         self.displays: dict[tuple[int, int], tuple[str, dict]] = {}
         relay.on_marker = self.on_marker
 
+    def _processes(self):
+        """(peer id, process) of every rank and data worker."""
+        yield from ((rank.rank, rank) for rank in self.group.ranks)
+        if self.data is not None:
+            yield from ((self.world_size + worker.rank, worker) for worker in self.data.workers.ranks)
+
     # -- registration -----------------------------------------------------------------
     def open(self) -> None:
         self.selector.register(self.server.listener, selectors.EVENT_READ, ("listen", None))
-        for rank in self.group.ranks:
-            for name, fd in (("stdout", rank.stdout_fd), ("stderr", rank.stderr_fd)):
+        for peer, process in self._processes():
+            for name, fd in (("stdout", process.stdout_fd), ("stderr", process.stderr_fd)):
                 os.set_blocking(fd, False)
-                self.pipes[fd] = (rank.rank, name)
+                self.pipes[fd] = (peer, name)
                 self.selector.register(fd, selectors.EVENT_READ, ("pipe", fd))
 
     def close(self) -> None:
@@ -98,7 +136,7 @@ class _Loop:
             return
         connection: RankConnection = outcome  # type: ignore[assignment]
         self.connections[connection.rank] = connection
-        for body in self.bodies:
+        for body in self.greeting(connection.rank) + self.queued.pop(connection.rank, []):
             connection.send(body)
         self.selector.register(connection.sock, selectors.EVENT_READ, ("conn", connection))
 
@@ -140,7 +178,7 @@ class _Loop:
             frames = connection.reader.feed(data)
         except wire.AuthenticationError as exc:
             self._close_connection(connection)
-            self._fail(RankFailed(connection.rank, self._host(connection.rank), f"sent a frame that failed authentication ({exc})"))
+            self._fail(self._failed(connection.rank, f"sent a frame that failed authentication ({exc})"), connection.rank)
             return
         for kind, body in frames:
             self._on_frame(connection.rank, kind, body)
@@ -162,14 +200,40 @@ class _Loop:
         connection.sock.close()
         self.connections.pop(connection.rank, None)
 
-    def _on_frame(self, rank: int, kind: str, body: memoryview) -> None:
+    def _on_frame(self, peer: int, kind: str, body: memoryview) -> None:
         message = wire.loads_verified(body)
-        if kind in ("display", "clear_output"):
-            self.displays[(rank, message["number"])] = (kind, message)
+        if peer >= self.world_size:
+            self._on_worker_frame(peer - self.world_size, kind, message)
+        elif kind in ("display", "clear_output"):
+            self.displays[(peer, message["number"])] = (kind, message)
         elif kind == "error":
-            self._fail(RankFailed(rank, self._host(rank), message["summary"], message["traceback"]))
-        elif kind == "result" and rank == 0:
+            self._fail(RankFailed(peer, self._host(peer), message["summary"], message["traceback"]), peer)
+        elif kind == "result" and peer == 0:
             self.result = message
+        elif kind == "want" and self.data is not None:
+            self._send_all(self.data.coordinator.on_rank(peer, message))
+
+    def _on_worker_frame(self, worker: int, kind: str, message) -> None:
+        assert self.data is not None
+        if kind == "failed":
+            host = self.data.workers.ranks[worker].host
+            name = self.data.coordinator.name_of(message["feed"])
+            self._fail(WorkerFailed.from_report(worker, host, name, message), self.world_size + worker)
+            return
+        self._send_all(self.data.coordinator.on_worker(worker, kind, message))
+
+    def _send_all(self, sends: list[Send]) -> None:
+        for send in sends:
+            peer = send.index if send.role == "rank" else self.world_size + send.index
+            body = wire.encode_body(send.kind, wire.dumps(send.message))
+            connection = self.connections.get(peer)
+            if connection is not None:
+                try:
+                    connection.send(body)
+                except OSError:
+                    pass  # it has exited; its exit code tells the rest
+            elif peer not in self.exit_codes and (peer - self.world_size) not in self.worker_exits:
+                self.queued.setdefault(peer, []).append(body)
 
     def on_marker(self, rank: int, number: int) -> None:
         """A rank's display ``number`` belongs here in its text: publish it now."""
@@ -188,40 +252,59 @@ class _Loop:
                 self.publish(*self.displays[key])
         self.displays.clear()
 
-    def _fail(self, failure: RankFailed) -> None:
+    def _fail(self, failure: RunError, peer: int) -> None:
         if self.failure is None:  # the root cause is the first failure
-            self.failure = failure
+            self.failure, self.failure_peer = failure, peer
 
     def _host(self, rank: int) -> str:
         return self.group.ranks[rank].host
 
+    def _failed(self, peer: int, summary: str) -> RunError:
+        if peer < self.world_size:
+            return RankFailed(peer, self._host(peer), summary)
+        assert self.data is not None
+        worker = peer - self.world_size
+        return WorkerFailed(worker, self.data.workers.ranks[worker].host, summary)
+
     def poll_exits(self) -> None:
-        for rank in self.group.ranks:
-            if rank.rank in self.exit_codes:
+        for peer, process in self._processes():
+            exits = self.exit_codes if peer < self.world_size else self.worker_exits
+            if process.rank in exits:
                 continue
-            code = rank.poll()
+            code = process.poll()
             if code is None:
                 continue
-            self.exit_codes[rank.rank] = code
+            exits[process.rank] = code
             if code != 0:
-                self.drain_connection(rank.rank)  # its error frame may still be unread
-                self._fail(RankFailed(rank.rank, rank.host, describe_exit(code) + " without reporting an error"))
+                self.drain_connection(peer)  # its error frame may still be unread
+                self._fail(self._failed(peer, describe_exit(code) + " without reporting an error"), peer)
+
+    def ranks_exited(self) -> bool:
+        return len(self.exit_codes) == self.world_size
 
     def finished(self) -> bool:
-        return len(self.exit_codes) == len(self.group.ranks) and not self.pipes and not self.connections
+        """Every rank exited and its pipes and channel are closed (workers do not count)."""
+        return (
+            self.ranks_exited()
+            and not any(peer < self.world_size for peer, _ in self.pipes.values())
+            and not any(peer < self.world_size for peer in self.connections)
+        )
 
 
 def supervise(
     group: RankGroup,
     server: RankServer,
-    bodies: list[bytes],
+    greeting: Greeting,
     relay: OutputRelay,
     publish: Publish,
     timeout: float | None,
+    data: DataPlane | None = None,
 ) -> RunOutcome:
     """Watch the ranks until all finish, one fails, or the timeout passes."""
-    loop = _Loop(group, server, bodies, relay, publish)
+    loop = _Loop(group, server, greeting, relay, publish, data)
     loop.open()
+    if data is not None:
+        data.progress.show(force=True)
     deadline = None if timeout is None else time.monotonic() + timeout
     all_exited_at: float | None = None
     try:
@@ -233,48 +316,65 @@ def supervise(
             loop.step(wait)
             loop.poll_exits()
             relay.flush()
+            if data is not None:
+                data.progress.show()
             if loop.failure is not None:
                 break
             if loop.finished():
                 break
             now = time.monotonic()
-            if len(loop.exit_codes) == len(group.ranks):
+            if loop.ranks_exited():
                 all_exited_at = all_exited_at or now
                 if now - all_exited_at > PIPE_GRACE_SECONDS:
                     break  # something the cell started still holds a pipe open: group.close() ends it
             if deadline is not None and now >= deadline:
                 running = tuple(r.rank for r in group.ranks if r.rank not in loop.exit_codes)
-                group.stop()
+                _stop(group, data)
                 raise RunTimeout(timeout, running)  # type: ignore[arg-type]
         if loop.failure is not None:
-            failure = loop.failure
-            loop.drain_pipes(failure.rank)  # what it printed before it reported the failure
+            failure, peer = loop.failure, loop.failure_peer
+            loop.drain_pipes(peer)  # what it printed before it reported the failure
             relay.flush(force=True)
-            last_lines = relay.last_lines(failure.rank)
+            failure.last_lines = relay.last_lines(peer)  # type: ignore[attr-defined]
             relay.mute()
-            group.stop()
-            raise RankFailed(failure.rank, failure.host, failure.summary, failure.traceback_text, last_lines)
+            _stop(group, data)
+            raise failure
         loop.publish_leftovers()
         if loop.result is None and loop.exit_codes.get(0) == 0:
             return RunOutcome(None, dict(loop.exit_codes))
         return RunOutcome(loop.result, dict(loop.exit_codes))
     finally:
         relay.flush(force=True)
+        if data is not None:
+            data.workers.close()  # before measuring the cache: nothing writes to it any more
+            data.progress.show(force=True, usage=data.usage())
         loop.close()
+
+
+def _stop(group: RankGroup, data: DataPlane | None) -> None:
+    group.stop()
+    if data is not None:
+        data.workers.stop()
 
 
 def run_ranks(
     start: Callable[[], RankGroup],
     server: RankServer,
-    bodies: list[bytes],
+    greeting: Greeting,
     relay: OutputRelay,
     publish: Publish,
     timeout: float | None,
+    data: Callable[[], DataPlane] | None = None,
 ) -> RunOutcome:
-    """Start the ranks and supervise them; whatever happens, no rank outlives the call."""
-    group = start()
+    """Start the data workers (if any), then the ranks, and supervise them; whatever
+    happens, no rank or worker outlives the call."""
+    plane = data() if data is not None else None
     try:
-        return supervise(group, server, bodies, relay, publish, timeout)
+        group = start()
+        try:
+            return supervise(group, server, greeting, relay, publish, timeout, plane)
+        finally:
+            group.close()
     finally:
-        group.close()
-
+        if plane is not None:
+            plane.workers.close()

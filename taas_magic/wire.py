@@ -30,6 +30,7 @@ import hmac
 import os
 import pickle
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -176,6 +177,11 @@ class BlockingChannel:
         body = _recv_exactly(self._sock, length)
         self._codec.verify(head[LENGTH.size :], body)
         return decode_body(body)
+
+    def readable(self, timeout: float | None) -> bool:
+        """Whether a frame has begun to arrive (waits up to ``timeout``; None: forever)."""
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        return bool(ready)
 
     def expect(self, kind: str) -> memoryview:
         got, body = self.recv()

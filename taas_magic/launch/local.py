@@ -20,6 +20,7 @@ from ..procs import kill_leftovers, stop_groups
 from .base import LaunchPlan
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
+WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
 
 
 @dataclass
@@ -42,19 +43,19 @@ class LocalRank:
 
 
 class LocalRankGroup:
-    """N rank processes on this host."""
+    """N rank processes (or M data worker processes) on this host."""
 
     def __init__(self, ranks: list[LocalRank]):
         self.ranks = ranks
         self._closed = False
 
     @classmethod
-    def start(cls, plan: LaunchPlan) -> "LocalRankGroup":
+    def start(cls, plan: LaunchPlan, command: tuple[str, ...] = RANK_COMMAND, what: str = "rank") -> "LocalRankGroup":
         ranks: list[LocalRank] = []
         try:
             for rank, env in enumerate(plan.envs):
                 process = subprocess.Popen(
-                    RANK_COMMAND,
+                    command,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -68,7 +69,7 @@ class LocalRankGroup:
                 process.stdin.flush()  # type: ignore[union-attr]
         except (OSError, subprocess.SubprocessError) as exc:
             cls(ranks).close()
-            raise LaunchError(f"taas: could not start rank {len(ranks)}: {exc}") from exc
+            raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
         return cls(ranks)
 
     def stop(self) -> list[str]:

@@ -48,8 +48,8 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _isolate(repository: str, layer: str, write_mode: str | None) -> None:
-    """Divert this rank's writes under the repository (overlay, else Python-level)."""
+def isolate_writes(repository: str, layer: str, write_mode: str | None, who: str) -> None:
+    """Divert this process's writes under the repository (overlay, else Python-level)."""
     from taas_magic.rank import divert
 
     if write_mode == "overlay":
@@ -59,7 +59,7 @@ def _isolate(repository: str, layer: str, write_mode: str | None) -> None:
             divert_writes(repository, layer)
             return
         except IsolationUnavailable as exc:  # the probe passed, this repository did not
-            print(f"taas: rank {os.environ['RANK']} could not mount the overlay over {repository} ({exc}); "
+            print(f"taas: {who} could not mount the overlay over {repository} ({exc}); "
                   "its writes there are diverted by Python instead", file=sys.stderr, flush=True)
     divert.install(repository, layer)
 
@@ -70,7 +70,7 @@ def main() -> None:
     layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
     write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
     if layer and repository:  # before any thread starts: unshare() needs a single-threaded process
-        _isolate(repository, layer, write_mode)
+        isolate_writes(repository, layer, write_mode, f"rank {os.environ['RANK']}")
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
     rank = int(os.environ["RANK"])
@@ -105,9 +105,9 @@ def main() -> None:
     filename = spec["filename"]
     execute.register_source(filename, spec["display_source"])
     try:
-        import cloudpickle
+        from taas_magic.feed.proxy import load_closure
 
-        closure = cloudpickle.loads(closure_blob)
+        closure = load_closure(closure_blob, spec["feeds"], channel)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
                     execute.format_cell_traceback(exc, filename))

@@ -34,7 +34,7 @@ def test_serialised_once_and_round_trips():
     def notebook_fn(v):
         return v * 2
 
-    blob = serialise_closure({"fn": notebook_fn, "data": [1, 2]})
+    blob, _ = serialise_closure({"fn": notebook_fn, "data": [1, 2]})
     back = cloudpickle.loads(blob)
     assert back["fn"](3) == 6 and back["data"] == [1, 2]
 
@@ -62,6 +62,6 @@ def test_modules_travel_by_name_and_are_reimported():
 
     import cloudpickle
 
-    blob = serialise_closure({"j": json})
+    blob, _ = serialise_closure({"j": json})
     assert len(blob) < 100  # a reference, not the module's contents
     assert cloudpickle.loads(blob)["j"] is json

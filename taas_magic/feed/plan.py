@@ -1,0 +1,122 @@
+"""What a registered loader is, and the arithmetic of its passes (kernel, workers, ranks).
+
+An *element* is one item the loader yields (a batch for a batched DataLoader). Two kinds:
+
+- ``map``: a DataLoader over a map-style dataset, or any object with ``len`` and
+  ``__getitem__``. A pass has ``L = len(loader)`` elements; element ``j`` of a pass is
+  the ``j``-th index (batch of indices) the loader's own sampler yields, reseeded per
+  pass; worker ``w`` of ``M`` prepares the elements ``j`` with ``j % M == w``.
+- ``iterable``: a DataLoader over an ``IterableDataset``, or any other re-iterable. Each
+  worker iterates its own copy with ``get_worker_info()`` set as under DataLoader
+  workers; elements are numbered in the order they reach the kernel; a pass ends when
+  every worker's iterator is exhausted.
+
+The run extracts ``K = --units`` elements: fresh passes follow one another until K
+elements are extracted (the last one cut short at K); passes after that replay the
+cached fresh passes in turn, in a new order each time if the loader shuffles. Element
+``j`` of a pass goes to rank ``j % N``; each rank gets ``D // N`` elements of a pass of
+``D`` (the remainder is dropped, so DDP never waits on uneven inputs).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ..pragma import PragmaError
+
+MAP = "map"
+ITERABLE = "iterable"
+
+
+@dataclass(frozen=True)
+class FeedPlan:
+    feed: int  # the loader's id in this run
+    name: str  # the notebook's name for it, for messages
+    kind: str  # MAP or ITERABLE
+    pass_length: int | None  # L, elements per pass of the loader (None: unknown)
+    units: int  # K
+    ranks: int  # N
+    workers: int  # M
+    shuffle: bool  # replayed passes get a new order each time
+    seed: int
+    ahead: int  # elements per rank that may wait before workers pause
+
+    # -- map-style arithmetic (L known): fresh passes are fixed in advance --------------
+    @property
+    def fresh_passes(self) -> int:
+        """F, the number of fresh passes of a map-style feed."""
+        assert self.pass_length is not None
+        return -(-self.units // self.pass_length)
+
+    def fresh_length(self, fresh_pass: int) -> int:
+        """Elements of fresh pass p that are delivered (a multiple of N)."""
+        assert self.pass_length is not None
+        extracted = min(self.pass_length, self.units - fresh_pass * self.pass_length)
+        return delivered_length(extracted, self.ranks)
+
+    def stream_offset(self, fresh_pass: int) -> int:
+        """Position of fresh pass p's first element among all delivered fresh elements."""
+        return fresh_pass * self.fresh_length(0)
+
+    def total_delivered(self) -> int:
+        passes = self.fresh_passes
+        return self.stream_offset(passes - 1) + self.fresh_length(passes - 1)
+
+    def describe(self) -> str:
+        length = "no len" if self.pass_length is None else f"{self.pass_length} per pass"
+        units = f"--units {self.units}"
+        if self.pass_length:
+            passes = self.units / self.pass_length
+            units += f" = {passes:g} pass" + ("" if passes == 1 else "es")
+        order = ", shuffled" if self.shuffle else ""
+        return f"{self.name} ({self.kind}, {length}{order}, {units})"
+
+
+def delivered_length(extracted: int, ranks: int) -> int:
+    return extracted // ranks * ranks
+
+
+def loader_kind(loader: Any) -> tuple[str, int | None, bool]:
+    """(kind, len or None, shuffles) of a registered object, without importing torch."""
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and isinstance(loader, data.DataLoader):
+        length = _length(loader)
+        if isinstance(loader.dataset, data.IterableDataset):
+            return ITERABLE, length, False
+        sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+        return MAP, length, not isinstance(sampler, data.SequentialSampler)
+    if hasattr(loader, "__getitem__") and hasattr(loader, "__len__"):
+        return MAP, len(loader), False
+    return ITERABLE, _length(loader), False
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def plan_feed(
+    feed: int, name: str, loader: Any, *, units: int | None, ranks: int, workers: int, seed: int, ahead: int
+) -> FeedPlan:
+    """The plan for one registered loader the cell uses.
+
+    Raises:
+        PragmaError: no ``len`` and no ``--units``, or fewer elements than ranks.
+    """
+    kind, length, shuffle = loader_kind(loader)
+    if units is None:
+        if length is None:
+            raise PragmaError(
+                f"{name} ({type(loader).__name__}) has no len(), so one pass has no known size: "
+                "give --units K, the number of elements the data workers extract"
+            )
+        units = length
+    if kind == MAP and length is not None and length < ranks:
+        raise PragmaError(f"{name} yields {length} element(s) per pass, fewer than the {ranks} ranks")
+    if units < ranks:
+        raise PragmaError(f"--units {units} is fewer than the {ranks} ranks: every rank needs an element")
+    return FeedPlan(feed, name, kind, length, units, ranks, workers, shuffle, seed, ahead)

@@ -1,0 +1,133 @@
+"""What the cell sees in a rank in place of a registered loader: prepared elements.
+
+The kernel pickles the cell's closure with every registered loader it reaches (at any
+depth: a dict of loaders, a function's default) replaced by a reference, and the rank
+rebuilds each reference as a :class:`PreparedLoader`. ``for x in loader`` starts the
+rank's next pass: it asks the kernel for a few elements ahead (credit), and reads each
+one from the cache segment the kernel names (records.py: no copy of tensor payloads).
+Breaking out of a loop abandons the rest of that pass, as with a DataLoader.
+
+``len(loader)`` is this rank's share of its next pass (map-style feeds). Every other
+attribute (``loader.dataset``, ``loader.batch_size``) is the original loader's, loaded
+from its pickle on first use.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import threading
+from typing import Any
+
+from .. import wire
+from .plan import MAP, FeedPlan
+from .records import SegmentReader
+
+CREDIT = 4  # elements a rank asks for ahead of the one it is consuming
+
+
+class FeedClient:
+    """A rank's end of the element stream; the channel's only reader during the cell."""
+
+    def __init__(self, channel: wire.BlockingChannel):
+        self.channel = channel
+        self.reader = SegmentReader()
+        self.inbox: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.lock = threading.Lock()
+
+    def ask(self, feed: int, pass_no: int, credit: int) -> None:
+        self.channel.send("want", wire.dumps((feed, pass_no, credit)))
+
+    def next_message(self, feed: int) -> tuple[str, Any]:
+        """The next message for ``feed`` (others are kept for their own loaders)."""
+        with self.lock:
+            while not self.inbox[feed]:
+                kind, body = self.channel.recv()
+                message = wire.loads_verified(body)
+                self.inbox[message[0]].append((kind, message))
+            return self.inbox[feed].popleft()
+
+
+class PreparedLoader:
+    def __init__(self, plan: FeedPlan, original_blob: bytes, client: FeedClient):
+        self._plan = plan
+        self._original_blob = original_blob
+        self._original: Any = None
+        self._client = client
+        self._next_pass = 0
+        self._current: int | None = None
+
+    def __iter__(self):
+        pass_no = self._next_pass
+        self._next_pass += 1
+        self._current = pass_no
+        return self._elements(pass_no)
+
+    def _elements(self, pass_no: int):
+        plan, client = self._plan, self._client
+        client.ask(plan.feed, pass_no, CREDIT)
+        ready: collections.deque = collections.deque()
+        consumed = 0
+        while True:
+            if self._current != pass_no:
+                return  # a newer pass of this loader started: this one was abandoned
+            if not ready:
+                kind, message = client.next_message(plan.feed)
+                if message[1] != pass_no:
+                    continue  # left over from an abandoned pass
+                if kind == "end":
+                    return
+                ready.extend(message[2])
+                continue
+            path, offset = ready.popleft()
+            element = client.reader.read(path, offset)
+            consumed += 1
+            if consumed >= CREDIT // 2:
+                client.ask(plan.feed, pass_no, consumed)
+                consumed = 0
+            yield element
+
+    def __len__(self) -> int:
+        plan = self._plan
+        if plan.kind != MAP:
+            raise TypeError(f"{plan.name} is an iterable loader: its passes have no length known in advance")
+        pass_no = self._next_pass
+        fresh = pass_no if pass_no < plan.fresh_passes else (pass_no - plan.fresh_passes) % plan.fresh_passes
+        return plan.fresh_length(fresh) // plan.ranks
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name.startswith("_PreparedLoader") or name in ("_plan", "_original", "_original_blob"):
+            raise AttributeError(name)
+        if self._original is None:
+            import cloudpickle
+
+            self._original = cloudpickle.loads(self._original_blob)
+        return getattr(self._original, name)
+
+    def __reduce_ex__(self, protocol: Any):
+        raise TypeError(f"{self._plan.name} is a taas prepared loader: it lives in its rank and cannot be pickled")
+
+    def __repr__(self) -> str:
+        return f"<taas prepared loader {self._plan.describe()}>"
+
+
+class _ClosureUnpickler(pickle.Unpickler):
+    def __init__(self, blob: bytes | memoryview, loaders: dict[int, PreparedLoader]):
+        super().__init__(io.BytesIO(blob))
+        self._loaders = loaders
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, feed = pid
+        if kind != "taas-feed" or feed not in self._loaders:
+            raise pickle.UnpicklingError(f"unknown reference in the closure: {pid!r}")
+        return self._loaders[feed]
+
+
+def load_closure(blob: bytes | memoryview, feeds: list[dict], channel: wire.BlockingChannel) -> dict:
+    """The cell's closure, with each registered loader it uses as a :class:`PreparedLoader`."""
+    if not feeds:
+        return pickle.loads(blob)
+    client = FeedClient(channel)
+    loaders = {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}
+    return _ClosureUnpickler(blob, loaders).load()

@@ -1,0 +1,134 @@
+"""The data side of one run, set up by the kernel before any process starts.
+
+Given the registered loaders the cell's closure reached, :class:`DataRun` makes their
+plans (``--units`` checked here, before anything is launched), pickles each loader
+once (the same bytes go to the workers and, for ``loader.dataset`` and friends, to the
+ranks), makes the cache directories, and starts the workers (``start``) with the
+environment and write rule of a rank other than 0, minus any GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from typing import Any, Mapping
+
+import cloudpickle
+
+from .. import wire
+from ..isolation import WriteRule
+from ..launch.base import LaunchPlan
+from ..launch.local import WORKER_COMMAND, LocalRankGroup
+from ..supervisor import DataPlane, Publish
+from .coordinator import FeedCoordinator
+from .plan import FeedPlan, plan_feed
+from .progress import ProgressLine
+from .segments import SEGMENT_BYTES, CacheDirs, ram_root
+
+MIN_SEGMENT_BYTES = 1 << 20
+DEFAULT_CACHE_RAM = 4 << 30
+
+
+def default_cache_ram() -> int:
+    """4 GiB, or half of what the RAM directory has free if that is less."""
+    try:
+        stats = os.statvfs(ram_root())
+        free = stats.f_bavail * stats.f_frsize
+    except OSError:
+        return DEFAULT_CACHE_RAM
+    return min(DEFAULT_CACHE_RAM, free // 2)
+
+
+def notebook_name(loader: Any, user_ns: Mapping[str, Any]) -> str:
+    for name, value in user_ns.items():
+        if value is loader and not name.startswith("_"):
+            return name
+    return f"a registered {type(loader).__name__}"
+
+
+class DataRun:
+    def __init__(
+        self,
+        loaders: Mapping[int, Any],
+        user_ns: Mapping[str, Any],
+        *,
+        units: int | None,
+        ranks: int,
+        workers: int,
+        cache_ram: int,
+        ahead: int,
+    ):
+        seed = secrets.randbits(31)
+        self.workers = workers
+        self.cache_ram = cache_ram
+        self.plans: list[FeedPlan] = [
+            plan_feed(feed, notebook_name(loader, user_ns), loader,
+                      units=units, ranks=ranks, workers=workers, seed=seed, ahead=ahead)
+            for feed, loader in loaders.items()
+        ]
+        self.originals = {feed: cloudpickle.dumps(loader, protocol=5) for feed, loader in loaders.items()}
+        self.seed = seed
+        self.dirs: CacheDirs | None = None
+
+    def rank_feeds(self) -> list[dict]:
+        """What each rank needs to build its prepared loaders (spec["feeds"])."""
+        return [{"plan": plan, "original": self.originals[plan.feed]} for plan in self.plans]
+
+    def header(self) -> str:
+        plural = "s" if self.workers != 1 else ""
+        return f"data: {self.workers} worker{plural} prepare " + "; ".join(plan.describe() for plan in self.plans)
+
+    def segment_bytes(self) -> int:
+        share = self.cache_ram // self.workers
+        return max(MIN_SEGMENT_BYTES, min(SEGMENT_BYTES, share // 4))
+
+    def greeting(self, worker: int) -> list[bytes]:
+        assert self.dirs is not None
+        job = {
+            "worker": worker,
+            "workers": self.workers,
+            "seed": self.seed,
+            "plans": self.plans,
+            "dirs": (self.dirs.ram, self.dirs.disk),
+            "ram_budget": self.cache_ram // self.workers,
+            "segment_bytes": self.segment_bytes(),
+            "sys_path": list(sys.path),
+        }
+        loaders = wire.dumps(self.originals)
+        return [wire.encode_body("job", wire.dumps(job)), wire.encode_body("loaders", loaders)]
+
+    def start(
+        self, run_id: str, handshake: str, first_peer: int, layers: Mapping[int, str], rule: WriteRule, publish: Publish
+    ) -> DataPlane:
+        """Make the cache directories and start the workers, peers ``first_peer + w``."""
+        self.dirs = CacheDirs.create(run_id)
+        envs = []
+        for worker in range(self.workers):
+            env = dict(os.environ)
+            env.update(
+                TAAS_PEER=str(first_peer + worker),
+                TAAS_WORKER=str(worker),
+                CUDA_VISIBLE_DEVICES="",  # data workers prepare on CPU; GPUs belong to the ranks
+                OMP_NUM_THREADS="1",  # as torch sets in DataLoader workers
+            )
+            if worker in layers and not self._cache_inside(rule.repository):
+                env.update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layers[worker], TAAS_WRITE_MODE=rule.mode)
+            envs.append(env)
+        plan = LaunchPlan(self.workers, envs, os.getcwd(), handshake)
+        group = LocalRankGroup.start(plan, WORKER_COMMAND, "data worker")
+        coordinator = FeedCoordinator(self.plans)
+        return DataPlane(coordinator, group, ProgressLine(coordinator, publish, self.workers), self.usage)
+
+    def _cache_inside(self, repository: str) -> bool:
+        """A cache directory inside the repository cannot be isolated away from the workers."""
+        assert self.dirs is not None
+        root = os.path.join(os.path.realpath(repository), "")
+        return any(os.path.realpath(path).startswith(root) for path in (self.dirs.ram, self.dirs.disk))
+
+    def usage(self) -> tuple[int, int]:
+        return self.dirs.usage() if self.dirs is not None else (0, 0)
+
+    def close(self) -> None:
+        if self.dirs is not None:
+            self.dirs.remove()

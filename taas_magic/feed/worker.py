@@ -1,0 +1,192 @@
+"""A data worker's life: ``python -m taas_magic.feed.worker``.
+
+Started by the kernel before the ranks, like a rank (its own session, pipes, the
+handshake ``HOST PORT KEY`` on stdin kept open as its lifeline, the write rule of a
+rank other than 0), with ``TAAS_PEER`` (its id on the kernel's channel) and
+``TAAS_WORKER`` (w). It receives its job (the plans and the loaders, pickled once by
+the kernel), then loops:
+
+- take the next element of some feed that the kernel's horizon allows (backpressure:
+  the kernel moves the horizon as the ranks consume);
+- prepare it, append it to a segment (segments.py), tell the kernel where it is.
+
+Messages from the kernel: ``horizon`` (how far it may extract, and for iterable feeds
+how many elements arrived), ``pass`` (an iterable feed's next pass may start: every
+worker finished the previous one), ``stop`` (the feed has its K elements). A worker
+that fails sends its traceback as frames (the kernel fills in the notebook's source
+lines) with the element it was preparing, and exits 1; one with nothing left exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+from taas_magic import wire
+from taas_magic.feed.extract import IterableSource, MapSource, make_source, seed_worker, set_worker_info
+from taas_magic.feed.plan import MAP, FeedPlan
+from taas_magic.feed.segments import CacheDirs, SegmentWriter
+from taas_magic.rank import lifeline
+
+EXIT_FAILED = 1
+
+
+class _Feed:
+    """One loader as this worker extracts it."""
+
+    def __init__(self, plan: FeedPlan, source: MapSource | IterableSource):
+        self.plan = plan
+        self.source = source
+        self.pass_no = 0
+        self.horizon = plan.ahead * plan.ranks
+        self.arrived = 0  # iterable: elements of every worker the kernel has counted
+        self.sent = 0  # iterable: elements this worker sent
+        self.counted = 0  # iterable: of those, how many the kernel had counted
+        self.in_pass = 0  # elements this worker prepared in the current pass
+        self.waiting_for_pass = False
+        self.done = False
+        self.pending: tuple[int, Any] | None = None
+        source.start_pass(0)
+
+    def describe_element(self) -> str:
+        if self.plan.kind == MAP and self.pending is not None:
+            return f"element {self.pending[0]} of pass {self.pass_no}"
+        return f"its element {self.in_pass} of pass {self.pass_no} (counting from 0)"
+
+
+def send_failure(channel: wire.BlockingChannel, feed: _Feed | None, exc: BaseException) -> None:
+    """The traceback as frames (the kernel adds the notebook's source lines) and the element."""
+    frames = [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)]
+    channel.send("failed", wire.dumps({
+        "feed": feed.plan.feed if feed else None,
+        "element": feed.describe_element() if feed else "its setup (loading the loaders)",
+        "frames": frames,
+        "exception": "".join(traceback.format_exception_only(type(exc), exc)),
+    }))
+
+
+class Worker:
+    def __init__(self, channel: wire.BlockingChannel, job: dict, loaders: dict[int, Any]):
+        self.channel = channel
+        self.worker = job["worker"]
+        workers = job["workers"]
+        seed_worker(job["seed"], self.worker)
+        self.writer = SegmentWriter(CacheDirs(*job["dirs"]), self.worker, job["ram_budget"], job["segment_bytes"])
+        self.feeds: dict[int, _Feed] = {}
+        self.current: _Feed | None = None
+        for plan in job["plans"]:
+            loader = loaders[plan.feed]
+            if plan.kind != MAP:
+                set_worker_info(loader, self.worker, workers, plan.seed)
+            self.current = feed = _Feed(plan, make_source(plan, loader, self.worker))
+            self.feeds[plan.feed] = feed
+
+    # -- messages from the kernel ----------------------------------------------------------
+    def _receive(self, block: bool) -> None:
+        while self.channel.readable(None if block else 0.0):
+            kind, body = self.channel.recv()
+            message = wire.loads_verified(body)
+            feed = self.feeds[message[0]]
+            if kind == "horizon":
+                _, feed.horizon, feed.arrived, feed.counted = message
+            elif kind == "pass":
+                feed.pass_no, feed.in_pass, feed.waiting_for_pass = message[1], 0, False
+                feed.source.start_pass(feed.pass_no)
+            elif kind == "stop":
+                feed.done = True
+            block = False
+
+    # -- extraction ------------------------------------------------------------------------------
+    def _step(self, feed: _Feed) -> bool:
+        """Prepare one element of ``feed`` if allowed; True if anything changed."""
+        self.current = feed
+        if feed.plan.kind == MAP:
+            return self._step_map(feed)
+        return self._step_iterable(feed)
+
+    def _step_map(self, feed: _Feed) -> bool:
+        source: MapSource = feed.source  # type: ignore[assignment]
+        if feed.pending is None:
+            feed.pending = source.next_index()
+            if feed.pending is None:
+                if feed.pass_no + 1 >= feed.plan.fresh_passes:
+                    feed.done = True
+                else:
+                    feed.pass_no += 1
+                    source.start_pass(feed.pass_no)
+                return True
+        j, index = feed.pending
+        if feed.plan.stream_offset(feed.pass_no) + j >= feed.horizon:
+            return False
+        element = source.fetch(index)
+        path, offset = self.writer.append(element)
+        self.channel.send("ready", wire.dumps((feed.plan.feed, feed.pass_no, j, path, offset)))
+        feed.pending = None
+        return True
+
+    def _step_iterable(self, feed: _Feed) -> bool:
+        if feed.waiting_for_pass or feed.arrived + (feed.sent - feed.counted) >= feed.horizon:
+            return False
+        source: IterableSource = feed.source  # type: ignore[assignment]
+        try:
+            element = source.next_element()
+        except StopIteration:
+            self.channel.send("exhausted", wire.dumps((feed.plan.feed, feed.pass_no)))
+            feed.waiting_for_pass = True
+            return True
+        path, offset = self.writer.append(element)
+        self.channel.send("ready", wire.dumps((feed.plan.feed, feed.pass_no, None, path, offset)))
+        feed.sent += 1
+        feed.in_pass += 1
+        return True
+
+    def run(self) -> None:
+        while True:
+            self._receive(block=False)
+            active = [feed for feed in self.feeds.values() if not feed.done]
+            if not active:
+                break
+            progressed = False
+            for feed in active:
+                progressed = self._step(feed) or progressed
+            if not progressed:
+                self._receive(block=True)
+        self.writer.close()
+        self.channel.send("done", wire.dumps((self.worker,)))
+
+def main() -> None:
+    parent = os.getppid()
+    host, port, key_hex = lifeline.read_first_line().split()
+    layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
+    write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
+    if layer and repository:  # the dataset's code may write too: it is not rank 0
+        from taas_magic.rank.main import isolate_writes
+
+        isolate_writes(repository, layer, write_mode, f"data worker {os.environ['TAAS_WORKER']}")
+    lifeline.hold_lifeline()
+    lifeline.die_with_parent(parent)
+    channel = wire.BlockingChannel.connect(host, int(port), bytes.fromhex(key_hex), int(os.environ["TAAS_PEER"]))
+    job = wire.loads_verified(channel.expect("job"))
+    loaders_blob = channel.expect("loaders")
+    sys.path[:] = job["sys_path"]
+    worker: Worker | None = None
+    try:
+        import cloudpickle
+
+        loaders = {feed: cloudpickle.loads(blob) for feed, blob in wire.loads_verified(loaders_blob).items()}
+        worker = Worker(channel, job, loaders)
+        worker.run()
+    except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which stops the run
+        send_failure(channel, worker.current if worker else None, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
