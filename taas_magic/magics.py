@@ -19,7 +19,7 @@ from traitlets import Enum, Float, Int, Unicode
 from . import wire
 from .cellcode import translate
 from .closure import select_closure, serialise_closure
-from .feed.run import DataRun, default_cache_ram
+from .feed.run import DataRun, default_cache_ram, describe_registered
 from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_repository
 from .launch.base import LaunchPlan
 from .launch.local import LocalRankGroup
@@ -144,6 +144,11 @@ class TaasMagics(Magics):
                 data.close()
         return apply_results(self._shell.user_ns, outcome.result)
 
+    def _registered_lines(self) -> list[str]:
+        import taas
+
+        return [describe_registered(loader, self._shell.user_ns) for loader in taas.registered()]
+
     def _data_run(self, loaders: dict, options) -> DataRun:
         if options.cache_ram is not None:
             cache_ram = options.cache_ram
@@ -195,7 +200,8 @@ class TaasMagics(Magics):
             print(help_text())
         elif command == "status":
             rule = self._write_rule()
-            print(status_text(self.last_run, visible_gpu_count(), {"output": self.output, "timeout": self.timeout}))
+            defaults = {"output": self.output, "timeout": self.timeout, "cache-ram": self.cache_ram or "auto", "ahead": self.ahead}
+            print(status_text(self.last_run, visible_gpu_count(), defaults, self._registered_lines()))
             print("write rule: " + rule.header())
         else:
             raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")

@@ -65,9 +65,10 @@ def help_text() -> str:
     return HELP
 
 
-def status_text(last: LastRun | None, gpus_seen: int, defaults: dict) -> str:
+def status_text(last: LastRun | None, gpus_seen: int, defaults: dict, registered: list[str] = ()) -> str:
     lines = [f"devices seen: {gpus_seen} GPU(s)" if gpus_seen else "devices seen: no GPU (ranks run on CPU with gloo)"]
     lines.append("defaults: " + ", ".join(f"--{name} {value}" for name, value in defaults.items()))
+    lines.append("registered loaders: " + ("; ".join(registered) or "none (taas.register(loader) adds one)"))
     if last is None:
         lines.append("last run: none yet")
     else:

@@ -22,7 +22,7 @@ from ..launch.base import LaunchPlan
 from ..launch.local import WORKER_COMMAND, LocalRankGroup
 from ..supervisor import DataPlane, Publish
 from .coordinator import FeedCoordinator
-from .plan import FeedPlan, plan_feed
+from .plan import FeedPlan, loader_kind, plan_feed
 from .progress import ProgressLine
 from .segments import SEGMENT_BYTES, CacheDirs, ram_root
 
@@ -45,6 +45,13 @@ def notebook_name(loader: Any, user_ns: Mapping[str, Any]) -> str:
         if value is loader and not name.startswith("_"):
             return name
     return f"a registered {type(loader).__name__}"
+
+
+def describe_registered(loader: Any, user_ns: Mapping[str, Any]) -> str:
+    """``train_loader (DataLoader, map, 938 per pass)``, for ``%taas status``."""
+    kind, length, _ = loader_kind(loader)
+    size = f"{length} per pass" if length is not None else "no len"
+    return f"{notebook_name(loader, user_ns)} ({type(loader).__name__}, {kind}, {size})"
 
 
 class DataRun:
