@@ -274,14 +274,14 @@ class FeedCoordinator:
 
     # -- progress ---------------------------------------------------------------------------
     def figures(self) -> list[dict]:
-        """Per feed: extracted, units, waiting (extracted, not yet delivered), replayed."""
+        """Per feed: extracted, target (what extraction will deliver: K less the dropped
+        remainders of a map-style feed), waiting (extracted, not yet delivered), replayed."""
         out = []
         for feed in self.feeds.values():
             dropped = sum(p.count - p.length for p in feed.passes if p.length is not None and p.count >= p.length)
             out.append({
                 "name": feed.plan.name,
                 "extracted": feed.extracted,
-                "units": feed.plan.units if feed.plan.kind == MAP else feed.plan.units,
                 "target": feed.plan.total_delivered() if feed.plan.kind == MAP else feed.plan.units,
                 "waiting": max(0, feed.extracted - feed.delivered_fresh - dropped),
                 "replayed": feed.replayed,

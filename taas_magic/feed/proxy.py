@@ -59,13 +59,15 @@ class PreparedLoader:
         self._current: int | None = None
 
     def __iter__(self):
+        return self._elements()
+
+    def _elements(self):
+        # The pass begins at the first next(), not at iter(): an iterator made only to
+        # probe the loader (Lightning does) and never advanced takes nothing.
+        plan, client = self._plan, self._client
         pass_no = self._next_pass
         self._next_pass += 1
         self._current = pass_no
-        return self._elements(pass_no)
-
-    def _elements(self, pass_no: int):
-        plan, client = self._plan, self._client
         client.ask(plan.feed, pass_no, CREDIT)
         ready: collections.deque = collections.deque()
         consumed = 0
