@@ -29,7 +29,7 @@ from .relay import OutputRelay
 from .results import apply_results
 from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
-from .supervisor import run_ranks
+from .supervisor import DataPlane, run_ranks
 
 
 @magics_class
@@ -123,12 +123,12 @@ class TaasMagics(Magics):
             def greeting(peer: int) -> list[bytes]:
                 return bodies if peer < world_size else data.greeting(peer - world_size)  # type: ignore[union-attr]
 
-            start_data = None
-            if data is not None:
-                def start_data():
-                    return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
+            def start_data() -> DataPlane:
+                assert data is not None
+                return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
 
-            outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, greeting, relay, self._publish, timeout, start_data)
+            outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, greeting, relay, self._publish, timeout,
+                                start_data if data is not None else None)
             record.outcome = "ok"
         except BaseException as exc:
             record.outcome = f"{type(exc).__name__}: {exc}".splitlines()[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from .pragma import PragmaOptions
 from .rankenv import DevicePlan
@@ -65,7 +66,7 @@ def help_text() -> str:
     return HELP
 
 
-def status_text(last: LastRun | None, gpus_seen: int, defaults: dict, registered: list[str] = ()) -> str:
+def status_text(last: LastRun | None, gpus_seen: int, defaults: dict, registered: Sequence[str] = ()) -> str:
     lines = [f"devices seen: {gpus_seen} GPU(s)" if gpus_seen else "devices seen: no GPU (ranks run on CPU with gloo)"]
     lines.append("defaults: " + ", ".join(f"--{name} {value}" for name, value in defaults.items()))
     lines.append("registered loaders: " + ("; ".join(registered) or "none (taas.register(loader) adds one)"))

@@ -4,6 +4,20 @@ import pytest
 
 pytest.importorskip("lightning")
 
+REGRESSOR = """\
+class Regressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.seen = 0  # samples this rank trained on
+    def training_step(self, batch, _):
+        x, y = batch
+        self.seen += len(x)
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
 
 def test_lightning_ddp_trains_on_exactly_n_processes(kernel, tmp_path):
     kernel.execute(
@@ -18,22 +32,13 @@ import os
 import lightning as L
 import torch
 
-class Regressor(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(8, 1)
-    def training_step(self, batch, _):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
+{regressor}
 trainer = L.Trainer(devices=2, strategy="ddp", max_epochs=2, default_root_dir=root, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 module = Regressor()
 trainer.fit(module, DataLoader(dataset, batch_size=8))
-print(f"FIT pid={os.getpid()} global_rank={trainer.global_rank} world={trainer.world_size} steps={trainer.global_step}")
-"""
+print(f"FIT pid={{os.getpid()}} global_rank={{trainer.global_rank}} world={{trainer.world_size}} steps={{trainer.global_step}}")
+""".format(regressor=REGRESSOR)
     )
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
     fits = [line for line in ran.stream("stdout").splitlines() if "FIT" in line]
@@ -46,3 +51,32 @@ print(f"FIT pid={os.getpid()} global_rank={trainer.global_rank} world={trainer.w
     # The trained module comes back (the trainer too, though its properties read the ranks' environment).
     after = kernel.execute("print(type(module).__name__, tuple(module.layer.weight.shape), type(trainer).__name__)")
     assert after.stream("stdout") == "Regressor (1, 8) Trainer\n", after.error_text()
+
+
+def test_lightning_trains_on_a_registered_loader_with_data_workers(kernel, tmp_path):
+    kernel.execute(
+        "import torch, taas\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        f"root = {str(tmp_path)!r}\n"
+        "train_loader = taas.register(DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8, shuffle=True))"
+    )
+    try:
+        ran = kernel.execute(
+            """#pragma taas --gpus 2 --cpus 2 --output all
+import lightning as L
+import torch
+
+{regressor}
+trainer = L.Trainer(devices=2, strategy="ddp", max_epochs=3, default_root_dir=root, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+module = Regressor()
+trainer.fit(module, train_loader)
+print(f"FIT global_rank={{trainer.global_rank}} steps={{trainer.global_step}} seen={{module.seen}}")
+""".format(regressor=REGRESSOR)
+        )
+        assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+        fits = sorted(line for line in ran.stream("stdout").splitlines() if "FIT" in line)
+        # 8 elements a pass, 4 per rank, 3 epochs (the last two replayed): 12 steps of 8 samples.
+        assert fits == [f"[rank {r}] FIT global_rank={r} steps=12 seen=96" for r in (0, 1)], ran.stream()
+    finally:
+        kernel.execute("taas.unregister(train_loader)")
