@@ -7,6 +7,7 @@ parent is our request until the kernel is idle again, and keep their arrival tim
 from __future__ import annotations
 
 import os
+import queue
 import time
 from dataclasses import dataclass, field
 
@@ -96,14 +97,20 @@ class Kernel:
     def wait_for_stream(self, msg_id: str, needle: str, timeout: float = 60) -> list[Message]:
         """Read iopub until rank output containing ``needle`` arrives (the run is going)."""
         seen: list[Message] = []
+        text = ""  # one printed line may arrive in two stream messages
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             seen.append(Message(0.0, msg["msg_type"], msg["content"]))
-            if msg["msg_type"] == "stream" and needle in msg["content"]["text"]:
-                return seen
+            if msg["msg_type"] == "stream":
+                text += msg["content"]["text"]
+                if needle in text:
+                    return seen
         raise AssertionError(f"{needle!r} never arrived; saw {seen}")
 
     def shutdown(self) -> None:
