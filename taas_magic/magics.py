@@ -17,6 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Enum, Float, Int, Unicode
 
 from . import wire
+from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from .cellcode import translate
 from .closure import select_closure, serialise_closure
 from .feed.run import DataRun, default_cache_ram, describe_registered
@@ -37,6 +38,9 @@ class TaasMagics(Magics):
     output = Enum(("rank0", "all"), "rank0", config=True, help="Default for --output.")
     timeout = Float(None, allow_none=True, config=True, help="Default for --timeout, in seconds.")
     cache_ram = Unicode("", config=True, help="Default for --cache-ram (e.g. '4G'); empty: min(4G, half of /dev/shm free).")
+    max_output_lines = Int(HEAD_LINES, config=True, help="Lines of rank output a cell shows before the rest goes to a log file.")
+    max_output_bytes = Int(HEAD_BYTES, config=True, help="Bytes of rank output a cell shows before the rest goes to a log file.")
+    tail_output_lines = Int(TAIL_LINES, config=True, help="Last lines shown at the end of a cell whose output was elided.")
     ahead = Int(16, config=True, help="Default for --ahead: elements per rank that may wait before workers pause.")
 
     def __init__(self, shell=None, **kwargs):
@@ -118,7 +122,8 @@ class TaasMagics(Magics):
                 envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=rule.mode)
             handshake = f"{server.address[0]} {server.address[1]} {key.hex()}"
             plan = LaunchPlan(world_size, envs, os.getcwd(), handshake)
-            relay = OutputRelay(output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr}, workers=workers)
+            budget = OutputBudget(run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
+            relay = OutputRelay(output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr}, workers=workers, budget=budget)
 
             def greeting(peer: int) -> list[bytes]:
                 return bodies if peer < world_size else data.greeting(peer - world_size)  # type: ignore[union-attr]

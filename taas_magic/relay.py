@@ -13,7 +13,9 @@ that point, after the text that preceded it and before the text that follows.
 
 Text is gathered and written to the kernel's streams at most once per
 ``flush_interval`` per stream, so a rank printing in a tight loop produces a bounded
-number of iopub messages. The last lines of every rank are kept for error reports.
+number of iopub messages (about 50 a second), and passes through the cell's output
+budget (budget.py): past a per-cell limit the middle goes to a log file. The last lines
+of every rank are kept for error reports.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import re
 import time
 from typing import IO, Callable
 
+from .budget import OutputBudget
+
+PARTIAL_KEEP = 4096  # characters of an unfinished line kept for error reports
 _LINE_END = re.compile(r"(?<=[\n\r])")
 MARKER_PREFIX = "\x00taas-display:"
 _MARKER = re.compile(re.escape(MARKER_PREFIX) + "(\\d+)\x00")
@@ -57,9 +62,15 @@ class _RankText:
         self.tail_partial = ""
 
     def remember(self, text: str) -> None:
-        pieces = (self.tail_partial + text).split("\n")
-        self.tail_partial = pieces.pop()
-        for piece in pieces:  # what a terminal shows of a line: the text after its last \r
+        combined = self.tail_partial + text
+        cut = combined.rfind("\n")
+        if cut == -1:
+            self.tail_partial = combined[-PARTIAL_KEEP:]  # a bar redrawn with \r forever stays bounded
+            return
+        self.tail_partial = combined[cut + 1 :][-PARTIAL_KEEP:]
+        keep = self.tail.maxlen or 0
+        # Only the last lines can matter: split off at most that many (a flood costs one rfind-like pass).
+        for piece in combined[:cut].rsplit("\n", keep)[-keep:]:  # what a terminal shows: after the last \r
             self.tail.append(piece.rstrip("\r").rsplit("\r", 1)[-1])
 
     def last_lines(self) -> tuple[str, ...]:
@@ -78,6 +89,7 @@ class OutputRelay:
         streams: dict[str, IO[str]],
         *,
         workers: int = 0,
+        budget: OutputBudget | None = None,
         keep_lines: int = 20,
         flush_interval: float = 0.02,
         on_marker: Callable[[int, int], None] | None = None,
@@ -92,6 +104,7 @@ class OutputRelay:
         self.last_flush = 0.0
         self.muted = False
         self.on_marker = on_marker
+        self.budget = budget
 
     def mute(self) -> None:
         """From now on drop everything: ranks being stopped print only noise."""
@@ -162,8 +175,25 @@ class OutputRelay:
             return
         for name, chunks in self.pending.items():
             if chunks:
-                stream = self.streams[name]
-                stream.write("".join(chunks))
-                stream.flush()
+                text = "".join(chunks)
                 chunks.clear()
+                if self.budget is not None:
+                    text = self.budget.admit(name, text)
+                if text:
+                    self.streams[name].write(text)
+                    self.streams[name].flush()
         self.last_flush = now
+
+    def finish(self) -> None:
+        """The run is over: if output was elided, the notice and the last lines."""
+        if self.budget is None:
+            return
+        runs: list[tuple[str, list[str]]] = []  # consecutive lines of one stream: one write
+        for name, text in self.budget.finish():
+            if runs and runs[-1][0] == name:
+                runs[-1][1].append(text)
+            else:
+                runs.append((name, [text]))
+        for name, texts in runs:
+            self.streams[name].write("".join(texts))
+            self.streams[name].flush()

@@ -345,6 +345,7 @@ def supervise(
         return RunOutcome(loop.result, dict(loop.exit_codes))
     finally:
         relay.flush(force=True)
+        relay.finish()
         if data is not None:
             data.workers.close()  # before measuring the cache: nothing writes to it any more
             data.progress.show(force=True, usage=data.usage())

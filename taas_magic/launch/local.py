@@ -11,6 +11,7 @@ forked subprocess"); starting ``python -m taas_magic.rank`` does not. Each rank 
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +22,18 @@ from .base import LaunchPlan
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
 WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
+
+
+PIPE_BYTES = 1 << 20
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+def _widen_pipe(fd: int) -> None:
+    """1 MB pipes (Linux), so a rank printing a flood rarely waits for the kernel to read."""
+    try:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:
+        pass  # above /proc/sys/fs/pipe-max-size, or not Linux: the default 64 kB pipe works
 
 
 @dataclass
@@ -34,6 +47,8 @@ class LocalRank:
     def __post_init__(self) -> None:
         self.stdout_fd = self.process.stdout.fileno()  # type: ignore[union-attr]
         self.stderr_fd = self.process.stderr.fileno()  # type: ignore[union-attr]
+        for fd in (self.stdout_fd, self.stderr_fd):
+            _widen_pipe(fd)
 
     def poll(self) -> int | None:
         code = self.process.poll()

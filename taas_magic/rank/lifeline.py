@@ -17,6 +17,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -69,3 +70,17 @@ def die_with_parent(parent_pid: int) -> None:
         pass  # not Linux: the lifeline thread alone guards us
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         kill_own_group()
+
+
+def flush_periodically(stream, interval: float) -> None:
+    """Flush ``stream`` every ``interval`` seconds from a daemon thread (output stays live)."""
+
+    def flush() -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                return  # closed, or the pipe is gone: the rank is ending
+
+    threading.Thread(target=flush, name="taas-flush", daemon=True).start()

@@ -15,6 +15,7 @@ stdin. The rank then:
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -25,6 +26,8 @@ from taas_magic.rank import execute, lifeline, returns, shell
 from taas_magic.rank.import_hooks import when_imported
 
 EXIT_CELL_RAISED = 1
+FLUSH_SECONDS = 0.05
+STDOUT_BUFFER = 1 << 16
 
 
 def _flush() -> None:
@@ -81,8 +84,15 @@ def main() -> None:
 
     sys.path[:] = spec["sys_path"]
     sys.argv = ["taas-rank"]
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    # stdout gets a 64 kB buffer, as a file is buffered (even under PYTHONUNBUFFERED, which the
+    # kernel's environment may carry), so a print loop costs what printing to a file does;
+    # a daemon thread flushes it every 50 ms, so output still arrives live.
+    sys.stdout = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(1, "w", closefd=False), STDOUT_BUFFER),
+        encoding=sys.stdout.encoding, errors=sys.stdout.errors,
+    )
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    lifeline.flush_periodically(sys.stdout, FLUSH_SECONDS)
     import taas
 
     taas._IN_RANK = True

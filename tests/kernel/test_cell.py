@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -206,3 +207,23 @@ def test_two_notebooks_launching_at_once_do_not_clash(kernel):
         assert ports[0][0] != ports[1][0]
     finally:
         other.shutdown()
+
+
+def test_a_flood_of_lines_shows_head_and_tail_keeps_all_in_a_log_and_few_messages(kernel):
+    ran = kernel.execute(
+        "#pragma taas --gpus 2\nfor i in range(200000):\n    print('line', i)\nprint('done')", timeout=120
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    out = ran.stream("stdout")
+    shown = [line for line in out.splitlines() if line.startswith("line ") or line == "done"]
+    notice = re.search(r"\[taas\] (\d+) lines elided, full log at (\S+)", out)
+    assert notice, out[-500:]
+    everything = [f"line {i}" for i in range(200000)] + ["done"]
+    head = shown[: shown.index("line 4999") + 1]
+    assert head == everything[:5000] and shown[5000:] == everything[-200:]  # first and last lines, in order
+    assert int(notice.group(1)) == len(everything) - 5200
+    with open(notice.group(2)) as log:
+        assert log.read().splitlines() == everything  # nothing lost
+    streams = ran.of_type("stream")
+    span = max(streams[-1].at - streams[0].at, 1.0)
+    assert len(streams) <= 50 * span + 5  # coalesced: about 50 messages a second at most
