@@ -1,0 +1,72 @@
+"""Soak: 100 taas cells in one kernel, some failing, some interrupted, some with data workers.
+
+The kernel's open file descriptors, threads, child processes and resident memory must
+not grow beyond a small bound: every run is reaped and releases what it opened.
+"""
+
+import psutil
+import pytest
+
+from tests.kernel_client import Kernel, wait_until_gone
+
+CELLS = 100
+
+SETUP = (
+    "import torch, taas\n"
+    "from torch.utils.data import DataLoader, TensorDataset\n"
+    "loader = taas.register(DataLoader(TensorDataset(torch.arange(32)), batch_size=4))"
+)
+OK = "#pragma taas --gpus 2\nimport os\nvalue = int(os.environ['RANK']) + {i}\nprint('ok', {i})"
+FAILING = "#pragma taas --gpus 2\nraise ValueError('soak {i}')"
+DATA = "#pragma taas --gpus 2 --cpus 1\ntotal = sum(int(x.sum()) for (x,) in loader)\nprint('data', {i})"
+INTERRUPTED = "#pragma taas --gpus 2\nimport time\nprint('tick', flush=True)\ntime.sleep(60)"
+
+
+def _footprint(kernel: Kernel) -> dict[str, float]:
+    process = psutil.Process(kernel.pid)
+    return {
+        "fds": process.num_fds(),
+        "threads": process.num_threads(),
+        "children": len(process.children(recursive=True)),
+        "rss_mb": process.memory_info().rss / 2**20,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_hundred_cells_leave_no_trace():
+    kernel = Kernel()
+    try:
+        assert kernel.execute(SETUP).reply["status"] == "ok"
+        for i in range(3):  # warm: the first cells import and cache what every later one reuses
+            kernel.execute(OK.format(i=i))
+            kernel.execute(DATA.format(i=i))
+        before = _footprint(kernel)
+        outcomes = {"ok": 0, "error": 0, "interrupted": 0}
+        for i in range(CELLS):
+            if i % 10 == 7:
+                msg_id, started = kernel.submit(INTERRUPTED)
+                kernel.wait_for_stream(msg_id, "tick")
+                kernel.manager.interrupt_kernel()
+                ran = kernel.collect(msg_id, started)
+                assert ran.error and ran.error["ename"] == "KeyboardInterrupt", ran.error_text()
+                outcomes["interrupted"] += 1
+                continue
+            cell = FAILING if i % 10 == 3 else DATA if i % 10 == 5 else OK
+            ran = kernel.execute(cell.format(i=i))
+            if cell is FAILING:
+                assert "soak" in ran.error_text()
+                outcomes["error"] += 1
+            else:
+                assert ran.reply["status"] == "ok", ran.error_text()
+                outcomes["ok"] += 1
+        assert not wait_until_gone(kernel.children(), timeout=5)
+        after = _footprint(kernel)
+        assert outcomes == {"ok": 80, "error": 10, "interrupted": 10}
+        assert after["children"] == 0
+        assert after["fds"] <= before["fds"] + 4, (before, after)
+        assert after["threads"] <= before["threads"] + 2, (before, after)
+        assert after["rss_mb"] <= before["rss_mb"] + 40, (before, after)
+        print(f"kernel footprint before {before}, after {CELLS} cells {after}")
+    finally:
+        kernel.shutdown()
