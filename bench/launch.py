@@ -16,7 +16,10 @@ jupyter_client (the time a person waits: execute_request -> first rank-0 line on
   under the write rule's isolation, rank 0 never does, so rank 1's start minus rank 0's
   start is what the isolation adds (overlay and Python modes, one kernel);
 - flushed-line latency: rank 0 prints its clock and flushes, 20 times, 0.1 s apart; the
-  latency is the iopub arrival time (same host clock) minus the printed time.
+  latency is the iopub arrival time (same host clock) minus the printed time;
+- capture size vs start: time to the first rank-0 line of a cell that captures 0, 50 or
+  200 MB of tensors, with the closure in one shared file (the default above 4 MB) and,
+  beside it, sent through each rank's socket.
 
 Medians of --repeats runs; ratios are of medians measured in this run.
 
@@ -172,6 +175,30 @@ def paired_throughput(repeats: int, steps: int) -> None:
         print(f"{name:<24} {statistics.median(values):>9.3f} {min(values):>9.3f} {max(values):>9.3f}")
 
 
+CAPTURE_CELL = """#pragma taas --gpus 2
+print("first-line", capture.numel(), flush=True)
+"""
+CAPTURE_MB = (0, 50, 200)
+
+
+def closure_start_times(kernel: Kernel) -> dict[str, float]:
+    """Time to rank 0's first line for a cell capturing 0/50/200 MB of tensors, through the
+    shared closure file (the default) and, for comparison, through each rank's socket."""
+    times = {}
+    for megabytes in CAPTURE_MB:
+        kernel.execute(f"import torch\ncapture = torch.randn({megabytes} * 2**18)")  # float32: 4 bytes each
+        for transport, threshold in (("file", None), ("socket", 1 << 40)):
+            if threshold is not None:
+                kernel.execute(f"%config TaasMagics.closure_file_bytes = {threshold}")
+            msg_id, started = kernel.submit(CAPTURE_CELL)
+            kernel.wait_for_stream(msg_id, "first-line")
+            times[f"capture {megabytes:>3} MB, {transport}: first line"] = time.monotonic() - started
+            kernel.collect(msg_id, started)
+            kernel.execute("%config TaasMagics.closure_file_bytes = 4 << 20")
+    kernel.execute("del capture")
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -207,6 +234,8 @@ def main() -> None:
                 for name, values in isolation_costs(kernel, 3).items():
                     for value in values:
                         add(name, value)
+                for name, value in closure_start_times(kernel).items():
+                    add(name, value)
             finally:
                 kernel.shutdown()
             first, whole, rate = torchrun(script)
@@ -226,6 +255,8 @@ def main() -> None:
             versus = f"p90 {statistics.quantiles(values, n=10)[-1]:.3f} s, max {max(values):.3f} s (target < 0.2 s)"
         elif "steps/s" in name:
             versus = f"{med[name] / med['torchrun steps/s']:.3f}x torchrun"
+        elif name.startswith("capture"):
+            versus = f"{med[name] / floor:.2f}x floor (file: written once, mapped by each rank)"
         elif name == "floor":
             versus = "2x python -c 'import torch' in parallel"
         else:

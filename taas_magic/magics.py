@@ -20,6 +20,7 @@ from . import wire
 from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from .cellcode import translate
 from .closure import select_closure, serialise_closure
+from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .feed.run import DataRun, default_cache_ram, describe_registered
 from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_repository
 from .launch.base import LaunchPlan
@@ -41,6 +42,7 @@ class TaasMagics(Magics):
     max_output_lines = Int(HEAD_LINES, config=True, help="Lines of rank output a cell shows before the rest goes to a log file.")
     max_output_bytes = Int(HEAD_BYTES, config=True, help="Bytes of rank output a cell shows before the rest goes to a log file.")
     tail_output_lines = Int(TAIL_LINES, config=True, help="Last lines shown at the end of a cell whose output was elided.")
+    closure_file_bytes = Int(HANDOFF_BYTES, config=True, help="Closures this large reach the ranks as one shared file.")
     ahead = Int(16, config=True, help="Default for --ahead: elements per rank that may wait before workers pause.")
 
     def __init__(self, shell=None, **kwargs):
@@ -89,9 +91,9 @@ class TaasMagics(Magics):
             "suppress_final": code.suppress_final,
             "feeds": data.rank_feeds() if data is not None else [],
         }
-        bodies = [wire.encode_body("spec", wire.dumps(spec)), wire.encode_body("closure", closure_blob)]
         rule = self._write_rule()
-        header = header_line(options, devices, run_id, len(closure_blob)) + "\ntaas: " + rule.header()
+        header = header_line(options, devices, run_id, len(closure_blob), len(closure_blob) >= self.closure_file_bytes)
+        header += "\ntaas: " + rule.header()
         if data is not None:
             header += "\ntaas: " + data.header()
         print(header, flush=True)
@@ -101,8 +103,11 @@ class TaasMagics(Magics):
         port_reservation = reserve_port()
         server = RankServer(key, world_size + workers)
         layers = ScratchLayers(world_size, workers)
+        handoff: ClosureHandoff | None = None
         started = time.monotonic()
         try:
+            handoff = ClosureHandoff(closure_blob, run_id, self.closure_file_bytes)
+            bodies = [wire.encode_body("spec", wire.dumps(spec)), handoff.body]
             envs = [
                 rank_environment(
                     dict(os.environ),
@@ -145,6 +150,8 @@ class TaasMagics(Magics):
             for line in layers.report(rule.repository):
                 print(line, file=sys.stderr)
             layers.remove()
+            if handoff is not None:
+                handoff.remove()
             if data is not None:
                 data.close()
         return apply_results(self._shell.user_ns, outcome.result)

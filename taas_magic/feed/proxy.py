@@ -15,10 +15,9 @@ from its pickle on first use.
 from __future__ import annotations
 
 import collections
-import io
 import pickle
 import threading
-from typing import Any
+from typing import IO, Any
 
 from .. import wire
 from .plan import MAP, FeedPlan
@@ -115,8 +114,10 @@ class PreparedLoader:
 
 
 class _ClosureUnpickler(pickle.Unpickler):
-    def __init__(self, blob: bytes | memoryview, loaders: dict[int, PreparedLoader]):
-        super().__init__(io.BytesIO(blob))
+    """Resolves ``("taas-feed", i)`` to the prepared loader; any other reference is refused."""
+
+    def __init__(self, source: IO[bytes], loaders: dict[int, PreparedLoader]):
+        super().__init__(source)
         self._loaders = loaders
 
     def persistent_load(self, pid: Any) -> Any:
@@ -126,10 +127,8 @@ class _ClosureUnpickler(pickle.Unpickler):
         return self._loaders[feed]
 
 
-def load_closure(blob: bytes | memoryview, feeds: list[dict], channel: wire.BlockingChannel) -> dict:
+def load_closure(source: IO[bytes], feeds: list[dict], channel: wire.BlockingChannel) -> dict:
     """The cell's closure, with each registered loader it uses as a :class:`PreparedLoader`."""
-    if not feeds:
-        return pickle.loads(blob)
-    client = FeedClient(channel)
-    loaders = {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}
-    return _ClosureUnpickler(blob, loaders).load()
+    client = FeedClient(channel) if feeds else None
+    loaders = {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}  # type: ignore[arg-type]
+    return _ClosureUnpickler(source, loaders).load()

@@ -22,6 +22,7 @@ import sys
 import types
 
 from taas_magic import wire
+from taas_magic.handoff import receive_closure
 from taas_magic.rank import execute, lifeline, returns, shell
 from taas_magic.rank.import_hooks import when_imported
 
@@ -80,7 +81,7 @@ def main() -> None:
 
     channel = wire.BlockingChannel.connect(host, int(port), bytes.fromhex(key_hex), rank)
     spec = wire.loads_verified(channel.expect("spec"))
-    closure_blob = channel.expect("closure")
+    closure_source = receive_closure(channel)
 
     sys.path[:] = spec["sys_path"]
     sys.argv = ["taas-rank"]
@@ -117,7 +118,7 @@ def main() -> None:
     try:
         from taas_magic.feed.proxy import load_closure
 
-        closure = load_closure(closure_blob, spec["feeds"], channel)
+        closure = load_closure(closure_source, spec["feeds"], channel)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
                     execute.format_cell_traceback(exc, filename))

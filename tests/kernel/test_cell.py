@@ -227,3 +227,16 @@ def test_a_flood_of_lines_shows_head_and_tail_keeps_all_in_a_log_and_few_message
     streams = ran.of_type("stream")
     span = max(streams[-1].at - streams[0].at, 1.0)
     assert len(streams) <= 50 * span + 5  # coalesced: about 50 messages a second at most
+
+
+def test_a_large_closure_reaches_the_ranks_through_one_shared_file(kernel):
+    kernel.execute("import torch\nbig = torch.arange(3_000_000, dtype=torch.float64)\n%config TaasMagics.closure_file_bytes = 1 << 20")
+    try:
+        ran = kernel.execute("#pragma taas --gpus 2 --output all\nprint('sum', float(big.sum()), flush=True)")
+        assert ran.reply["status"] == "ok", ran.error_text()
+        expected = float(sum(range(3_000_000)))
+        assert f"[rank 0] sum {expected}" in ran.stream() and f"[rank 1] sum {expected}" in ran.stream()
+        assert "closure 24.0 MB (one shared file)" in ran.stream()
+        assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"taas-closure-{kernel.pid}-")]
+    finally:
+        kernel.execute("%config TaasMagics.closure_file_bytes = 4 << 20\ndel big")
