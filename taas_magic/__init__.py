@@ -27,6 +27,9 @@ def load_ipython_extension(ipython) -> None:
 def unload_ipython_extension(ipython) -> None:
     from .transformer import route_taas_cell
 
+    magics = _loaded.get("magics")
+    if magics is not None:
+        magics.spares.close()
     # IPython has no API to unregister magics: remove our entries, as alias.py does.
     manager = ipython.magics_manager
     for kind in ("line", "cell"):

@@ -25,6 +25,7 @@ from .feed.run import DataRun, default_cache_ram, describe_registered
 from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_repository
 from .launch.base import LaunchPlan
 from .launch.local import LocalRankGroup
+from .launch.spares import SparePool
 from .pragma import PragmaError, parse_cell, parse_size
 from .rankenv import LOOPBACK, plan_devices, rank_environment, reserve_port, visible_gpu_count
 from .relay import OutputRelay
@@ -43,6 +44,7 @@ class TaasMagics(Magics):
     max_output_bytes = Int(HEAD_BYTES, config=True, help="Bytes of rank output a cell shows before the rest goes to a log file.")
     tail_output_lines = Int(TAIL_LINES, config=True, help="Last lines shown at the end of a cell whose output was elided.")
     closure_file_bytes = Int(HANDOFF_BYTES, config=True, help="Closures this large reach the ranks as one shared file.")
+    warm = Unicode("auto", config=True, help="Warm spares: 'auto' (as many as the last cell's --gpus), 'off', or a number.")
     ahead = Int(16, config=True, help="Default for --ahead: elements per rank that may wait before workers pause.")
 
     def __init__(self, shell=None, **kwargs):
@@ -50,6 +52,9 @@ class TaasMagics(Magics):
         self.last_run: LastRun | None = None
         self.repository: str | None = None  # %taas config repo PATH
         self.isolation = "auto"  # %taas config isolation auto|overlay|python
+        self.spares = SparePool()
+        if self.warm.isdigit():
+            self.spares.fill(int(self.warm))
 
     @property
     def _shell(self) -> InteractiveShell:
@@ -137,7 +142,8 @@ class TaasMagics(Magics):
                 assert data is not None
                 return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
 
-            outcome = run_ranks(lambda: LocalRankGroup.start(plan), server, greeting, relay, self._publish, timeout,
+            spares = self.spares if self.warm != "off" else None
+            outcome = run_ranks(lambda: LocalRankGroup.start(plan, spares=spares), server, greeting, relay, self._publish, timeout,
                                 start_data if data is not None else None)
             record.outcome = "ok"
         except BaseException as exc:
@@ -152,6 +158,8 @@ class TaasMagics(Magics):
             layers.remove()
             if handoff is not None:
                 handoff.remove()
+            if self.warm != "off":  # for the next cell, now that this one no longer needs the CPU
+                self.spares.fill(int(self.warm) if self.warm.isdigit() else world_size)
             if data is not None:
                 data.close()
         return apply_results(self._shell.user_ns, outcome.result)
@@ -194,7 +202,7 @@ class TaasMagics(Magics):
 
     @line_magic("taas")  # type: ignore[arg-type]
     def taas_line(self, line: str):
-        """``%taas help`` | ``%taas status`` | ``%taas config repo PATH`` | ``%taas config isolation auto|python``."""
+        """``%taas help`` | ``status`` | ``config repo PATH`` | ``config isolation auto|python`` | ``warm off|auto|N``."""
         command = line.strip() or "help"
         words = command.split(maxsplit=2)
         if words[:2] == ["config", "repo"] and len(words) == 3:
@@ -208,12 +216,24 @@ class TaasMagics(Magics):
                 raise UsageError(f"taas: isolation must be one of {', '.join(MODES)}, got {words[2]!r}")
             self.isolation = "auto" if words[2] == "overlay" else words[2]
             print(f"taas: isolation {words[2]}")
+        elif words[:1] == ["warm"] and len(words) == 2 and (words[1] in ("off", "auto") or words[1].isdigit()):
+            self.warm = words[1]
+            if words[1] == "off":
+                self.spares.close()
+                print("taas: warm spares off")
+            elif words[1].isdigit():
+                self.spares.fill(int(words[1]))
+                print(f"taas: keeping {words[1]} warm spare rank(s)")
+            else:
+                print("taas: after each cell, keeping as many warm spares as its --gpus")
         elif command == "help":
             print(help_text())
         elif command == "status":
             rule = self._write_rule()
             defaults = {"output": self.output, "timeout": self.timeout, "cache-ram": self.cache_ram or "auto", "ahead": self.ahead}
             print(status_text(self.last_run, visible_gpu_count(), defaults, self._registered_lines()))
+            spares = len(self.spares.spares)
+            print(f"warm spares: {self.warm}, {spares} waiting, {self.spares.resident_bytes() / 2**20:.0f} MB resident")
             print("write rule: " + rule.header())
         else:
             raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")

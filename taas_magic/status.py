@@ -31,6 +31,7 @@ the other ranks' writes there are diverted to a private layer, thrown away after
 
 %taas status             the last run, the devices seen, the defaults, the write rule
 %taas config repo PATH   set the repository (default: $TAAS_REPO, the git work tree, the cwd)
+%taas warm off|auto|N    warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus
 %taas help               this text"""
 
 

@@ -64,10 +64,28 @@ class Kernel:
         return self.manager.provisioner.pid  # type: ignore[union-attr]
 
     def children(self) -> list[psutil.Process]:
+        """The kernel's descendants started for cells (warm spares, kept on purpose, excluded)."""
+        spares = {p.pid for p in self.spares()}
         try:
-            return psutil.Process(self.pid).children(recursive=True)
+            return [p for p in psutil.Process(self.pid).children(recursive=True) if p.pid not in spares]
         except psutil.NoSuchProcess:
             return []
+
+    def spares(self) -> list[psutil.Process]:
+        """Warm spare ranks waiting for the next cell (``taas_magic.rank --spare``; once a cell
+        takes one it renames itself ``taas-rank`` and counts as the cell's)."""
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        found = []
+        for child in children:
+            try:
+                if "--spare" in child.cmdline() and child.name() != "taas-rank":
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                pass
+        return found
 
     def submit(self, code: str) -> tuple[str, float]:
         return self.client.execute(code), time.monotonic()

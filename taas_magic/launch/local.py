@@ -12,6 +12,7 @@ forked subprocess"); starting ``python -m taas_magic.rank`` does not. Each rank 
 from __future__ import annotations
 
 import fcntl
+import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from ..errors import LaunchError
 from ..procs import kill_leftovers, stop_groups
 from .base import LaunchPlan
+from .spares import SparePool
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
 WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
@@ -65,25 +67,41 @@ class LocalRankGroup:
         self._closed = False
 
     @classmethod
-    def start(cls, plan: LaunchPlan, command: tuple[str, ...] = RANK_COMMAND, what: str = "rank") -> "LocalRankGroup":
+    def start(
+        cls,
+        plan: LaunchPlan,
+        command: tuple[str, ...] = RANK_COMMAND,
+        what: str = "rank",
+        spares: SparePool | None = None,
+    ) -> "LocalRankGroup":
+        """Start the ranks: from warm spares when the pool has enough, else fresh processes."""
         ranks: list[LocalRank] = []
+        warm = spares.take(plan.world_size) if spares is not None else None
         try:
             for rank, env in enumerate(plan.envs):
-                process = subprocess.Popen(
-                    command,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    env=dict(env),
-                    cwd=plan.cwd,
-                    start_new_session=True,
-                    close_fds=True,
-                )
+                if warm is not None:
+                    process = warm[rank]
+                    settings = json.dumps({"env": dict(env), "cwd": plan.cwd})
+                    message = f"{plan.handshake}\n{settings}\n"
+                else:
+                    process = subprocess.Popen(
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        env=dict(env),
+                        cwd=plan.cwd,
+                        start_new_session=True,
+                        close_fds=True,
+                    )
+                    message = f"{plan.handshake}\n"
                 ranks.append(LocalRank(rank, process))
-                process.stdin.write(plan.handshake.encode("ascii") + b"\n")  # type: ignore[union-attr]
+                process.stdin.write(message.encode("utf-8"))  # type: ignore[union-attr]
                 process.stdin.flush()  # type: ignore[union-attr]
         except (OSError, subprocess.SubprocessError) as exc:
             cls(ranks).close()
+            if warm is not None:
+                cls([LocalRank(k, p) for k, p in enumerate(warm[len(ranks):], start=len(ranks))]).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
         return cls(ranks)
 

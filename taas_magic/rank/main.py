@@ -23,7 +23,7 @@ import types
 
 from taas_magic import wire
 from taas_magic.handoff import receive_closure
-from taas_magic.rank import execute, lifeline, returns, shell
+from taas_magic.rank import execute, lifeline, returns, shell, spare
 from taas_magic.rank.import_hooks import when_imported
 
 EXIT_CELL_RAISED = 1
@@ -69,12 +69,19 @@ def isolate_writes(repository: str, layer: str, write_mode: str | None, who: str
 
 
 def main() -> None:
+    is_spare = "--spare" in sys.argv
+    if is_spare:  # imports now, then wait (single-threaded) for a cell to take us
+        spare.warm_up()
     parent = os.getppid()
     host, port, key_hex = lifeline.read_first_line().split()
+    if is_spare:
+        spare.adopt(lifeline.read_first_line())
     layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
     write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
     if layer and repository:  # before any thread starts: unshare() needs a single-threaded process
         isolate_writes(repository, layer, write_mode, f"rank {os.environ['RANK']}")
+    if is_spare:
+        spare.use_launch_threads()
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
     rank = int(os.environ["RANK"])

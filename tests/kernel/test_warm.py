@@ -1,0 +1,97 @@
+"""Warm spares: later cells start from processes that already imported torch, yet every
+cell still gets fresh processes with the launch's environment, cwd and write rule."""
+
+import os
+import signal
+import time
+
+import psutil
+
+from tests.kernel_client import Kernel, wait_until_gone
+
+PIDS = "#pragma taas --gpus 2 --output all\nimport os, sys\nprint('pid', os.getpid(), 'torch' in sys.modules, flush=True)"
+
+
+def _pids(ran) -> dict[int, bool]:
+    found = {}
+    for line in ran.stream("stdout").splitlines():
+        if " pid " in line:
+            *_, pid, preloaded = line.split()
+            found[int(pid)] = preloaded == "True"
+    return found
+
+
+def test_later_cells_start_from_spares_and_never_reuse_a_process(kernel):
+    kernel.execute("%taas warm auto")
+    kernel.execute(PIDS)  # leaves two spares behind
+    assert _wait_for_spares(kernel, 2)
+    spares = {p.pid for p in kernel.spares()}
+    ran = kernel.execute(PIDS)
+    first = _pids(ran)
+    assert set(first) == spares  # the cell took the waiting spares...
+    assert all(first.values())  # ...which had torch imported before the cell began
+    second = _pids(kernel.execute(PIDS))
+    assert not set(second) & set(first)  # fresh processes for every cell
+
+
+def test_no_state_passes_from_one_cell_to_the_next(kernel):
+    kernel.execute("%taas warm auto")
+    kernel.execute("#pragma taas --gpus 2\nimport json\njson.left_behind = 1")
+    _wait_for_spares(kernel, 2)
+    ran = kernel.execute("#pragma taas --gpus 2 --output all\nimport json\nprint('leak', hasattr(json, 'left_behind'))")
+    assert ran.stream().count("leak False") == 2, ran.stream()
+
+
+def test_spares_take_the_environment_and_cwd_of_the_launch_not_their_own(kernel, tmp_path):
+    kernel.execute("%taas warm auto")
+    kernel.execute(PIDS)
+    _wait_for_spares(kernel, 2)
+    kernel.execute(f"import os\nos.environ['TAAS_TEST_LATE'] = 'late'\n_old = os.getcwd()\nos.chdir({str(tmp_path)!r})")
+    try:
+        ran = kernel.execute(
+            "#pragma taas --gpus 2 --output all\nimport os, torch\n"
+            "print('env', os.environ.get('TAAS_TEST_LATE'), os.getcwd(), os.environ['RANK'], torch.get_num_threads())"
+        )
+    finally:
+        kernel.execute("os.chdir(_old)\ndel os.environ['TAAS_TEST_LATE']")
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for rank in (0, 1):
+        assert f"[rank {rank}] env late {tmp_path} {rank} {threads}" in ran.stream(), ran.stream()
+
+
+def test_warm_off_and_n_control_the_spares_and_status_reports_their_memory(kernel):
+    kernel.execute("%taas warm 3")
+    assert _wait_for_spares(kernel, 3)
+    status = kernel.execute("%taas status").stream()
+    assert "warm spares: 3, 3 waiting" in status and "MB resident" in status
+    kernel.execute("%taas warm off")
+    assert kernel.spares() == []
+    kernel.execute(PIDS)
+    assert kernel.spares() == []  # off stays off after a cell
+    kernel.execute("%taas warm auto")
+
+
+def test_spares_die_with_the_kernel():
+    lone = Kernel()
+    try:
+        lone.execute("%taas warm 2")
+        assert _wait_for_spares(lone, 2)
+        spares = lone.spares()
+        os.kill(lone.pid, signal.SIGKILL)
+        assert not wait_until_gone(spares, timeout=5)
+    finally:
+        lone.shutdown()
+
+
+def _wait_for_spares(kernel: Kernel, count: int, timeout: float = 30) -> bool:
+    """Until ``count`` spares have imported torch and wait (their name says so)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ready = [p for p in kernel.spares() if p.name() == "taas-spare"]
+        except psutil.NoSuchProcess:
+            ready = []
+        if len(ready) >= count:
+            return True
+        time.sleep(0.1)
+    return False
