@@ -112,8 +112,9 @@ class Kernel:
         msg_id, started = self.submit(code)
         return self.collect(msg_id, started, timeout)
 
-    def wait_for_stream(self, msg_id: str, needle: str, timeout: float = 60) -> list[Message]:
-        """Read iopub until rank output containing ``needle`` arrives (the run is going)."""
+    def wait_for_stream(self, msg_id: str, needle: str | tuple[str, ...], timeout: float = 60) -> list[Message]:
+        """Read iopub until rank output containing ``needle`` (every one of several) arrives."""
+        needles = (needle,) if isinstance(needle, str) else needle
         seen: list[Message] = []
         text = ""  # one printed line may arrive in two stream messages
         deadline = time.monotonic() + timeout
@@ -127,7 +128,7 @@ class Kernel:
             seen.append(Message(0.0, msg["msg_type"], msg["content"]))
             if msg["msg_type"] == "stream":
                 text += msg["content"]["text"]
-                if needle in text:
+                if all(each in text for each in needles):
                     return seen
         raise AssertionError(f"{needle!r} never arrived; saw {seen}")
 

@@ -21,7 +21,7 @@ WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distri
 
 
 PR_SET_NAME = 15
-WAITING_NAME = b"taas-spare"  # the process name (comm) while waiting; tools and tests tell spares by it
+WAITING_NAME = b"taas-spare"  # the process name (comm) once warm and waiting; tools and tests tell spares by it
 TAKEN_NAME = b"taas-rank"
 
 
@@ -35,12 +35,32 @@ def _set_name(name: bytes) -> None:
 
 
 def warm_up() -> None:
-    _set_name(WAITING_NAME)
+    """Import and take a first step, then take the name that says "ready"."""
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a broken or absent torch: the cell will say so itself
-            return
+            break
+    else:
+        _first_step()
+    _set_name(WAITING_NAME)
+
+
+def _first_step() -> None:
+    """One tiny CPU training step: the first forward, backward and optimizer steps pay
+    lazy imports and first-call set-up (about 0.7 s here) that every cell would pay again.
+    It stays on the calling thread (OMP at one thread), creates no CUDA context."""
+    import torch
+
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())):
+            loss = torch.nn.functional.cross_entropy(model(torch.zeros(4, 8)), torch.zeros(4, dtype=torch.long))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception:  # noqa: BLE001 - warming is an optimisation; the cell runs regardless
+        pass
 
 
 def adopt(settings_line: str) -> None:
