@@ -200,6 +200,7 @@ def closure_start_times(kernel: Kernel) -> dict[str, float]:
         for transport, threshold in (("file", None), ("socket", 1 << 40)):
             if threshold is not None:
                 kernel.execute(f"%config TaasMagics.closure_file_bytes = {threshold}")
+            wait_for_spares(kernel, 2)  # both transports from warm spares: only the closure differs
             msg_id, started = kernel.submit(CAPTURE_CELL)
             kernel.wait_for_stream(msg_id, "first-line")
             times[f"capture {megabytes:>3} MB, {transport}: first line"] = time.monotonic() - started

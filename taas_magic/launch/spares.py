@@ -15,10 +15,12 @@ stop them at once.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
-from ..procs import stop_groups
+from ..procs import signal_group
+from ..rank.spare import WAITING_NAME
 
 SPARE_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare")
 # One thread while importing, so the spare stays single-threaded (rank/spare.py).
@@ -30,11 +32,20 @@ class SparePool:
         self.spares: list[subprocess.Popen] = []
 
     def take(self, count: int) -> list[subprocess.Popen] | None:
-        """``count`` live spares, or None (then none is taken) when fewer are ready."""
+        """``count`` spares that finished warming up, or None (then none is taken).
+
+        A spare still importing would make the cell wait for its whole warm-up, which is
+        longer than a fresh start: those stay in the pool for a later cell.
+        """
         self._drop_dead()
-        if len(self.spares) < count:
+        ready = [process for process in self.spares if _is_ready(process)]
+        if len(ready) < count:
+            # Fresh processes start instead; spares still warming would only compete
+            # with them for the CPU, so they go (the pool refills after the cell).
+            self.close()
             return None
-        taken, self.spares = self.spares[:count], self.spares[count:]
+        taken = ready[:count]
+        self.spares = [process for process in self.spares if process not in taken]
         return taken
 
     def fill(self, count: int) -> None:
@@ -74,8 +85,19 @@ class SparePool:
         self.spares = alive
 
 
+def _is_ready(process: subprocess.Popen) -> bool:
+    """A spare names itself ``taas-spare`` once warm (rank/spare.py)."""
+    try:
+        with open(f"/proc/{process.pid}/comm", "rb") as comm:
+            return comm.read().strip() == WAITING_NAME
+    except OSError:
+        return False
+
+
 def _stop(processes: list[subprocess.Popen]) -> None:
-    stop_groups(processes)
+    """Kill at once: a waiting spare holds nothing worth a graceful stop."""
+    for process in processes:
+        signal_group(process.pid, signal.SIGKILL)
     for process in processes:
         for pipe in (process.stdin, process.stdout, process.stderr):
             if pipe is not None:
