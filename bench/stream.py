@@ -18,20 +18,15 @@ import argparse
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.kernel_client import Kernel  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
 
-LATENCY_CELL = """#pragma taas --gpus 2
-import time
-for _ in range(20):
-    print(f"stamp {time.time():.6f}", flush=True)
-    time.sleep(0.1)
-"""
+from launch import flushed_line_latencies  # noqa: E402  the same 20 flushed lines as bench/launch.py
+from tests.kernel_client import Kernel  # noqa: E402
 
 FLOOD_CELL = """#pragma taas --gpus 2
 import sys, time
@@ -43,21 +38,6 @@ target.flush()
 print(f"flood-seconds {{time.perf_counter() - started:.6f}}", flush=True)
 del target  # a stream would come back to the notebook by reference
 """
-
-
-def latencies(kernel: Kernel) -> list[float]:
-    msg_id = kernel.client.execute(LATENCY_CELL)
-    found: list[float] = []
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=120)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        arrived = time.time()
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return found
-        if msg["msg_type"] == "stream":
-            text = msg["content"]["text"]
-            found += [arrived - float(line.split()[1]) for line in text.splitlines() if line.startswith("stamp ")]
 
 
 def flood(kernel: Kernel, lines: int, to_file: bool) -> tuple[float, float, int]:
@@ -84,7 +64,7 @@ def main() -> None:
     kernel = Kernel()
     try:
         kernel.execute("#pragma taas --gpus 2\npass")  # the first cell pays the write-rule probe
-        late = latencies(kernel)
+        late = flushed_line_latencies(kernel)
         to_cell, to_file, rates, shown = [], [], [], []
         for _ in range(args.repeats):  # alternating, so drift hits both alike
             seconds, rate, chars = flood(kernel, args.lines, to_file=False)

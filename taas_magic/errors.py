@@ -69,6 +69,18 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _failure_report(who: str, host: str, summary: str, stopped: str, traceback_text: str, last_lines: tuple[str, ...]) -> list[str]:
+    """The cell's error lines for a failed process: what happened, its traceback, its last output."""
+    lines = [f"taas: {who} on {host} {summary}; {stopped}."]
+    if traceback_text:
+        lines.append(f"--- traceback of {who} ---")
+        lines.extend(traceback_text.rstrip("\n").splitlines())
+    if last_lines:
+        lines.append(f"--- last {len(last_lines)} lines of output of {who} ---")
+        lines.extend(last_lines)
+    return lines
+
+
 class RankFailed(RunError):
     """The first rank to fail: its traceback (cell line numbers) and last output lines."""
 
@@ -88,14 +100,8 @@ class RankFailed(RunError):
         return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines))
 
     def _render_traceback_(self) -> list[str]:
-        lines = [f"taas: rank {self.rank} on {self.host} {self.summary}; every rank was stopped."]
-        if self.traceback_text:
-            lines.append(f"--- traceback of rank {self.rank} ---")
-            lines.extend(self.traceback_text.rstrip("\n").splitlines())
-        if self.last_lines:
-            lines.append(f"--- last {len(self.last_lines)} lines of output of rank {self.rank} ---")
-            lines.extend(self.last_lines)
-        return lines
+        return _failure_report(f"rank {self.rank}", self.host, self.summary, "every rank was stopped",
+                               self.traceback_text, self.last_lines)
 
 
 class WorkerFailed(RunError):
@@ -137,14 +143,8 @@ class WorkerFailed(RunError):
         return cls(worker, host, summary, "".join(lines) + report["exception"])
 
     def _render_traceback_(self) -> list[str]:
-        lines = [f"taas: data worker {self.worker} on {self.host} {self.summary}; every rank and worker was stopped."]
-        if self.traceback_text:
-            lines.append(f"--- traceback of data worker {self.worker} ---")
-            lines.extend(self.traceback_text.rstrip("\n").splitlines())
-        if self.last_lines:
-            lines.append(f"--- last {len(self.last_lines)} lines of output of data worker {self.worker} ---")
-            lines.extend(self.last_lines)
-        return lines
+        return _failure_report(f"data worker {self.worker}", self.host, self.summary,
+                               "every rank and worker was stopped", self.traceback_text, self.last_lines)
 
 
 class RunTimeout(RunError):

@@ -43,6 +43,17 @@ def kill_leftovers(proc: subprocess.Popen) -> None:
     signal_group(proc.pid, signal.SIGKILL)
 
 
+def reap(proc: subprocess.Popen) -> None:
+    """After it was stopped: close the pipes we hold to it and wait for its exit status."""
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+    proc.wait()
+
+
 def stop_groups(procs: Sequence[subprocess.Popen], ladder=LADDER) -> StopReport:
     """Stop every process group in ``procs``; return what it took."""
     report = StopReport()

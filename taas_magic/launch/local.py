@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import LaunchError
-from ..procs import kill_leftovers, stop_groups
+from ..procs import kill_leftovers, reap, stop_groups
 from .base import LaunchPlan
 from .spares import SparePool
 
@@ -114,11 +114,5 @@ class LocalRankGroup:
         self._closed = True
         stop_groups([rank.process for rank in self.ranks])
         for rank in self.ranks:
-            for pipe in (rank.process.stdin, rank.process.stdout, rank.process.stderr):
-                if pipe is not None:
-                    try:
-                        pipe.close()
-                    except OSError:
-                        pass
-            rank.process.wait()
+            reap(rank.process)
 

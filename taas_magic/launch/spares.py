@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 
-from ..procs import signal_group
+from ..procs import reap, signal_group
 from ..rank.spare import WAITING_NAME
 
 SPARE_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare")
@@ -99,10 +99,4 @@ def _stop(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         signal_group(process.pid, signal.SIGKILL)
     for process in processes:
-        for pipe in (process.stdin, process.stdout, process.stderr):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
-        process.wait()
+        reap(process)
