@@ -11,6 +11,8 @@ jupyter_client (the time a person waits: execute_request -> first rank-0 line on
 - taas, warm cell: a following cell in the same kernel, once the warm spares the first
   cell left are ready (and the whole of a 50-step cell, the anchors' workload);
 - torchrun: the same DDP loop as a script under ``python -m torch.distributed.run``;
+- the anchors of ``bench/anchors.py`` that are installed (accelerate's notebook_launcher,
+  Lightning's ddp_notebook, ipyparallel's %%px on a running cluster), 50 steps each;
 - steps/s: steady-state DDP steps per second of the same loop (2 ranks, gloo, a small
   MLP), under taas and under torchrun;
 - isolation cost: a 2-rank cell whose ranks print their clock first thing; rank 1 runs
@@ -43,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import anchors  # noqa: E402
 from tests.kernel_client import Kernel  # noqa: E402
 
 LOOP = """\
@@ -93,7 +96,8 @@ def taas_cell(kernel: Kernel, steps: int) -> tuple[float, float, float]:
     return first, ran.reply_at, rate
 
 
-ANCHOR_STEPS = 50  # the workload the issue's anchors (fork launchers, ipyparallel, Ray) were measured on
+ANCHOR_STEPS = anchors.STEPS  # the workload the anchors (fork launchers, ipyparallel, Ray) run
+WARM_50 = f"taas warm cell, {ANCHOR_STEPS} steps: whole"
 
 
 def wait_for_spares(kernel: Kernel, count: int, timeout: float = 60) -> None:
@@ -225,6 +229,7 @@ def main() -> None:
     def add(name: str, value: float) -> None:
         results.setdefault(name, []).append(value)
 
+    anchor_runs = anchors.available()
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "loop.py"
         script.write_text(LOOP.format(steps=args.steps))
@@ -243,7 +248,7 @@ def main() -> None:
                 add("taas steps/s", rate)
                 wait_for_spares(kernel, 2)
                 first, whole, _ = taas_cell(kernel, ANCHOR_STEPS)
-                add(f"taas warm cell, {ANCHOR_STEPS} steps: whole", whole)
+                add(WARM_50, whole)
                 for latency in flushed_line_latencies(kernel):
                     add("flushed line -> iopub", latency)
                 for name, values in isolation_costs(kernel, 3).items():
@@ -257,6 +262,10 @@ def main() -> None:
             add("torchrun: first line", first)
             add("torchrun: whole", whole)
             add("torchrun steps/s", rate)
+            for name, run in anchor_runs.items():
+                first, whole = run(tmp)
+                add(f"{name}: first line", first)
+                add(f"{name}: whole", whole)
 
     med = {name: statistics.median(values) for name, values in results.items()}
     floor = med["floor"]
@@ -272,6 +281,9 @@ def main() -> None:
             versus = f"{med[name] / med['torchrun steps/s']:.3f}x torchrun"
         elif name.startswith("capture"):
             versus = f"{med[name] / floor:.2f}x floor (file: written once, mapped by each rank)"
+        elif any(name.startswith(anchor) for anchor in anchor_runs):
+            versus = (f"taas warm 50-step cell {med[WARM_50] / med[name]:.2f}x this" if name.endswith("whole")
+                      else f"taas warm cell {med['taas warm cell: first line'] / med[name]:.2f}x this")
         elif name == "floor":
             versus = "2x python -c 'import torch' in parallel"
         else:

@@ -99,14 +99,14 @@ class Kernel:
                 continue
             kind = msg["msg_type"]
             if kind == "status" and msg["content"]["execution_state"] == "idle":
+                idle_at = time.monotonic() - started  # the cell is over for the person
                 break
             messages.append(Message(time.monotonic() - started, kind, msg["content"]))
         while True:
             reply = self.client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
             if reply["parent_header"].get("msg_id") == msg_id:
                 break
-        reply_at = min(time.monotonic() - started, messages[-1].at if messages else 0.0)
-        return Execution(reply["content"], reply_at, messages)
+        return Execution(reply["content"], idle_at, messages)
 
     def execute(self, code: str, timeout: float = 120) -> Execution:
         msg_id, started = self.submit(code)
