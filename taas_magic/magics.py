@@ -23,16 +23,23 @@ from .closure import select_closure, serialise_closure
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .feed.run import DataRun, default_cache_ram, describe_registered
 from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_repository
-from .launch.base import LaunchPlan
+from .cluster import Cluster, address_from_environment
+from .launch.base import LaunchPlan, RankGroup
 from .launch.local import LocalRankGroup
+from .launch.placement import plan_hosts
+from .launch.ray import ClusterLaunch, RankSlot
 from .launch.spares import SparePool
 from .pragma import PragmaError, parse_cell, parse_size
-from .rankenv import LOOPBACK, plan_devices, rank_environment, reserve_port, visible_gpu_count
+from .rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port, visible_gpu_count
 from .relay import OutputRelay
 from .results import apply_results
 from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
 from .supervisor import DataPlane, run_ranks
+
+
+# A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster).
+CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
 
 
 @magics_class
@@ -46,6 +53,7 @@ class TaasMagics(Magics):
     closure_file_bytes = Int(HANDOFF_BYTES, config=True, help="Closures this large reach the ranks as one shared file.")
     warm = Unicode("auto", config=True, help="Warm spares: 'auto' (as many as the last cell's --gpus), 'off', or a number.")
     ahead = Int(16, config=True, help="Default for --ahead: elements per rank that may wait before workers pause.")
+    place_timeout = Float(60.0, config=True, help="Default for --place-timeout: seconds to wait for a cluster's GPUs.")
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
@@ -55,6 +63,10 @@ class TaasMagics(Magics):
         self.spares = SparePool()
         if self.warm.isdigit():
             self.spares.fill(int(self.warm))
+        self.cluster: Cluster | None = None  # %taas cluster ADDRESS, or $TAAS_CLUSTER at load
+        address = address_from_environment()
+        if address is not None:
+            self.cluster = Cluster.attach(address)
 
     @property
     def _shell(self) -> InteractiveShell:
@@ -78,9 +90,29 @@ class TaasMagics(Magics):
         registered = taas.registered()
         closure_blob, used = serialise_closure(closure, registered)
         data = self._data_run({index: registered[index] for index in used}, options) if used else None
-        devices = plan_devices(options.gpus)
+        if data is not None and self.cluster is not None:
+            raise UsageError(
+                "taas: registered loaders are not served in the cluster mode yet; "
+                "taas.unregister them for this cell, or %taas cluster local"
+            )
+        cluster = self._cluster_launch(options) if self.cluster is not None else None
+        try:
+            return self._launch(options, code, closure, closure_blob, data, cluster, output, timeout)
+        finally:
+            if cluster is not None:
+                cluster.release()  # whatever happened: agents killed, GPUs given back
+
+    def _launch(self, options, code, closure, closure_blob: bytes, data: DataRun | None,
+                cluster: ClusterLaunch | None, output: str, timeout: float | None):
+        """Build every rank's environment, start ranks (and data workers), supervise, render."""
         world_size = options.gpus
         workers = data.workers if data is not None else 0
+        if cluster is not None:
+            devices = DevicePlan("cuda", world_size, "nccl") if cluster.has_cuda else CLUSTER_CPU
+            slots = cluster.slots
+        else:
+            devices = plan_devices(options.gpus)
+            slots = [RankSlot(rank, rank, world_size, 0) for rank in range(world_size)]
 
         run_id = secrets.token_hex(6)
         key = wire.new_key()
@@ -99,14 +131,20 @@ class TaasMagics(Magics):
         rule = self._write_rule()
         header = header_line(options, devices, run_id, len(closure_blob), len(closure_blob) >= self.closure_file_bytes)
         header += "\ntaas: " + rule.header()
+        if cluster is not None:
+            header += "\ntaas: cluster: " + cluster.layout()
         if data is not None:
             header += "\ntaas: " + data.header()
         print(header, flush=True)
 
         record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
         self.last_run = record
-        port_reservation = reserve_port()
-        server = RankServer(key, world_size + workers)
+        port_reservation = reserve_port() if cluster is None else None
+        master_addr, master_port = (
+            (LOOPBACK, port_reservation.getsockname()[1]) if port_reservation is not None
+            else (cluster.master_addr, cluster.master_port)  # type: ignore[union-attr]
+        )
+        server = RankServer(key, world_size + workers, LOOPBACK if cluster is None else cluster.kernel_address)
         layers = ScratchLayers(world_size, workers)
         handoff: ClosureHandoff | None = None
         started = time.monotonic()
@@ -116,18 +154,21 @@ class TaasMagics(Magics):
             envs = [
                 rank_environment(
                     dict(os.environ),
-                    rank=rank,
-                    local_rank=rank,
+                    rank=slot.rank,
+                    local_rank=slot.local_rank,
                     world_size=world_size,
-                    local_world_size=world_size,
-                    group_rank=0,
-                    master_addr=LOOPBACK,
-                    master_port=port_reservation.getsockname()[1],
+                    local_world_size=slot.local_world_size,
+                    group_rank=slot.group_rank,
+                    master_addr=master_addr,
+                    master_port=master_port,
                     run_id=run_id,
-                    loopback_only=True,
+                    loopback_only=cluster is None,
                 )
-                for rank in range(world_size)
+                for slot in slots
             ]
+            if cluster is not None and devices.device == "cuda":
+                for rank, env in enumerate(envs):  # LOCAL_RANK indexes the GPUs Ray gave that host's agent
+                    env["CUDA_VISIBLE_DEVICES"] = cluster.host_gpu_ids(rank)
             for rank, layer in layers.dirs.items():
                 envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=rule.mode)
             handshake = f"{server.address[0]} {server.address[1]} {key.hex()}"
@@ -143,7 +184,13 @@ class TaasMagics(Magics):
                 return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
 
             spares = self.spares if self.warm != "off" else None
-            outcome = run_ranks(lambda: LocalRankGroup.start(plan, spares=spares), server, greeting, relay, self._publish, timeout,
+
+            def start_ranks() -> RankGroup:
+                if cluster is not None:
+                    return cluster.start(envs, os.getcwd(), handshake, key)
+                return LocalRankGroup.start(plan, spares=spares)
+
+            outcome = run_ranks(start_ranks, server, greeting, relay, self._publish, timeout,
                                 start_data if data is not None else None)
             record.outcome = "ok"
         except BaseException as exc:
@@ -151,18 +198,26 @@ class TaasMagics(Magics):
             raise
         finally:
             record.seconds = time.monotonic() - started
-            port_reservation.close()
+            if port_reservation is not None:
+                port_reservation.close()
             server.close()
             for line in layers.report(rule.repository):
                 print(line, file=sys.stderr)
             layers.remove()
             if handoff is not None:
                 handoff.remove()
-            if self.warm != "off":  # for the next cell, now that this one no longer needs the CPU
+            if self.warm != "off" and cluster is None:  # for the next cell, now that this one no longer needs the CPU
                 self.spares.fill(int(self.warm) if self.warm.isdigit() else world_size)
             if data is not None:
                 data.close()
         return apply_results(self._shell.user_ns, outcome.result)
+
+    def _cluster_launch(self, options) -> ClusterLaunch:
+        """Plan the hosts and hold their GPUs; raises (nothing started) if the cluster cannot."""
+        assert self.cluster is not None
+        shares = plan_hosts(self.cluster.nodes(), options.gpus, options.per_host)
+        wait = options.place_timeout if options.place_timeout is not None else self.place_timeout
+        return ClusterLaunch(self.cluster.ray, shares, wait, self.cluster.nodes)
 
     def _registered_lines(self) -> list[str]:
         import taas
@@ -187,6 +242,17 @@ class TaasMagics(Magics):
             cache_ram=cache_ram,
             ahead=options.ahead if options.ahead is not None else max(2, self.ahead),
         )
+
+    def _attach(self, address: str) -> None:
+        if self.cluster is not None:
+            self.cluster.detach()
+            self.cluster = None
+        if address == "local":
+            print("taas: local mode (ranks are processes on this host)")
+            return
+        self.cluster = Cluster.attach(address)
+        self.spares.close()  # the cluster's agents start fresh ranks; local spares only hold memory
+        print("taas: attached; " + "\n".join(self.cluster.status_lines()))
 
     def _publish(self, kind: str, message: dict) -> None:
         display_pub = self._shell.display_pub
@@ -226,6 +292,8 @@ class TaasMagics(Magics):
                 print(f"taas: keeping {words[1]} warm spare rank(s)")
             else:
                 print("taas: after each cell, keeping as many warm spares as its --gpus")
+        elif words[:1] == ["cluster"] and len(words) == 2:
+            self._attach(words[1])
         elif command == "help":
             print(help_text())
         elif command == "status":
@@ -235,5 +303,6 @@ class TaasMagics(Magics):
             spares = len(self.spares.spares)
             print(f"warm spares: {self.warm}, {spares} waiting, {self.spares.resident_bytes() / 2**20:.0f} MB resident")
             print("write rule: " + rule.header())
+            print("\n".join(self.cluster.status_lines()) if self.cluster is not None else "cluster: none (local processes)")
         else:
             raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")

@@ -16,6 +16,8 @@ Options (each at most once; ``--opt VALUE`` or ``--opt=VALUE``):
     --cache-ram B   bytes of prepared elements kept in RAM (e.g. 512M, 4G); the rest on disk
     --ahead E       E >= 2: elements per rank that may wait before the workers pause
     --timeout S     S > 0 seconds: end the run and name the ranks still running
+    --per-host G    G >= 1: at most G ranks on any host (cluster mode)
+    --place-timeout S  S > 0 seconds to wait for the cluster to grant the GPUs (cluster mode)
     --output MODE   rank0 (default) or all: which ranks' output reaches the cell
 
 Everything here is pure: text in, a frozen :class:`PragmaOptions` or a
@@ -38,7 +40,7 @@ MAX_CPUS = 8
 
 USAGE = (
     "usage: #pragma taas --gpus N [--cpus M] [--units K] [--cache-ram BYTES] [--ahead E] "
-    "[--timeout SECONDS] [--output rank0|all]"
+    "[--timeout SECONDS] [--per-host G] [--place-timeout SECONDS] [--output rank0|all]"
 )
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(i?b)?$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -68,6 +70,8 @@ class PragmaOptions:
     output: str | None = None  # None: the session default (rank0 unless configured)
     cache_ram: int | None = None  # None: the session default
     ahead: int | None = None  # None: the session default
+    per_host: int | None = None  # None: as many as each host has free
+    place_timeout: float | None = None  # None: the session default
     configs: tuple[str, ...] = field(default=())
 
 
@@ -137,6 +141,8 @@ _PARSERS = {
     "--cache-ram": _size_value,
     "--ahead": lambda opt, tok: _int_value(opt, tok, 2),
     "--timeout": _timeout_value,
+    "--per-host": lambda opt, tok: _int_value(opt, tok, 1),
+    "--place-timeout": _timeout_value,
     "--output": _output_value,
 }
 
@@ -176,6 +182,8 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
         output=values.get("--output"),  # type: ignore[arg-type]
         cache_ram=values.get("--cache-ram"),  # type: ignore[arg-type]
         ahead=values.get("--ahead"),  # type: ignore[arg-type]
+        per_host=values.get("--per-host"),  # type: ignore[arg-type]
+        place_timeout=values.get("--place-timeout"),  # type: ignore[arg-type]
         configs=configs,
     )
 

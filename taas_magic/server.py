@@ -34,13 +34,14 @@ class RankConnection:
 
 
 class RankServer:
-    """Listens on 127.0.0.1 only; hands out connections that proved the key."""
+    """Listens on 127.0.0.1 (the local mode; on the kernel's cluster address in the cluster
+    mode, where other hosts' ranks connect); hands out connections that proved the key."""
 
-    def __init__(self, key: bytes, world_size: int):
+    def __init__(self, key: bytes, world_size: int, host: str = LOOPBACK):
         self.key = key
         self.world_size = world_size
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.bind((LOOPBACK, 0))
+        self.listener.bind((host, 0))
         self.listener.listen(max(16, world_size))
         self.listener.setblocking(False)
         self.address = self.listener.getsockname()

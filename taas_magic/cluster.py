@@ -1,0 +1,98 @@
+"""Attaching the kernel to a Ray cluster, and what the cluster has (``%taas cluster``).
+
+``%taas cluster ADDRESS`` takes anything ``ray.init(address=...)`` accepts (``HOST:PORT``,
+``ray://HOST:PORT``, ``auto``); ``$TAAS_CLUSTER`` does the same when the extension loads.
+``%taas cluster local`` detaches (the kernel's Ray driver is shut down) and cells run as
+local processes again. Ray is imported only here and in ``launch/ray.py``, only once a
+cluster is asked for: the local mode never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from .launch.placement import Node
+
+ENV_VAR = "TAAS_CLUSTER"
+INSTALL_HINT = 'the cluster mode needs Ray: pip install "taas-magic[ray]"'
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise UsageError(f"taas: {INSTALL_HINT} ({exc})") from None
+    return ray
+
+
+@dataclass
+class Cluster:
+    """The kernel's attachment to one Ray cluster."""
+
+    address: str
+    ray: Any
+    notebook_node_id: str
+
+    @classmethod
+    def attach(cls, address: str) -> "Cluster":
+        ray = import_ray()
+        if ray.is_initialized():
+            ray.shutdown()
+        try:
+            # The driver's own output stays out of the cell: ranks' output reaches it through
+            # the supervisor, and Ray's worker logs would otherwise be echoed into whatever
+            # cell is current.
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+        except Exception as exc:  # noqa: BLE001 - Ray raises many types for an unreachable cluster
+            raise UsageError(f"taas: could not attach to the Ray cluster at {address!r}: {exc}") from None
+        return cls(address, ray, ray.get_runtime_context().get_node_id())
+
+    def detach(self) -> None:
+        if self.ray.is_initialized():
+            self.ray.shutdown()
+
+    def nodes(self) -> list[Node]:
+        """Alive nodes with their total and free GPUs and CPUs."""
+        free = self.ray._private.state.state.available_resources_per_node()
+        nodes = []
+        for entry in self.ray.nodes():
+            if not entry.get("Alive"):
+                continue
+            node_id = entry["NodeID"]
+            total = entry.get("Resources", {})
+            available = free.get(node_id, {})
+            nodes.append(
+                Node(
+                    node_id=node_id,
+                    address=entry["NodeManagerAddress"],
+                    gpus_total=int(total.get("GPU", 0)),
+                    gpus_free=int(available.get("GPU", 0)),
+                    cpus_total=float(total.get("CPU", 0)),
+                    cpus_free=float(available.get("CPU", 0)),
+                    is_notebook_host=node_id == self.notebook_node_id,
+                )
+            )
+        return nodes
+
+    def status_lines(self) -> list[str]:
+        nodes = self.nodes()
+        lines = [
+            f"cluster: Ray at {self.address}, {len(nodes)} node(s), "
+            f"{sum(n.gpus_free for n in nodes)}/{sum(n.gpus_total for n in nodes)} GPU free, "
+            f"{sum(n.cpus_free for n in nodes):g}/{sum(n.cpus_total for n in nodes):g} CPU free"
+        ]
+        for node in sorted(nodes, key=lambda n: (not n.is_notebook_host, n.node_id)):
+            mark = "  (this notebook)" if node.is_notebook_host else ""
+            lines.append(
+                f"  {node.label}: {node.gpus_free}/{node.gpus_total} GPU, {node.cpus_free:g}/{node.cpus_total:g} CPU free{mark}"
+            )
+        return lines
+
+
+def address_from_environment() -> str | None:
+    value = os.environ.get(ENV_VAR, "").strip()
+    return value if value and value != "local" else None

@@ -1,0 +1,172 @@
+"""One agent per host (a Ray actor): starts that host's ranks with the local machinery.
+
+The agent runs :class:`~taas_magic.launch.local.LocalRankGroup` on its host, so ranks there
+are started, isolated (the write rule) and stopped exactly as in the local mode: fresh
+``python -m taas_magic.rank`` processes in their own sessions, a stdin lifeline, the
+INT -> TERM -> KILL ladder. What the agent adds is the way back to the kernel:
+
+- each rank's stdout and stderr are pumped, bytes unchanged, into one TCP connection each
+  to the kernel's output hub (``launch/ray.py``), so the supervisor reads them as it reads
+  local pipes, and an end of file means the rank's output is complete;
+- one control connection carries ``LOCAL_INDEX EXIT_CODE`` lines, each sent only after
+  that rank's output reached end of file, so no exit overtakes its output.
+
+Every connection proves the run's key (``wire.hello_mac`` over the hub's nonce) before the
+kernel reads a byte of it. The ranks themselves connect to the kernel's rank server with
+the handshake, as local ranks do. If the agent dies (its host, or the kernel's Ray driver,
+went away), each rank's lifeline breaks and the rank exits.
+
+IMPORTANT: the ranks are started from the actor's main thread (a plain, single-threaded
+actor): ``PR_SET_PDEATHSIG`` fires when the *thread* that started a process exits, so a
+rank started from a pool thread could be killed by the pool, or outlive the agent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+
+from .. import wire
+from ..rankenv import reserve_port, visible_gpu_count
+from .base import LaunchPlan
+from .local import LocalRankGroup
+
+STREAMS = ("stdout", "stderr")
+
+
+def channel_id(rank: int, stream: str) -> int:
+    """The hub's number for one rank's stream; control channels come after all of them."""
+    return 2 * rank + STREAMS.index(stream)
+
+
+def connect_channel(address: tuple[str, int], key: bytes, channel: int, timeout: float = 30) -> socket.socket:
+    sock = socket.create_connection(address, timeout=timeout)
+    nonce = b""
+    while len(nonce) < wire.NONCE_SIZE:
+        chunk = sock.recv(wire.NONCE_SIZE - len(nonce))
+        if not chunk:
+            sock.close()
+            raise ConnectionError("taas: the kernel's output hub closed the connection during the handshake")
+        nonce += chunk
+    sock.sendall(wire.hello_mac(key, nonce, channel) + wire.RANK.pack(channel))
+    sock.settimeout(None)
+    return sock
+
+
+class HostAgent:
+    """The ranks of one run on one host."""
+
+    def __init__(self) -> None:
+        self.group: LocalRankGroup | None = None
+        self._port: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        self._made_dirs: list[str] = []
+
+    def describe(self) -> dict:
+        import ray
+
+        return {
+            "address": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+            "cuda_devices": visible_gpu_count(),  # real devices, not Ray's declared resource
+            "pid": os.getpid(),
+        }
+
+    def reserve_master_port(self, address: str) -> int:
+        """A free port for MASTER_PORT on this host, held until :meth:`close`."""
+        self._port = reserve_port(address)
+        return self._port.getsockname()[1]
+
+    def start(self, plan: LaunchPlan, first_rank: int, hub: tuple[str, int], key: bytes, control: int) -> None:
+        """Start this host's ranks (global ranks ``first_rank`` ...) and their pumps."""
+        cwd = plan.cwd if os.path.isdir(plan.cwd) else tempfile.gettempdir()
+        for env in plan.envs:
+            layer = env.get("TAAS_WRITE_LAYER")
+            if layer and not os.path.isdir(layer):  # another host: its scratch layer lives here
+                os.makedirs(layer, mode=0o700)
+                self._made_dirs.append(layer)
+        self.group = LocalRankGroup.start(LaunchPlan(plan.world_size, plan.envs, cwd, plan.handshake))
+        outputs = []
+        for local in self.group.ranks:
+            for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
+                sock = connect_channel(hub, key, channel_id(first_rank + local.rank, stream))
+                self._sockets.append(sock)
+                outputs.append((local.rank, fd, sock))
+        control_sock = connect_channel(hub, key, control)
+        self._sockets.append(control_sock)
+        pumps: dict[int, list[threading.Thread]] = {}
+        for rank, fd, sock in outputs:
+            pump = threading.Thread(target=_pump, args=(fd, sock), name=f"taas-pump-{rank}", daemon=True)
+            pumps.setdefault(rank, []).append(pump)
+            pump.start()
+        reporter = threading.Thread(target=self._report_exits, args=(pumps, control_sock), name="taas-exits", daemon=True)
+        reporter.start()
+        self._threads = [thread for threads in pumps.values() for thread in threads] + [reporter]
+
+    def _report_exits(self, pumps: dict[int, list[threading.Thread]], control: socket.socket) -> None:
+        assert self.group is not None
+        pending = {local.rank: local for local in self.group.ranks}
+        try:
+            while pending:
+                for index, local in list(pending.items()):
+                    code = local.poll()
+                    if code is None or any(pump.is_alive() for pump in pumps[index]):
+                        continue
+                    control.sendall(f"{index} {code}\n".encode())
+                    del pending[index]
+                time.sleep(0.02)
+        except OSError:
+            pass  # the kernel went away; close() (or the agent's death) stops the ranks
+        finally:
+            try:
+                control.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def stop(self) -> list[str]:
+        return self.group.stop() if self.group is not None else []
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.stop()  # the pumps see end of file before their pipes are closed
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self.group is not None:
+            self.group.close()
+        for sock in self._sockets:
+            sock.close()
+        if self._port is not None:
+            self._port.close()
+        for path in self._made_dirs:
+            _remove_tree(path)
+
+
+def _pump(fd: int, sock: socket.socket) -> None:
+    """Copy a rank's pipe into its channel until end of file, then half-close the channel."""
+    try:
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            sock.sendall(data)
+    except OSError:
+        pass  # the kernel closed the channel; the rank is being stopped
+    finally:
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,323 @@
+"""Ranks on a Ray cluster: a placement group, one agent per host, the local machinery on each.
+
+The kernel plans the hosts (``placement.py``), reserves their GPUs with one placement
+group (one bundle per host, pinned to that host's node id, so the plan is what Ray
+holds), waits for it with a deadline, and starts one :class:`~.agent.HostAgent` actor in
+each bundle. Each agent starts its host's ranks as the local mode does and connects
+their output back to the kernel's :class:`OutputHub`; the ranks connect to the kernel's
+rank server themselves. The supervisor then sees a :class:`RayRankGroup` exactly as it
+sees a local one: output fds (sockets here), exit codes, ``stop`` and ``close``.
+
+Nothing outlives the run: ``close`` has every agent stop and reap its ranks, kills the
+agents, and removes the placement group. If the kernel dies, Ray kills the actors it
+owns, and every rank's lifeline to its agent breaks.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .. import wire
+from ..errors import LaunchError
+from .agent import HostAgent, channel_id
+from .base import LaunchPlan
+from .placement import HostShare, Node, describe_free
+
+SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
+
+
+class Reservation:
+    """One placement group: a bundle of GPUs per planned host, pinned to that host."""
+
+    def __init__(self, ray: Any, shares: Sequence[HostShare], timeout: float, nodes: Callable[[], list[Node]]):
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
+
+        self._remove = remove_placement_group
+        self.shares = list(shares)
+        self.group = placement_group(
+            [{"GPU": share.ranks} for share in shares],
+            strategy="PACK",
+            bundle_label_selector=[{NODE_ID_LABEL_KEY: share.node.node_id} for share in shares],
+        )
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
+        if not ready:
+            self.release()
+            hosts = ", ".join(f"{share.ranks} on {share.node.label}" for share in shares)
+            raise LaunchError(
+                f"taas: the cluster did not grant the GPUs within {timeout:g} s ({hosts}); other "
+                f"jobs hold them, or a host went away. Nothing was started. Free now: {describe_free(nodes())}. "
+                "Wait and run again, ask for fewer, or raise --place-timeout."
+            )
+
+    def release(self) -> None:
+        try:
+            self._remove(self.group)
+        except Exception:  # noqa: BLE001 - already removed, or the cluster is gone
+            pass
+
+
+class OutputHub:
+    """The kernel's listener for the agents' output and control channels.
+
+    Listens on the kernel host's cluster address (the ranks' hosts must reach it); a
+    connection counts only once it has proven the run's key for a channel not yet taken.
+    """
+
+    def __init__(self, address: str, key: bytes, channels: int):
+        self.key = key
+        self.channels = channels
+        self.listener = socket.create_server((address, 0))
+        self.address = self.listener.getsockname()[:2]
+        self.connected: dict[int, socket.socket] = {}
+
+    def collect(self, deadline: float, starting: list, ray: Any) -> None:
+        """Accept until every channel has connected; fail if an agent's start fails or the deadline passes."""
+        selector = selectors.DefaultSelector()
+        selector.register(self.listener, selectors.EVENT_READ)
+        try:
+            while len(self.connected) < self.channels:
+                done, starting[:] = ray.wait(starting, timeout=0, num_returns=len(starting)) if starting else ([], [])
+                for ref in done:
+                    ray.get(ref)  # raises the agent's own error if its start failed
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LaunchError(
+                        f"taas: {self.channels - len(self.connected)} rank output channel(s) did not connect "
+                        "to the kernel; is the kernel's address reachable from the other hosts?"
+                    )
+                if selector.select(min(left, 0.05)):
+                    self._accept_one(deadline)
+        finally:
+            selector.close()
+
+    def _accept_one(self, deadline: float) -> None:
+        sock, _ = self.listener.accept()
+        sock.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+        try:
+            nonce = wire.new_nonce()
+            sock.sendall(nonce)
+            hello = b""
+            while len(hello) < wire.HELLO_SIZE:
+                chunk = sock.recv(wire.HELLO_SIZE - len(hello))
+                if not chunk:
+                    raise ConnectionError("closed")
+                hello += chunk
+            channel = wire.check_hello(self.key, nonce, hello)
+            if not 0 <= channel < self.channels or channel in self.connected:
+                raise wire.AuthenticationError("unknown or repeated channel")
+        except (OSError, wire.AuthenticationError):
+            sock.close()
+            return
+        sock.settimeout(None)
+        self.connected[channel] = sock
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.connected.values():
+            sock.close()
+
+
+@dataclass
+class HostControl:
+    """Exit codes of one host's ranks, read from its agent's control channel."""
+
+    sock: socket.socket
+    label: str
+    codes: dict[int, int] = field(default_factory=dict)
+    buffer: bytes = b""
+    lost: bool = False
+
+    def poll(self, local_index: int) -> int | None:
+        if local_index in self.codes:
+            return self.codes[local_index]
+        if not self.lost:
+            self._read()
+        if local_index in self.codes:
+            return self.codes[local_index]
+        return -9 if self.lost else None  # the agent went away without reporting: its ranks are gone
+
+    def _read(self) -> None:
+        self.sock.setblocking(False)
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.lost = True
+                return
+            self.buffer += data
+            *lines, self.buffer = self.buffer.split(b"\n")
+            for line in lines:
+                index, code = line.split()
+                self.codes[int(index)] = int(code)
+
+
+@dataclass
+class RayRank:
+    rank: int
+    host: str
+    stdout_fd: int
+    stderr_fd: int
+    control: HostControl
+    local_index: int
+
+    def poll(self) -> int | None:
+        return self.control.poll(self.local_index)
+
+
+class RayRankGroup:
+    """The ranks of one run across the reserved hosts."""
+
+    def __init__(self, ray: Any, reservation: Reservation, agents: list, hub: OutputHub, ranks: list[RayRank]):
+        self._ray = ray
+        self._reservation = reservation
+        self._agents = agents
+        self._hub = hub
+        self.ranks = ranks
+        self._closed = False
+
+    @classmethod
+    def start(cls, ray: Any, reservation: Reservation, agents: list, plans: list[LaunchPlan],
+              hub_address: str, key: bytes, timeout: float = 120.0) -> "RayRankGroup":
+        """Start every host's ranks through its agent; return once all their output is connected."""
+        world = sum(plan.world_size for plan in plans)
+        hub = OutputHub(hub_address, key, 2 * world + len(agents))
+        group = cls(ray, reservation, agents, hub, [])
+        try:
+            starting = []
+            for index, (share, agent, plan) in enumerate(zip(reservation.shares, agents, plans)):
+                starting.append(agent.start.remote(plan, share.first_rank, hub.address, key, 2 * world + index))
+            hub.collect(time.monotonic() + timeout, starting, ray)
+            for index, share in enumerate(reservation.shares):
+                control = HostControl(hub.connected[2 * world + index], share.node.label)
+                for local in range(share.ranks):
+                    rank = share.first_rank + local
+                    group.ranks.append(RayRank(
+                        rank, share.node.label,
+                        hub.connected[channel_id(rank, "stdout")].fileno(),
+                        hub.connected[channel_id(rank, "stderr")].fileno(),
+                        control, local,
+                    ))
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def stop(self) -> list[str]:
+        signals: list[str] = []
+        for taken in self._ray.get([agent.stop.remote() for agent in self._agents], timeout=SHUTDOWN_PATIENCE):
+            signals += [name for name in taken if name not in signals]
+        return signals
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._ray.wait([agent.close.remote() for agent in self._agents], num_returns=len(self._agents),
+                           timeout=SHUTDOWN_PATIENCE)
+        finally:
+            for agent in self._agents:
+                self._ray.kill(agent)
+            self._hub.close()
+            self._reservation.release()
+
+
+def start_agents(ray: Any, reservation: Reservation) -> tuple[list, list[dict]]:
+    """One agent actor in each host's bundle; returns them with what each reports of its host."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote_agent = ray.remote(HostAgent)
+    agents = [
+        remote_agent.options(
+            num_cpus=0,
+            num_gpus=share.ranks,
+            max_concurrency=1,  # see agent.py: ranks start from the actor's main thread
+            scheduling_strategy=PlacementGroupSchedulingStrategy(reservation.group, placement_group_bundle_index=index),
+        ).remote()
+        for index, share in enumerate(reservation.shares)
+    ]
+    try:
+        hosts = ray.get([agent.describe.remote() for agent in agents], timeout=120)
+    except BaseException:
+        for agent in agents:
+            ray.kill(agent)
+        raise
+    return agents, hosts
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one rank runs, in torchrun's terms."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+
+
+class ClusterLaunch:
+    """One run's hold on the cluster: planned hosts, reserved GPUs, an agent on each host.
+
+    Built before anything is started, so an infeasible request fails at once (and a busy
+    cluster after ``placement_timeout``) with nothing launched. :meth:`release` is
+    idempotent and safe whatever happened; a started :class:`RayRankGroup` releases too.
+    """
+
+    def __init__(self, ray: Any, shares: Sequence[HostShare], placement_timeout: float, nodes: Callable[[], list[Node]]):
+        self.ray = ray
+        self.shares = list(shares)
+        self.reservation = Reservation(ray, shares, placement_timeout, nodes)
+        self.agents: list = []
+        try:
+            self.agents, self.hosts = start_agents(ray, self.reservation)
+            self.master_addr = self.hosts[0]["address"]
+            self.master_port = ray.get(self.agents[0].reserve_master_port.remote(self.master_addr), timeout=60)
+            self.kernel_address = ray.util.get_node_ip_address()
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def slots(self) -> list[RankSlot]:
+        return [
+            RankSlot(share.first_rank + local, local, share.ranks, share.group_rank)
+            for share in self.shares for local in range(share.ranks)
+        ]
+
+    @property
+    def has_cuda(self) -> bool:
+        """Every host has real CUDA devices for its ranks (a declared "GPU" may be a label only)."""
+        return all(host["cuda_devices"] >= share.ranks for host, share in zip(self.hosts, self.shares))
+
+    def host_gpu_ids(self, rank: int) -> str:
+        share = next(s for s in self.shares if s.first_rank <= rank < s.first_rank + s.ranks)
+        return ",".join(self.hosts[self.shares.index(share)]["gpu_ids"])
+
+    def layout(self) -> str:
+        return ", ".join(
+            f"ranks {s.first_rank}-{s.first_rank + s.ranks - 1} on {s.node.label}" if s.ranks > 1 else f"rank {s.first_rank} on {s.node.label}"
+            for s in self.shares
+        )
+
+    def start(self, envs: Sequence[dict], cwd: str, handshake: str, key: bytes) -> RayRankGroup:
+        plans = [
+            LaunchPlan(share.ranks, envs[share.first_rank:share.first_rank + share.ranks], cwd, handshake)
+            for share in self.shares
+        ]
+        return RayRankGroup.start(self.ray, self.reservation, self.agents, plans, self.kernel_address, key)
+
+    def release(self) -> None:
+        for agent in self.agents:
+            try:
+                self.ray.kill(agent)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.reservation.release()

@@ -1,0 +1,178 @@
+"""The cluster mode over a real Ray cluster of several nodes on this machine.
+
+``ray.cluster_utils.Cluster`` starts a real head node and real worker nodes (their own
+raylets): two nodes declaring 2 GPUs each (CPU ranks with gloo, as there is no CUDA here)
+and one CPU-only node. A real kernel attaches with ``%taas cluster ADDRESS`` and runs
+``--gpus 4`` across the two "hosts". One cluster and one kernel serve the module; each
+test leaves no rank process and no agent actor behind.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.kernel_client import Kernel, wait_until_gone
+
+pytestmark = pytest.mark.ray
+cluster_utils = pytest.importorskip("ray.cluster_utils", reason='the cluster mode needs Ray: pip install "taas-magic[ray]"')
+
+
+def cell_processes() -> list[psutil.Process]:
+    """Ranks and agents anywhere on this machine (every simulated host is on it)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            line = " ".join(proc.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if "taas_magic.rank" in line or "HostAgent" in line:
+            found.append(proc)
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 2})
+    cluster.add_node(num_cpus=1, num_gpus=2)
+    cluster.add_node(num_cpus=2, num_gpus=0)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def attached(ray_cluster):
+    kernel = Kernel()
+    ran = kernel.execute(f"%taas cluster {ray_cluster.address}", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    yield kernel
+    kernel.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_any_host():
+    yield
+    alive = wait_until_gone(cell_processes(), timeout=15)
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def notebook_node(kernel: Kernel) -> str:
+    status = kernel.execute("%taas status").stream()
+    return re.search(r"\(node (\w+)\): .*\(this notebook\)", status).group(1)
+
+
+ACROSS_HOSTS = """\
+#pragma taas --gpus 4 --output all
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+print("env", *(f"{k}={os.environ[k]}" for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")), flush=True)
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+if dist.get_rank() == 0:
+    print("streamed before the end", flush=True)
+    time.sleep(1.5)
+total = total.item()
+dist.destroy_process_group()
+total
+"""
+
+
+def test_status_shows_the_cluster(attached):
+    status = attached.execute("%taas status").stream()
+    assert "3 node(s), 4/4 GPU free" in status
+    assert status.count("2/2 GPU") == 2 and "0/0 GPU, 2/2 CPU free" in status
+    assert "(this notebook)" in status
+
+
+def test_four_ranks_across_two_hosts(attached):
+    msg_id, started = attached.submit(ACROSS_HOSTS)
+    before = attached.wait_for_stream(msg_id, "[rank 0] streamed before the end", timeout=120)
+    streamed_at = time.monotonic() - started
+    ran = attached.collect(msg_id, started)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert streamed_at < ran.reply_at - 1.0  # live, while rank 0 still slept
+    out = "".join(m.content["text"] for m in before if m.type == "stream" and m.content["name"] == "stdout")
+    out += ran.stream("stdout")
+    layout = re.search(r"cluster: ranks 0-1 on (.+?) \(node (\w+)\), ranks 2-3 on (.+?) \(node (\w+)\)", out)
+    assert layout, out
+    assert layout.group(2) == notebook_node(attached)  # rank 0 on the notebook's own host
+    assert layout.group(2) != layout.group(4)
+    for rank, local, group in ((0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)):
+        assert f"[rank {rank}] env RANK={rank} LOCAL_RANK={local} LOCAL_WORLD_SIZE=2 GROUP_RANK={group} MASTER_ADDR={layout.group(1)}" in out
+    assert ran.result["text/plain"] == "10.0"  # the all-reduce of 1+2+3+4 across both hosts
+    assert attached.execute("print(total)").stream("stdout").strip() == "10.0"
+
+
+def test_per_host_caps_the_ranks_on_each_host(attached):
+    ran = attached.execute(
+        "#pragma taas --gpus 2 --per-host 1 --output all\n"
+        "import os\nprint('group', os.environ['GROUP_RANK'], os.environ['LOCAL_WORLD_SIZE'], flush=True)",
+        timeout=120,
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    out = ran.stream("stdout")
+    assert "[rank 0] group 0 1" in out and "[rank 1] group 1 1" in out
+
+
+def test_a_rank_failing_on_the_second_host_names_rank_and_host(attached):
+    msg_id, started = attached.submit(
+        "#pragma taas --gpus 4\nimport os, time\n"
+        "if os.environ['RANK'] == '3':\n    raise ValueError('bad shard')\ntime.sleep(60)"
+    )
+    ran = attached.collect(msg_id, started, timeout=120)
+    assert ran.reply["status"] == "error"
+    header = re.search(r"ranks 2-3 on (.+? \(node \w+\))", ran.stream("stdout")).group(1)
+    text = ran.error_text()
+    assert f"rank 3 on {header} raised ValueError: bad shard" in text, text
+    assert ran.reply_at < 60  # every rank on both hosts was stopped, not waited for
+
+
+def test_infeasible_request_fails_at_once_and_launches_nothing(attached):
+    started = time.monotonic()
+    ran = attached.execute("#pragma taas --gpus 6\nprint('never')")
+    assert ran.reply["status"] == "error"
+    assert "--gpus 6 cannot be placed: the cluster has 4 GPU(s) in all" in ran.error_text()
+    assert "never" not in ran.stream()
+    assert time.monotonic() - started < 10
+
+
+def test_interrupt_stops_ranks_on_every_host(attached):
+    msg_id, started = attached.submit(
+        "#pragma taas --gpus 4\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)"
+    )
+    attached.wait_for_stream(msg_id, "sleeping", timeout=120)
+    attached.manager.interrupt_kernel()
+    ran = attached.collect(msg_id, started, timeout=60)
+    assert ran.reply["status"] == "error" and ran.error["ename"] == "KeyboardInterrupt"
+    assert ran.reply_at < 60
+    again = attached.execute("#pragma taas --gpus 4\n__import__('os').environ['WORLD_SIZE']", timeout=120)
+    assert again.result["text/plain"] == "'4'"  # the GPUs were given back
+
+
+def test_cluster_local_returns_to_local_processes(attached, ray_cluster):
+    assert "local mode" in attached.execute("%taas cluster local").stream()
+    ran = attached.execute("#pragma taas --gpus 2\n__import__('os').environ['MASTER_ADDR']")
+    assert ran.result["text/plain"] == "'127.0.0.1'"
+    ran = attached.execute(f"%taas cluster {ray_cluster.address}", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text()
+
+
+def test_kernel_death_leaves_nothing_on_any_host(ray_cluster):
+    kernel = Kernel()
+    try:
+        assert kernel.execute(f"%taas cluster {ray_cluster.address}", timeout=120).reply["status"] == "ok"
+        msg_id, _ = kernel.submit("#pragma taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(300)")
+        kernel.wait_for_stream(msg_id, "up", timeout=120)
+        running = [" ".join(p.cmdline()) for p in cell_processes()]
+        assert sum("taas_magic.rank" in line for line in running) == 4, running
+        assert sum("HostAgent" in line for line in running) == 2, running  # one agent per host
+        psutil.Process(kernel.pid).send_signal(signal.SIGKILL)
+    finally:
+        kernel.shutdown()
+    alive = wait_until_gone(cell_processes(), timeout=60)
+    assert not alive, f"left behind after the kernel died: {[(p.pid, p.cmdline()) for p in alive]}"
