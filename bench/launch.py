@@ -26,6 +26,9 @@ jupyter_client (the time a person waits: execute_request -> first rank-0 line on
 
 Medians of --repeats runs; ratios are of medians measured in this run.
 
+``--cluster`` times the cluster mode (``--gpus 4`` on a local multi-node Ray cluster)
+beside Ray Train's TorchTrainer instead: see bench/cluster.py.
+
 ``--throughput-only`` measures steps/s alone, alternating a taas cell (one kernel) and a
 torchrun run --repeats times, and prints the median of the paired ratios: on a noisy
 2-core machine that is a fairer comparison than two medians taken minutes apart.
@@ -219,7 +222,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--throughput-only", action="store_true")
+    parser.add_argument("--cluster", action="store_true", help="the cluster mode beside Ray Train (bench/cluster.py)")
     args = parser.parse_args()
+    if args.cluster:
+        from bench import cluster
+
+        cluster.run(args.repeats)
+        return
     if args.throughput_only:
         paired_throughput(args.repeats, args.steps)
         return
