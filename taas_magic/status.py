@@ -19,6 +19,8 @@ Options:
   --cpus M         1..8 data workers for loaders registered with taas.register (default 1)
   --units K        elements the data workers extract (default: one pass of the loader)
   --timeout S      stop every rank after S seconds and name those still running
+  --per-host G     cluster mode: at most G ranks on any host
+  --place-timeout S  cluster mode: seconds to wait for the GPUs (default 60)
   --output MODE    rank0 (default): only rank 0's output; all: every rank's, prefixed [rank k]
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
@@ -31,6 +33,7 @@ the other ranks' writes there are diverted to a private layer, thrown away after
 
 %taas status             the last run, the devices seen, the defaults, the write rule
 %taas config repo PATH   set the repository (default: $TAAS_REPO, the git work tree, the cwd)
+%taas cluster ADDRESS|local  run ranks on a Ray cluster (ray.init address), or back to this host
 %taas warm off|auto|N    warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus
 %taas help               this text"""
 

@@ -176,3 +176,22 @@ def test_kernel_death_leaves_nothing_on_any_host(ray_cluster):
         kernel.shutdown()
     alive = wait_until_gone(cell_processes(), timeout=60)
     assert not alive, f"left behind after the kernel died: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def test_timeout_names_the_ranks_still_running_on_each_host(attached):
+    ran = attached.execute(
+        "#pragma taas --gpus 4 --timeout 3\nimport os, time\nif os.environ['RANK'] in ('0', '3'):\n    time.sleep(60)",
+        timeout=120,
+    )
+    assert ran.error["ename"] == "RunTimeout", ran.error_text()
+    assert "ranks still running: 0, 3. Every rank was stopped." in ran.error_text()
+
+
+def test_registered_loaders_are_refused_before_anything_starts(attached):
+    attached.execute("import taas\nitems = [1, 2, 3, 4]\ntaas.register(items)")
+    try:
+        ran = attached.execute("#pragma taas --gpus 2\nprint('started')\nfor x in items: pass")
+    finally:
+        attached.execute("taas.unregister(items)")
+    assert ran.reply["status"] == "error" and "started" not in ran.stream("stdout")
+    assert "registered loaders are not served in the cluster mode yet" in ran.reply["evalue"]
