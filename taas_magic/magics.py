@@ -90,11 +90,6 @@ class TaasMagics(Magics):
         registered = taas.registered()
         closure_blob, used = serialise_closure(closure, registered)
         data = self._data_run({index: registered[index] for index in used}, options) if used else None
-        if data is not None and self.cluster is not None:
-            raise UsageError(
-                "taas: registered loaders are not served in the cluster mode yet; "
-                "taas.unregister them for this cell, or %taas cluster local"
-            )
         cluster = self._cluster_launch(options) if self.cluster is not None else None
         try:
             return self._launch(options, code, closure, closure_blob, data, cluster, output, timeout)
@@ -181,7 +176,13 @@ class TaasMagics(Magics):
 
             def start_data() -> DataPlane:
                 assert data is not None
-                return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
+                if cluster is None:
+                    return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
+                plane = data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish,
+                                   launch=lambda plan, dirs: cluster.start_workers(plan, key, dirs),
+                                   courier=lambda: cluster.courier(data.cache_ram))
+                print(f"taas: data {cluster.worker_layout}", flush=True)
+                return plane
 
             spares = self.spares if self.warm != "off" else None
 

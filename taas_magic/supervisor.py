@@ -26,7 +26,7 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from . import wire
 from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
@@ -37,6 +37,7 @@ from .relay import OutputRelay
 from .server import PendingPeer, RankConnection, RankServer
 
 POLL_SECONDS = 0.05
+COURIER_POLL_SECONDS = 0.005
 PIPE_GRACE_SECONDS = 2.0  # after every rank exited, how long to wait for pipes to close
 
 Publish = Callable[[str, dict], None]
@@ -51,6 +52,7 @@ class DataPlane:
     workers: RankGroup  # worker w is ``workers.ranks[w]``, peer id N + w
     progress: ProgressLine
     usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
+    courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/ray.py Courier)
 
 
 @dataclass
@@ -222,7 +224,13 @@ class _Loop:
             return
         self._send_all(self.data.coordinator.on_worker(worker, kind, message))
 
+    def deliver_ready(self) -> None:
+        """Cluster mode: pass on the deliveries whose elements reached their rank's host."""
+        self._send_all([])
+
     def _send_all(self, sends: list[Send]) -> None:
+        if self.data is not None and self.data.courier is not None:
+            sends = self.data.courier.route(sends)
         for send in sends:
             peer = send.index if send.role == "rank" else self.world_size + send.index
             body = wire.encode_body(send.kind, wire.dumps(send.message))
@@ -313,7 +321,11 @@ def supervise(
             wait = min(POLL_SECONDS, relay.seconds_until_flush(now))
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - now))
+            if data is not None and data.courier is not None and data.courier.busy:
+                wait = min(wait, COURIER_POLL_SECONDS)  # its copies complete off the selector
             loop.step(wait)
+            if data is not None and data.courier is not None:
+                loop.deliver_ready()
             loop.poll_exits()
             relay.flush()
             if data is not None:

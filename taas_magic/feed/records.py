@@ -96,6 +96,19 @@ def write(fd: int, at: int, head: bytes, buffers: list[tuple[int, Any]]) -> None
             os.pwrite(fd, memoryview(data), at + offset)
 
 
+def read_raw(path: str, offset: int) -> bytes:
+    """One whole record's bytes, as stored (the cluster mode moves records between hosts
+    verbatim: offsets inside a record are relative to its start, which is 64-byte aligned)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        magic, _, length = HEADER.unpack(os.pread(fd, HEADER.size, offset))
+        if magic != MAGIC:
+            raise ValueError(f"taas: no element record at {path}:{offset}")
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
 class SegmentReader:
     """A rank's reads: each record mapped on its own, copy-on-write (``MAP_PRIVATE``).
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import cloudpickle
 
 from .. import wire
 from ..isolation import WriteRule
-from ..launch.base import LaunchPlan
+from ..launch.base import LaunchPlan, RankGroup
 from ..launch.local import WORKER_COMMAND, LocalRankGroup
 from ..supervisor import DataPlane, Publish
 from .coordinator import FeedCoordinator
@@ -106,9 +106,15 @@ class DataRun:
         return [wire.encode_body("job", wire.dumps(job)), wire.encode_body("loaders", loaders)]
 
     def start(
-        self, run_id: str, handshake: str, first_peer: int, layers: Mapping[int, str], rule: WriteRule, publish: Publish
+        self, run_id: str, handshake: str, first_peer: int, layers: Mapping[int, str], rule: WriteRule, publish: Publish,
+        launch: Callable[[LaunchPlan, tuple[str, ...]], RankGroup] | None = None, courier: Callable[[], Any] | None = None,
     ) -> DataPlane:
-        """Make the cache directories and start the workers, peers ``first_peer + w``."""
+        """Make the cache directories and start the workers, peers ``first_peer + w``.
+
+        ``launch`` starts them elsewhere (the cluster mode: on CPU hosts, given the plan and
+        the cache directories to make there); ``courier()`` then makes what carries their
+        elements to the ranks' hosts.
+        """
         self.dirs = CacheDirs.create(run_id)
         envs = []
         for worker in range(self.workers):
@@ -123,9 +129,12 @@ class DataRun:
                 env.update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layers[worker], TAAS_WRITE_MODE=rule.mode)
             envs.append(env)
         plan = LaunchPlan(self.workers, envs, os.getcwd(), handshake)
-        group = LocalRankGroup.start(plan, WORKER_COMMAND, "data worker")
+        if launch is not None:
+            group: RankGroup = launch(plan, (self.dirs.ram, self.dirs.disk))
+        else:
+            group = LocalRankGroup.start(plan, WORKER_COMMAND, "data worker")
         coordinator = FeedCoordinator(self.plans)
-        return DataPlane(coordinator, group, ProgressLine(coordinator, publish, self.workers), self.usage)
+        return DataPlane(coordinator, group, ProgressLine(coordinator, publish, self.workers), self.usage, courier() if courier is not None else None)
 
     def _cache_inside(self, repository: str) -> bool:
         """A cache directory inside the repository cannot be isolated away from the workers."""

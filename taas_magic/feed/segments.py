@@ -96,12 +96,22 @@ class SegmentWriter:
     def append(self, element: object) -> tuple[str, int]:
         """Store one element; return (segment path, offset) for the ranks to read it."""
         head, buffers, length = records.encode(element)
+        at = self._place(length)
+        records.write(self._fd, at, head, buffers)
+        return self._path, at
+
+    def append_raw(self, record: bytes) -> tuple[str, int]:
+        """Store a record made elsewhere (another host's worker), byte for byte."""
+        at = self._place(len(record))
+        os.pwrite(self._fd, record, at)
+        return self._path, at
+
+    def _place(self, length: int) -> int:
         if self._fd < 0 or self._end + length > self._size:
             self._open_segment(length)
         at = self._end
-        records.write(self._fd, at, head, buffers)
         self._end = records.aligned(at + length)
-        return self._path, at
+        return at
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -30,6 +30,8 @@ import threading
 import time
 
 from .. import wire
+from ..feed.segments import CacheDirs, SegmentWriter
+from ..isolation import remove_tree
 from ..rankenv import reserve_port, visible_gpu_count
 from .base import LaunchPlan
 from .local import LocalRankGroup
@@ -65,6 +67,7 @@ class HostAgent:
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
         self._made_dirs: list[str] = []
+        self._mirror: tuple[CacheDirs, SegmentWriter] | None = None  # records copied to this host
 
     def describe(self) -> dict:
         import ray
@@ -82,15 +85,25 @@ class HostAgent:
         self._port = reserve_port(address)
         return self._port.getsockname()[1]
 
-    def start(self, plan: LaunchPlan, first_rank: int, hub: tuple[str, int], key: bytes, control: int) -> None:
-        """Start this host's ranks (global ranks ``first_rank`` ...) and their pumps."""
+    def start(self, plan: LaunchPlan, first_rank: int, hub: tuple[str, int], key: bytes, control: int,
+              command: tuple[str, ...] | None = None, dirs: tuple[str, ...] = ()) -> None:
+        """Start this host's ranks (global ranks ``first_rank`` ...) and their pumps.
+
+        ``command`` starts data workers instead of ranks; ``dirs`` are directories the
+        kernel made on its host for them (the data cache), made here too if this is
+        another host, and removed at :meth:`close`.
+        """
         cwd = plan.cwd if os.path.isdir(plan.cwd) else tempfile.gettempdir()
-        for env in plan.envs:
-            layer = env.get("TAAS_WRITE_LAYER")
-            if layer and not os.path.isdir(layer):  # another host: its scratch layer lives here
-                os.makedirs(layer, mode=0o700)
-                self._made_dirs.append(layer)
-        self.group = LocalRankGroup.start(LaunchPlan(plan.world_size, plan.envs, cwd, plan.handshake))
+        layers = [env["TAAS_WRITE_LAYER"] for env in plan.envs if env.get("TAAS_WRITE_LAYER")]
+        for path in [*layers, *dirs]:
+            if not os.path.isdir(path):  # another host: its scratch layer or cache lives here
+                os.makedirs(path, mode=0o700)
+                self._made_dirs.append(path)
+        local_plan = LaunchPlan(plan.world_size, plan.envs, cwd, plan.handshake)
+        if command:
+            self.group = LocalRankGroup.start(local_plan, command, "data worker")
+        else:
+            self.group = LocalRankGroup.start(local_plan)
         outputs = []
         for local in self.group.ranks:
             for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
@@ -128,6 +141,22 @@ class HostAgent:
             except OSError:
                 pass
 
+    # -- prepared elements through Ray's object store -----------------------------------
+    def publish(self, path: str, offset: int) -> bytes:
+        """A record a data worker on this host prepared; Ray keeps the returned bytes in
+        this node's object store and moves them to the node that asks for them."""
+        from ..feed.records import read_raw
+
+        return read_raw(path, offset)
+
+    def mirror(self, ram_budget: int, *records: bytes) -> list[tuple[str, int]]:
+        """Store records (Ray resolved them from the workers' hosts) in this host's cache,
+        RAM first then disk, as the local mode does; return where this host's ranks read them."""
+        if self._mirror is None:
+            dirs = CacheDirs.create(f"mirror-{os.getpid()}")
+            self._mirror = (dirs, SegmentWriter(dirs, 0, ram_budget))
+        return [self._mirror[1].append_raw(record) for record in records]
+
     def stop(self) -> list[str]:
         return self.group.stop() if self.group is not None else []
 
@@ -142,8 +171,11 @@ class HostAgent:
             sock.close()
         if self._port is not None:
             self._port.close()
+        if self._mirror is not None:
+            self._mirror[1].close()
+            self._mirror[0].remove()
         for path in self._made_dirs:
-            _remove_tree(path)
+            remove_tree(path)
 
 
 def _pump(fd: int, sock: socket.socket) -> None:
@@ -164,9 +196,3 @@ def _pump(fd: int, sock: socket.socket) -> None:
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-
-
-def _remove_tree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

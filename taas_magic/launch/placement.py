@@ -89,8 +89,9 @@ def describe_free(nodes: list[Node]) -> str:
 
 
 def worker_hosts(nodes: list[Node], workers: int) -> list[Node]:
-    """Hosts for ``workers`` data workers: CPU-only hosts when the cluster has any, round
-    robin by free CPUs; every host otherwise."""
+    """The host of each data worker: CPU-only hosts when the cluster has any (every host
+    otherwise), most free CPUs first, spread evenly in contiguous blocks (worker w's host
+    is ``result[w]``)."""
     cpu_only = [node for node in nodes if node.gpus_total == 0]
     pool = sorted(cpu_only or nodes, key=lambda node: (-node.cpus_free, node.node_id))
-    return [pool[index % len(pool)] for index in range(workers)]
+    return [pool[index * len(pool) // workers] for index in range(workers)]

@@ -15,6 +15,7 @@ owns, and every rank's lifeline to its agent breaks.
 
 from __future__ import annotations
 
+import os
 import selectors
 import socket
 import time
@@ -25,7 +26,7 @@ from .. import wire
 from ..errors import LaunchError
 from .agent import HostAgent, channel_id
 from .base import LaunchPlan
-from .placement import HostShare, Node, describe_free
+from .placement import HostShare, Node, describe_free, worker_hosts
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
 
@@ -173,9 +174,9 @@ class RayRank:
 
 
 class RayRankGroup:
-    """The ranks of one run across the reserved hosts."""
+    """The ranks (or data workers) of one run across hosts, one agent per host."""
 
-    def __init__(self, ray: Any, reservation: Reservation, agents: list, hub: OutputHub, ranks: list[RayRank]):
+    def __init__(self, ray: Any, reservation: Reservation | None, agents: list, hub: OutputHub, ranks: list[RayRank]):
         self._ray = ray
         self._reservation = reservation
         self._agents = agents
@@ -184,27 +185,32 @@ class RayRankGroup:
         self._closed = False
 
     @classmethod
-    def start(cls, ray: Any, reservation: Reservation, agents: list, plans: list[LaunchPlan],
-              hub_address: str, key: bytes, timeout: float = 120.0) -> "RayRankGroup":
-        """Start every host's ranks through its agent; return once all their output is connected."""
-        world = sum(plan.world_size for plan in plans)
-        hub = OutputHub(hub_address, key, 2 * world + len(agents))
+    def start(cls, ray: Any, reservation: Reservation | None, hosts: list[tuple[Any, LaunchPlan, str]],
+              hub_address: str, key: bytes, timeout: float = 120.0, **start_options: Any) -> "RayRankGroup":
+        """Start each host's processes through its agent (``hosts``: agent, plan, label), numbered
+        host by host from 0; return once all their output channels are connected."""
+        world = sum(plan.world_size for _, plan, _ in hosts)
+        agents = [agent for agent, _, _ in hosts]
+        hub = OutputHub(hub_address, key, 2 * world + len(hosts))
         group = cls(ray, reservation, agents, hub, [])
         try:
-            starting = []
-            for index, (share, agent, plan) in enumerate(zip(reservation.shares, agents, plans)):
-                starting.append(agent.start.remote(plan, share.first_rank, hub.address, key, 2 * world + index))
+            starting, first = [], 0
+            for index, (agent, plan, _) in enumerate(hosts):
+                starting.append(agent.start.remote(plan, first, hub.address, key, 2 * world + index, **start_options))
+                first += plan.world_size
             hub.collect(time.monotonic() + timeout, starting, ray)
-            for index, share in enumerate(reservation.shares):
-                control = HostControl(hub.connected[2 * world + index], share.node.label)
-                for local in range(share.ranks):
-                    rank = share.first_rank + local
+            first = 0
+            for index, (_, plan, label) in enumerate(hosts):
+                control = HostControl(hub.connected[2 * world + index], label)
+                for local in range(plan.world_size):
+                    rank = first + local
                     group.ranks.append(RayRank(
-                        rank, share.node.label,
+                        rank, label,
                         hub.connected[channel_id(rank, "stdout")].fileno(),
                         hub.connected[channel_id(rank, "stderr")].fileno(),
                         control, local,
                     ))
+                first += plan.world_size
         except BaseException:
             group.close()
             raise
@@ -227,7 +233,8 @@ class RayRankGroup:
             for agent in self._agents:
                 self._ray.kill(agent)
             self._hub.close()
-            self._reservation.release()
+            if self._reservation is not None:
+                self._reservation.release()
 
 
 def start_agents(ray: Any, reservation: Reservation) -> tuple[list, list[dict]]:
@@ -274,6 +281,10 @@ class ClusterLaunch:
     def __init__(self, ray: Any, shares: Sequence[HostShare], placement_timeout: float, nodes: Callable[[], list[Node]]):
         self.ray = ray
         self.shares = list(shares)
+        self.nodes = nodes
+        self.worker_agents: list = []
+        self.worker_agent_of: list = []  # data worker w's agent
+        self.worker_layout = ""
         self.reservation = Reservation(ray, shares, placement_timeout, nodes)
         self.agents: list = []
         try:
@@ -308,16 +319,142 @@ class ClusterLaunch:
         )
 
     def start(self, envs: Sequence[dict], cwd: str, handshake: str, key: bytes) -> RayRankGroup:
-        plans = [
-            LaunchPlan(share.ranks, envs[share.first_rank:share.first_rank + share.ranks], cwd, handshake)
-            for share in self.shares
+        hosts = [
+            (agent, LaunchPlan(share.ranks, envs[share.first_rank:share.first_rank + share.ranks], cwd, handshake), share.node.label)
+            for agent, share in zip(self.agents, self.shares)
         ]
-        return RayRankGroup.start(self.ray, self.reservation, self.agents, plans, self.kernel_address, key)
+        return RayRankGroup.start(self.ray, self.reservation, hosts, self.kernel_address, key)
+
+    def start_workers(self, plan: LaunchPlan, key: bytes, dirs: tuple[str, ...]) -> RayRankGroup:
+        """The data workers, on CPU-only hosts when the cluster has any, each host's started by
+        an agent there (as ranks are); ``dirs`` is the data cache, made on those hosts."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .local import WORKER_COMMAND
+
+        placed = worker_hosts(self.nodes(), plan.world_size)
+        blocks: list[tuple[Node, list[int]]] = []
+        for worker, node in enumerate(placed):
+            if not blocks or blocks[-1][0].node_id != node.node_id:
+                blocks.append((node, []))
+            blocks[-1][1].append(worker)
+        remote_agent = self.ray.remote(HostAgent)
+        hosts = []
+        for node, workers in blocks:
+            agent = remote_agent.options(
+                num_cpus=0, max_concurrency=1,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            ).remote()
+            self.worker_agents.append(agent)
+            envs = [plan.envs[w] for w in workers]
+            hosts.append((agent, LaunchPlan(len(workers), envs, plan.cwd, plan.handshake), node.label))
+            self.worker_agent_of.extend([agent] * len(workers))
+        self.worker_layout = ", ".join(
+            (f"workers {ws[0]}-{ws[-1]}" if len(ws) > 1 else f"worker {ws[0]}") + f" on {node.label}" for node, ws in blocks
+        )
+        return RayRankGroup.start(self.ray, None, hosts, self.kernel_address, key, command=WORKER_COMMAND, dirs=dirs)
+
+    def courier(self, ram_budget: int) -> "Courier":
+        rank_agents = [agent for agent, share in zip(self.agents, self.shares) for _ in range(share.ranks)]
+        return Courier(self.ray, rank_agents, self.worker_agent_of, ram_budget)
 
     def release(self) -> None:
+        for agent in self.worker_agents:
+            try:
+                self.ray.kill(agent)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         for agent in self.agents:
             try:
                 self.ray.kill(agent)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.reservation.release()
+
+
+class Courier:
+    """Moves prepared elements from the data workers' hosts to each rank's host through Ray's
+    object store, and holds back each delivery until its elements are there.
+
+    The coordinator names elements by where a worker stored them (segment path, offset on
+    the worker's host). Before a delivery reaches rank r, every element in it is copied to
+    r's host once: the worker host's agent ``publish``es the record (the returned bytes live
+    in that node's object store), and the agent of r's host ``mirror``s it (Ray moves the
+    object between nodes; the agent appends it to its own cache, RAM then disk), returning
+    where r reads it. Copies are kept per host, so replayed passes and other ranks on the
+    same host reuse them. A rank's messages leave in the order the coordinator made them.
+    """
+
+    def __init__(self, ray: Any, rank_agents: list, worker_agents: list, ram_budget: int):
+        self.ray = ray
+        self.rank_agents = rank_agents
+        self.worker_agents = worker_agents
+        self.ram_budget = ram_budget
+        self.host_agents: list = []  # one per rank host, in rank order
+        self.hosts: dict[int, int] = {}  # id(agent) -> its index in host_agents
+        for agent in rank_agents:
+            if id(agent) not in self.hosts:
+                self.hosts[id(agent)] = len(self.host_agents)
+                self.host_agents.append(agent)
+        self.copies: dict[tuple[int, str, int], tuple[str, int]] = {}  # (host, path, offset) -> there
+        self.in_flight: dict[Any, list[tuple[int, str, int]]] = {}  # mirror result -> its keys
+        self.waiting: dict[int, list] = {}  # rank -> its held-back messages, in order
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
+    def route(self, sends: list) -> list:
+        """Sends to pass on now; deliveries wait (in order, per rank) for their copies."""
+        out = []
+        for send in sends:
+            if send.role != "rank" or send.kind not in ("elements", "end"):
+                out.append(send)
+                continue
+            if send.kind == "elements":
+                self._fetch(send.index, send.message[2])
+            self.waiting.setdefault(send.index, []).append(send)
+        return out + self.ready()
+
+    def _fetch(self, rank: int, batch: list[tuple[str, int]]) -> None:
+        host = self.hosts[id(self.rank_agents[rank])]
+        pending = {key for keys in self.in_flight.values() for key in keys}
+        missing = [(host, path, offset) for path, offset in batch
+                   if (host, path, offset) not in self.copies and (host, path, offset) not in pending]
+        if not missing:
+            return
+        records = [self.worker_agents[_worker_of(path)].publish.remote(path, offset) for _, path, offset in missing]
+        result = self.host_agents[host].mirror.remote(self.ram_budget, *records)
+        self.in_flight[result] = missing
+
+    def ready(self) -> list:
+        """Deliveries whose elements have all reached their rank's host, translated."""
+        if self.in_flight:
+            refs = list(self.in_flight)
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in done:
+                keys = self.in_flight.pop(ref)
+                try:
+                    places = self.ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - any Ray failure ends the run the same way
+                    raise LaunchError(f"taas: moving prepared elements between hosts failed: {exc}") from None
+                self.copies.update(zip(keys, places))
+        out = []
+        for rank, queue in self.waiting.items():
+            host = self.hosts[id(self.rank_agents[rank])]
+            while queue:
+                send = queue[0]
+                if send.kind == "elements":
+                    feed, pass_no, batch = send.message
+                    places = [self.copies.get((host, path, offset)) for path, offset in batch]
+                    if None in places:
+                        break
+                    send = type(send)(send.role, send.index, send.kind, (feed, pass_no, places))
+                out.append(send)
+                queue.pop(0)
+        return out
+
+
+def _worker_of(path: str) -> int:
+    """Data worker w writes segments named ``w<w>-<n>.seg`` (feed/segments.py)."""
+    return int(os.path.basename(path)[1:].split("-", 1)[0])

@@ -9,6 +9,7 @@ test leaves no rank process and no agent actor behind.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -23,14 +24,17 @@ cluster_utils = pytest.importorskip("ray.cluster_utils", reason='the cluster mod
 
 
 def cell_processes() -> list[psutil.Process]:
-    """Ranks and agents anywhere on this machine (every simulated host is on it)."""
+    """Ranks, data workers and agents anywhere on this machine (every simulated host is on
+    it); local-mode warm spares that other tests' kernels keep are not a cell's."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "name"]):
         try:
             line = " ".join(proc.info["cmdline"] or [])
         except psutil.Error:
             continue
-        if "taas_magic.rank" in line or "HostAgent" in line:
+        if proc.info["name"] == "taas-spare":
+            continue
+        if "taas_magic.rank" in line or "taas_magic.feed.worker" in line or "HostAgent" in line:
             found.append(proc)
     return found
 
@@ -187,11 +191,58 @@ def test_timeout_names_the_ranks_still_running_on_each_host(attached):
     assert "ranks still running: 0, 3. Every rank was stopped." in ran.error_text()
 
 
-def test_registered_loaders_are_refused_before_anything_starts(attached):
-    attached.execute("import taas\nitems = [1, 2, 3, 4]\ntaas.register(items)")
+DATA_CELL = """\
+#pragma taas --gpus 4 --cpus 2 --output all
+import os
+passes = [sorted(int(batch[0, 0]) for batch in loader) for _ in range(2)]
+print("seen", os.environ["RANK"], passes, flush=True)
+"""
+
+
+def test_data_workers_run_on_the_cpu_host_and_elements_reach_every_host(attached):
+    setup = attached.execute(
+        "import taas, torch\n"
+        "loader = torch.utils.data.DataLoader(torch.arange(42.0).repeat_interleave(3).reshape(42, 3), batch_size=1, shuffle=True)\n"
+        "taas.register(loader)"
+    )
+    assert setup.reply["status"] == "ok", setup.error_text()
     try:
-        ran = attached.execute("#pragma taas --gpus 2\nprint('started')\nfor x in items: pass")
+        ran = attached.execute(DATA_CELL, timeout=180)
     finally:
-        attached.execute("taas.unregister(items)")
-    assert ran.reply["status"] == "error" and "started" not in ran.stream("stdout")
-    assert "registered loaders are not served in the cluster mode yet" in ran.reply["evalue"]
+        attached.execute("taas.unregister(loader)")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    out = ran.stream("stdout")
+    cpu_node = re.search(r"\(node (\w+)\): 0/0 GPU", attached.execute("%taas status").stream()).group(1)
+    assert re.search(rf"data workers 0-1 on .+ \(node {cpu_node}\)", out), out  # the CPU-only host
+    passes = {int(rank): json.loads(lists) for rank, lists in re.findall(r"\[rank (\d)\] seen \d (.*)", out)}
+    assert sorted(passes) == [0, 1, 2, 3], out
+    for pass_no in range(2):  # 42 elements, 4 ranks: 10 each, 2 dropped; disjoint; replayed
+        shares = [passes[rank][pass_no] for rank in range(4)]
+        assert all(len(share) == 10 for share in shares)
+        together = [x for share in shares for x in share]
+        assert len(set(together)) == 40 and set(together) <= set(range(42))
+    first = {x for rank in range(4) for x in passes[rank][0]}
+    second = {x for rank in range(4) for x in passes[rank][1]}
+    assert first == second  # the second pass replays the elements prepared in the first
+
+
+def test_a_failing_data_worker_on_the_cpu_host_stops_the_run(attached):
+    setup = attached.execute(
+        "import taas\n"
+        "class Flaky:\n"
+        "    def __len__(self): return 40\n"
+        "    def __getitem__(self, i):\n"
+        "        if i == 13: raise OSError('unreadable shard')\n"
+        "        return i\n"
+        "flaky = torch.utils.data.DataLoader(Flaky(), batch_size=None)\n"
+        "taas.register(flaky)"
+    )
+    assert setup.reply["status"] == "ok", setup.error_text()
+    try:
+        ran = attached.execute("#pragma taas --gpus 4 --cpus 2\nfor x in flaky: pass", timeout=120)
+    finally:
+        attached.execute("taas.unregister(flaky)")
+    assert ran.reply["status"] == "error" and ran.error["ename"] == "WorkerFailed"
+    text = ran.error_text()
+    assert "element 13" in text and "OSError: unreadable shard" in text, text
+    assert re.search(r"data worker \d on .+ \(node \w+\)", text), text
