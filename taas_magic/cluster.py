@@ -9,7 +9,9 @@ cluster is asked for: the local mode never needs it.
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +24,13 @@ INSTALL_HINT = 'the cluster mode needs Ray: pip install "taas-magic[ray]"'
 
 
 def import_ray() -> Any:
+    # Importing Ray in a kernel without ipywidgets prints two notices (tqdm's and Ray's own)
+    # about rich widgets we never show; they would land in the person's cell.
+    logging.getLogger("ray.widgets.util").setLevel(logging.WARNING)
     try:
-        import ray
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            import ray
     except ImportError as exc:
         raise UsageError(f"taas: {INSTALL_HINT} ({exc})") from None
     return ray

@@ -54,6 +54,7 @@ def attached(ray_cluster):
     kernel = Kernel()
     ran = kernel.execute(f"%taas cluster {ray_cluster.address}", timeout=120)
     assert ran.reply["status"] == "ok", ran.error_text()
+    assert ran.stream().startswith("taas: attached; cluster: Ray at"), ran.stream()  # and no import noise
     yield kernel
     kernel.shutdown()
 
