@@ -86,7 +86,10 @@ class Cluster:
         return nodes
 
     def status_lines(self) -> list[str]:
-        nodes = self.nodes()
+        try:
+            nodes = self.nodes()
+        except Exception as exc:  # noqa: BLE001 - the cluster went away under us
+            return [f"cluster: Ray at {self.address}, not reachable now ({type(exc).__name__}: {exc})"]
         lines = [
             f"cluster: Ray at {self.address}, {len(nodes)} node(s), "
             f"{sum(n.gpus_free for n in nodes)}/{sum(n.gpus_total for n in nodes)} GPU free, "

@@ -66,7 +66,10 @@ class TaasMagics(Magics):
         self.cluster: Cluster | None = None  # %taas cluster ADDRESS, or $TAAS_CLUSTER at load
         address = address_from_environment()
         if address is not None:
-            self.cluster = Cluster.attach(address)
+            try:
+                self.cluster = Cluster.attach(address)
+            except UsageError as exc:  # the extension still loads: the local mode works
+                print(f"{exc} ($TAAS_CLUSTER); cells run as local processes", file=sys.stderr)
 
     @property
     def _shell(self) -> InteractiveShell:
