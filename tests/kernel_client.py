@@ -49,9 +49,13 @@ class Execution:
 
 
 class Kernel:
-    def __init__(self, kernel_name: str = "python3", load_ext: bool = True, cwd: str | None = None):
+    def __init__(self, kernel_name: str = "python3", load_ext: bool = True, cwd: str | None = None,
+                 env: dict[str, str] | None = None):
         self.manager = KernelManager(kernel_name=kernel_name)
-        self.manager.start_kernel(cwd=cwd) if cwd else self.manager.start_kernel()
+        options: dict = {"cwd": cwd} if cwd else {}
+        if env is not None:
+            options["env"] = {**os.environ, **env}
+        self.manager.start_kernel(**options)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)

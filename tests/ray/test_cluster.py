@@ -167,6 +167,21 @@ def test_cluster_local_returns_to_local_processes(attached, ray_cluster):
     assert ran.reply["status"] == "ok", ran.error_text()
 
 
+def test_taas_cluster_attaches_at_load_and_an_unreachable_one_leaves_the_local_mode(ray_cluster):
+    kernel = Kernel(env={"TAAS_CLUSTER": ray_cluster.address})
+    try:
+        assert "(this notebook)" in kernel.execute("%taas status").stream()
+    finally:
+        kernel.shutdown()
+    kernel = Kernel(env={"TAAS_CLUSTER": "127.0.0.1:9"})  # nothing listens on the discard port
+    try:
+        assert "cluster: none (local processes)" in kernel.execute("%taas status").stream()
+        ran = kernel.execute("#pragma taas --gpus 1\n__import__('os').environ['MASTER_ADDR']")
+        assert ran.result["text/plain"] == "'127.0.0.1'"
+    finally:
+        kernel.shutdown()
+
+
 def test_kernel_death_leaves_nothing_on_any_host(ray_cluster):
     kernel = Kernel()
     try:
