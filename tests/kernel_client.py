@@ -71,9 +71,17 @@ class Kernel:
         """The kernel's descendants started for cells (warm spares, kept on purpose, excluded)."""
         spares = {p.pid for p in self.spares()}
         try:
-            return [p for p in psutil.Process(self.pid).children(recursive=True) if p.pid not in spares]
+            found = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+        kept = []
+        for proc in found:
+            try:
+                if proc.pid not in spares and proc.ppid() not in spares:  # a waiting spare's watchdog is the spare's
+                    kept.append(proc)
+            except psutil.NoSuchProcess:
+                pass
+        return kept
 
     def spares(self) -> list[psutil.Process]:
         """Warm spare ranks waiting for the next cell (``taas_magic.rank --spare``; once a cell
@@ -85,7 +93,7 @@ class Kernel:
         found = []
         for child in children:
             try:
-                if "--spare" in child.cmdline() and child.name() != "taas-rank":
+                if "--spare" in child.cmdline() and child.name() not in ("taas-rank", "taas-watchdog"):
                     found.append(child)
             except psutil.NoSuchProcess:
                 pass

@@ -157,6 +157,7 @@ class Worker:
         self.channel.send("done", wire.dumps((self.worker,)))
 
 def main() -> None:
+    lifeline.start_watchdog()  # a dataset's C code may hold the GIL: see lifeline.py
     parent = os.getppid()
     host, port, key_hex = lifeline.read_first_line().split()
     layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
@@ -180,12 +181,15 @@ def main() -> None:
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which stops the run
         send_failure(channel, worker.current if worker else None, exc)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_FAILED)
+        _exit(EXIT_FAILED)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    lifeline.end_watchdog()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A rank never outlives the kernel that started it, nor leaves its children behind.
 
-Two independent guards, as ipykernel's parent poller and torch's spawn do:
+Three independent guards, as ipykernel's parent poller and torch's spawn do, and one more:
 
 - the lifeline: the kernel holds the write end of the rank's stdin pipe for the whole
   run. A daemon thread blocks reading it; end-of-file means the kernel is gone (or
@@ -9,17 +9,25 @@ Two independent guards, as ipykernel's parent poller and torch's spawn do:
   cell and its subprocesses read /dev/null, as in a script.
 - the parent-death signal: ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, and a SIGTERM handler
   that kills the group; it covers a lifeline thread that cannot run.
+- the watchdog: both guards above are Python, so a cell stuck in C code that holds the
+  GIL (a collective whose peer is gone, a C extension) runs neither, and the rank would
+  outlive its kernel. A tiny forked process, started first thing, waits in ``poll()`` for
+  the lifeline pipe to hang up (it never reads it, so the handshake still reaches the
+  rank) and then SIGKILLs the rank's whole process group, itself included.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+WATCHDOG_NAME = b"taas-watchdog"
 
 
 def read_first_line(fd: int = 0) -> str:
@@ -58,6 +66,51 @@ def hold_lifeline(fd: int = 0) -> None:
     os.dup2(devnull, fd)
     os.close(devnull)
     threading.Thread(target=_watch, args=(lifeline,), name="taas-lifeline", daemon=True).start()
+
+
+_watchdog: int | None = None
+
+
+def start_watchdog(fd: int = 0) -> None:
+    """Fork the watchdog over the lifeline ``fd``. Call while the process is single-threaded."""
+    global _watchdog
+    pid = os.fork()
+    if pid != 0:
+        _watchdog = pid
+        return
+    try:  # the watchdog: nothing here may print or raise into the rank's pipes
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(WATCHDOG_NAME), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        # The stop ladder's INT and TERM are for the rank; the watchdog goes on the hang-up
+        # that follows, or with the group's KILL.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for target in (1, 2):  # never hold the rank's output pipes open
+            os.dup2(devnull, target)
+        os.closerange(max(fd, 2) + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)
+        poller = select.poll()
+        poller.register(fd, 0)  # no events asked: only hang-up and errors wake us, never data
+        while not any(events & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, events in poller.poll()):
+            pass
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def end_watchdog() -> None:
+    """Before exiting: stop and reap the watchdog, so it is never left for init to reap."""
+    global _watchdog
+    if _watchdog is None:
+        return
+    try:
+        os.kill(_watchdog, signal.SIGKILL)
+        os.waitpid(_watchdog, 0)
+    except (ProcessLookupError, ChildProcessError, PermissionError):
+        pass
+    _watchdog = None
 
 
 def die_with_parent(parent_pid: int) -> None:

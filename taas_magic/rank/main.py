@@ -44,11 +44,15 @@ def _send_error(channel: wire.BlockingChannel, summary: str, text: str) -> None:
     # arriving now must not bury the report under a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _flush()
-    channel.send("error", wire.dumps({"summary": summary, "traceback": text}))
+    try:
+        channel.send("error", wire.dumps({"summary": summary, "traceback": text}))
+    except OSError:
+        pass  # the kernel already stopped listening (it is stopping us): nobody to tell
 
 
 def _exit(code: int) -> None:
     _flush()
+    lifeline.end_watchdog()
     os._exit(code)
 
 
@@ -69,6 +73,7 @@ def isolate_writes(repository: str, layer: str, write_mode: str | None, who: str
 
 
 def main() -> None:
+    lifeline.start_watchdog()  # first, while single-threaded: see lifeline.py
     is_spare = "--spare" in sys.argv
     if is_spare:  # imports now, then wait (single-threaded) for a cell to take us
         spare.warm_up()

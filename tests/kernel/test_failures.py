@@ -161,12 +161,23 @@ def test_kernel_listeners_are_loopback_and_refuse_strangers(kernel):
     assert ran.result["text/plain"] == "'finished'"
 
 
-def test_no_rank_outlives_a_killed_kernel():
+@pytest.mark.parametrize(
+    "wait",
+    [
+        "time.sleep(120)",
+        # C code that holds the GIL and that no signal interrupts (a collective whose peer
+        # died waits like this): no Python thread or signal handler of the rank can run, only
+        # the watchdog process is left to act. A default mutex locked twice never returns.
+        "mutex = ctypes.create_string_buffer(64)\n"
+        "ctypes.PyDLL(None).pthread_mutex_lock(mutex)\nctypes.PyDLL(None).pthread_mutex_lock(mutex)",
+    ],
+)
+def test_no_rank_outlives_a_killed_kernel(wait):
     victim = Kernel()
     try:
         msg_id, _ = victim.submit(
-            "#pragma taas --gpus 2 --output all\nimport subprocess, time\nsubprocess.Popen(['sleep', '120'])\n"
-            "print('up', flush=True)\ntime.sleep(120)"
+            "#pragma taas --gpus 2 --output all\nimport ctypes, subprocess, time\nsubprocess.Popen(['sleep', '120'])\n"
+            f"print('up', flush=True)\n{wait}"
         )
         victim.wait_for_stream(msg_id, "up")
         time.sleep(0.5)

@@ -32,8 +32,8 @@ def cell_processes() -> list[psutil.Process]:
             line = " ".join(proc.info["cmdline"] or [])
         except psutil.Error:
             continue
-        if proc.info["name"] == "taas-spare":
-            continue
+        if "--spare" in line and proc.info["name"] in ("taas-spare", "taas-watchdog"):
+            continue  # a waiting spare, or its watchdog (an adopted spare is named taas-rank)
         if "taas_magic.rank" in line or "taas_magic.feed.worker" in line or "HostAgent" in line:
             found.append(proc)
     return found
@@ -167,17 +167,10 @@ def test_cluster_local_returns_to_local_processes(attached, ray_cluster):
     assert ran.reply["status"] == "ok", ran.error_text()
 
 
-def test_taas_cluster_attaches_at_load_and_an_unreachable_one_leaves_the_local_mode(ray_cluster):
+def test_taas_cluster_attaches_at_load(ray_cluster):
     kernel = Kernel(env={"TAAS_CLUSTER": ray_cluster.address})
     try:
         assert "(this notebook)" in kernel.execute("%taas status").stream()
-    finally:
-        kernel.shutdown()
-    kernel = Kernel(env={"TAAS_CLUSTER": "127.0.0.1:9"})  # nothing listens on the discard port
-    try:
-        assert "cluster: none (local processes)" in kernel.execute("%taas status").stream()
-        ran = kernel.execute("#pragma taas --gpus 1\n__import__('os').environ['MASTER_ADDR']")
-        assert ran.result["text/plain"] == "'127.0.0.1'"
     finally:
         kernel.shutdown()
 
@@ -188,7 +181,7 @@ def test_kernel_death_leaves_nothing_on_any_host(ray_cluster):
         assert kernel.execute(f"%taas cluster {ray_cluster.address}", timeout=120).reply["status"] == "ok"
         msg_id, _ = kernel.submit("#pragma taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(300)")
         kernel.wait_for_stream(msg_id, "up", timeout=120)
-        running = [" ".join(p.cmdline()) for p in cell_processes()]
+        running = [" ".join(p.cmdline()) for p in cell_processes() if p.name() != "taas-watchdog"]
         assert sum("taas_magic.rank" in line for line in running) == 4, running
         assert sum("HostAgent" in line for line in running) == 2, running  # one agent per host
         psutil.Process(kernel.pid).send_signal(signal.SIGKILL)
