@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ class Cluster:
     @classmethod
     def attach(cls, address: str) -> "Cluster":
         ray = import_ray()
+        _check_reachable(address)
         if ray.is_initialized():
             ray.shutdown()
         try:
@@ -101,6 +103,19 @@ class Cluster:
                 f"  {node.label}: {node.gpus_free}/{node.gpus_total} GPU, {node.cpus_free:g}/{node.cpus_total:g} CPU free{mark}"
             )
         return lines
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail at once on a HOST:PORT (or ray://HOST:PORT) that nothing answers: ray.init would
+    retry for minutes, printing its connection warnings into the cell."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local" or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise UsageError(f"taas: no Ray cluster answers at {address!r} ({exc}); check the address (ray status shows it)") from None
 
 
 def address_from_environment() -> str | None:

@@ -248,13 +248,19 @@ class TaasMagics(Magics):
         )
 
     def _attach(self, address: str) -> None:
-        if self.cluster is not None:
-            self.cluster.detach()
-            self.cluster = None
         if address == "local":
+            if self.cluster is not None:
+                self.cluster.detach()
+                self.cluster = None
             print("taas: local mode (ranks are processes on this host)")
             return
-        self.cluster = Cluster.attach(address)
+        try:
+            attached = Cluster.attach(address)  # an unreachable address fails before the current one is let go
+        except UsageError:
+            if self.cluster is not None and not self.cluster.ray.is_initialized():
+                self.cluster = None  # Ray let go of it before failing: the local mode now
+            raise
+        self.cluster = attached
         self.spares.close()  # the cluster's agents start fresh ranks; local spares only hold memory
         print("taas: attached; " + "\n".join(self.cluster.status_lines()))
 

@@ -167,10 +167,21 @@ def test_cluster_local_returns_to_local_processes(attached, ray_cluster):
     assert ran.reply["status"] == "ok", ran.error_text()
 
 
-def test_taas_cluster_attaches_at_load(ray_cluster):
+def test_taas_cluster_attaches_at_load_and_an_unreachable_one_leaves_the_local_mode(ray_cluster):
     kernel = Kernel(env={"TAAS_CLUSTER": ray_cluster.address})
     try:
         assert "(this notebook)" in kernel.execute("%taas status").stream()
+        started = time.monotonic()
+        ran = kernel.execute("%taas cluster 127.0.0.1:9")  # nothing listens on the discard port
+        assert ran.reply["status"] == "error" and "no Ray cluster answers at '127.0.0.1:9'" in ran.reply["evalue"]
+        assert time.monotonic() - started < 10
+    finally:
+        kernel.shutdown()
+    kernel = Kernel(env={"TAAS_CLUSTER": "127.0.0.1:9"})
+    try:
+        assert "cluster: none (local processes)" in kernel.execute("%taas status").stream()
+        ran = kernel.execute("#pragma taas --gpus 1\n__import__('os').environ['MASTER_ADDR']")
+        assert ran.result["text/plain"] == "'127.0.0.1'"
     finally:
         kernel.shutdown()
 
