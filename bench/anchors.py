@@ -25,21 +25,26 @@ from tests.kernel_client import Kernel
 
 STEPS = 50
 
-BODY = """\
-import time, torch, torch.distributed as dist
-print("first-line", flush=True)
-dist.init_process_group("gloo", init_method="env://")
+# The workload every launcher runs (bench/launch.py and bench/cluster.py build on it too):
+# a small DDP MLP, one fixed batch, SGD.
+MODEL = """\
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(
     torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-for i in range({steps}):
+"""
+STEP = """\
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
-dist.destroy_process_group()
 """
+BODY = (
+    "import time, torch, torch.distributed as dist\n"
+    'print("first-line", flush=True)\n'
+    'dist.init_process_group("gloo", init_method="env://")\n'
+    + MODEL + "for i in range({steps}):\n" + STEP + "dist.destroy_process_group()\n"
+)
 
 ACCELERATE = (
     "from accelerate import notebook_launcher\n"

@@ -24,23 +24,15 @@ import statistics
 import tempfile
 import textwrap
 
-from bench.anchors import STEPS, _time_cell
+from bench.anchors import MODEL, STEP, STEPS, _time_cell
 from tests.kernel_client import Kernel
 
-TRAIN_BODY = f"""\
-import torch, torch.distributed as dist
-if dist.get_rank() == 0:
-    print("first-line", flush=True)
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(
-    torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-for i in range({STEPS}):
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-"""
+TRAIN_BODY = (
+    "import torch, torch.distributed as dist\n"
+    "if dist.get_rank() == 0:\n"
+    '    print("first-line", flush=True)\n'
+    + MODEL + f"for i in range({STEPS}):\n" + STEP
+)
 
 TAAS_CELL = (
     "#pragma taas --gpus 4\nimport torch.distributed as dist\n"

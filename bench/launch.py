@@ -51,27 +51,21 @@ sys.path.insert(0, str(ROOT))
 from bench import anchors  # noqa: E402
 from tests.kernel_client import Kernel  # noqa: E402
 
-LOOP = """\
-import os, time, torch, torch.distributed as dist
-print("first-line", flush=True)
-dist.init_process_group("gloo", init_method="env://")
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(
-    torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-WARM, STEPS = 20, {steps}
-for i in range(WARM + STEPS):
-    if i == WARM:
-        t0 = time.perf_counter()
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-rate = STEPS / (time.perf_counter() - t0)
-if dist.get_rank() == 0:
-    print(f"steps_per_sec {{rate:.2f}}", flush=True)
-dist.destroy_process_group()
-"""
+LOOP = (
+    "import os, time, torch, torch.distributed as dist\n"
+    'print("first-line", flush=True)\n'
+    'dist.init_process_group("gloo", init_method="env://")\n'
+    + anchors.MODEL
+    + "WARM, STEPS = 20, {steps}\n"
+    "for i in range(WARM + STEPS):\n"
+    "    if i == WARM:\n"
+    "        t0 = time.perf_counter()\n"
+    + anchors.STEP
+    + "rate = STEPS / (time.perf_counter() - t0)\n"
+    "if dist.get_rank() == 0:\n"
+    '    print(f"steps_per_sec {{rate:.2f}}", flush=True)\n'
+    "dist.destroy_process_group()\n"
+)
 
 
 def floor_seconds() -> float:
