@@ -26,8 +26,8 @@ from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_reposi
 from .cluster import Cluster, address_from_environment
 from .launch.base import LaunchPlan, RankGroup
 from .launch.local import LocalRankGroup
-from .launch.placement import plan_hosts
-from .launch.ray import ClusterLaunch, RankSlot
+from .launch.placement import RankSlot, plan_hosts
+from .launch.ray import ClusterLaunch
 from .launch.spares import SparePool
 from .pragma import PragmaError, parse_cell, parse_size
 from .rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port, visible_gpu_count

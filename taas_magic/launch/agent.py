@@ -74,10 +74,8 @@ class HostAgent:
 
         return {
             "address": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
             "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
             "cuda_devices": visible_gpu_count(),  # real devices, not Ray's declared resource
-            "pid": os.getpid(),
         }
 
     def reserve_master_port(self, address: str) -> int:

@@ -37,6 +37,16 @@ class Node:
 
 
 @dataclass(frozen=True)
+class RankSlot:
+    """Where one rank runs, in torchrun's terms (the local mode: one host, group 0)."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+
+
+@dataclass(frozen=True)
 class HostShare:
     node: Node
     ranks: int
@@ -88,10 +98,14 @@ def describe_free(nodes: list[Node]) -> str:
     return ", ".join(f"{node.label}: {node.gpus_free}/{node.gpus_total} GPU free" for node in nodes if node.gpus_total) or "no GPU hosts"
 
 
-def worker_hosts(nodes: list[Node], workers: int) -> list[Node]:
-    """The host of each data worker: CPU-only hosts when the cluster has any (every host
-    otherwise), most free CPUs first, spread evenly in contiguous blocks (worker w's host
-    is ``result[w]``)."""
+def worker_blocks(nodes: list[Node], workers: int) -> list[tuple[Node, list[int]]]:
+    """Where the ``workers`` data workers run: CPU-only hosts when the cluster has any
+    (every host otherwise), most free CPUs first, spread evenly in contiguous blocks of
+    worker indices, one block per host used."""
     cpu_only = [node for node in nodes if node.gpus_total == 0]
     pool = sorted(cpu_only or nodes, key=lambda node: (-node.cpus_free, node.node_id))
-    return [pool[index * len(pool) // workers] for index in range(workers)]
+    blocks: dict[str, tuple[Node, list[int]]] = {}
+    for worker in range(workers):
+        node = pool[worker * len(pool) // workers]
+        blocks.setdefault(node.node_id, (node, []))[1].append(worker)
+    return list(blocks.values())

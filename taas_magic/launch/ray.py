@@ -26,7 +26,7 @@ from ..errors import LaunchError
 from .agent import HostAgent, channel_id
 from .base import LaunchPlan
 from .courier import Courier
-from .placement import HostShare, Node, describe_free, worker_hosts
+from .placement import HostShare, Node, RankSlot, describe_free, worker_blocks
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
 
@@ -263,16 +263,6 @@ def start_agents(ray: Any, reservation: Reservation) -> tuple[list, list[dict]]:
     return agents, hosts
 
 
-@dataclass(frozen=True)
-class RankSlot:
-    """Where one rank runs, in torchrun's terms."""
-
-    rank: int
-    local_rank: int
-    local_world_size: int
-    group_rank: int
-
-
 class ClusterLaunch:
     """One run's hold on the cluster: planned hosts, reserved GPUs, an agent on each host.
 
@@ -335,12 +325,7 @@ class ClusterLaunch:
 
         from .local import WORKER_COMMAND
 
-        placed = worker_hosts(self.nodes(), plan.world_size)
-        blocks: list[tuple[Node, list[int]]] = []
-        for worker, node in enumerate(placed):
-            if not blocks or blocks[-1][0].node_id != node.node_id:
-                blocks.append((node, []))
-            blocks[-1][1].append(worker)
+        blocks = worker_blocks(self.nodes(), plan.world_size)
         remote_agent = self.ray.remote(HostAgent)
         hosts = []
         for node, workers in blocks:

@@ -7,7 +7,7 @@ from IPython.core.error import UsageError
 
 from taas_magic.cluster import import_ray
 from taas_magic.errors import LaunchError
-from taas_magic.launch.placement import Node, plan_hosts
+from taas_magic.launch.placement import Node, plan_hosts, worker_blocks
 
 
 def node(name: str, total: int, free: int | None = None, notebook: bool = False) -> Node:
@@ -57,3 +57,17 @@ def test_without_ray_the_cluster_command_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what a missing package looks like to import
     with pytest.raises(UsageError, match=r'pip install "taas-magic\[ray\]"'):
         import_ray()
+
+
+@pytest.mark.parametrize(
+    ("nodes", "workers", "expected"),
+    [
+        # CPU-only hosts when there are any, most free CPUs first, contiguous blocks
+        ([node("g", 2), node("c", 0), node("d", 0)], 4, [("c", [0, 1]), ("d", [2, 3])]),
+        ([node("g", 2), node("c", 0)], 3, [("c", [0, 1, 2])]),
+        # no CPU-only host: every host serves
+        ([node("a", 2), node("b", 2)], 3, [("a", [0, 1]), ("b", [2])]),
+    ],
+)
+def test_worker_blocks(nodes, workers, expected):
+    assert [(n.node_id[:1], ws) for n, ws in worker_blocks(nodes, workers)] == expected
