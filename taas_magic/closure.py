@@ -1,11 +1,11 @@
 """Which notebook names a cell uses, and shipping exactly those to the ranks.
 
-The cell's free names are every identifier it mentions (at any depth, in nested
-functions too) that the notebook namespace holds, plus identifiers inside the string
-arguments of ``get_ipython()`` calls, which is how IPython spells ``!cmd $x`` and
-``%time f(x)`` after translation. Names IPython keeps for itself (``In``, ``Out``,
-``_``, ``_i3``...) and dunders are never shipped. A name the cell does not mention is
-never pickled, however large.
+The cell's closure is the notebook names it may read before binding them (freenames.py:
+a name the cell assigns before any use, as a rerun cell does with ``model = Net()``, is
+not shipped), plus identifiers inside the string arguments of ``get_ipython()`` calls,
+which is how IPython spells ``!cmd $x`` and ``%time f(x)`` after translation. Names
+IPython keeps for itself (``In``, ``Out``, ``_``, ``_i3``...) and dunders are never
+shipped. A name the cell does not read is never pickled, however large.
 
 What is shipped is one dict, serialised once with cloudpickle (protocol 5): notebook
 functions, classes and lambdas travel by value with what they reference; importable
@@ -27,42 +27,16 @@ from typing import Any, Mapping, Sequence
 import cloudpickle
 
 from .errors import ClosureError
+from .freenames import free_names
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _IPYTHON_PRIVATE = re.compile(r"^_+$|^_i+$|^_i?\d+$|^__.*__$")
 
 
-def _is_get_ipython_call(node: ast.AST) -> bool:
-    """``get_ipython().something(...)``, IPython's translation of ``!`` and ``%``."""
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Call)
-        and isinstance(node.func.value.func, ast.Name)
-        and node.func.value.func.id == "get_ipython"
-    )
-
-
-def mentioned_names(tree: ast.AST) -> set[str]:
-    """Every identifier the code mentions, including inside IPython command strings."""
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            names.add(node.id)
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            names.update(node.names)
-        elif _is_get_ipython_call(node):
-            for arg in node.args:  # type: ignore[attr-defined]
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                    names.update(_IDENTIFIER.findall(arg.value))
-    return names
-
-
-def select_closure(tree: ast.AST, user_ns: Mapping[str, Any], hidden: Mapping[str, Any]) -> dict[str, Any]:
-    """The notebook names the cell uses, mapped to their values."""
+def select_closure(tree: ast.Module, user_ns: Mapping[str, Any], hidden: Mapping[str, Any]) -> dict[str, Any]:
+    """The notebook names the cell may read before binding them, mapped to their values."""
     return {
         name: user_ns[name]
-        for name in sorted(mentioned_names(tree))
+        for name in sorted(free_names(tree))
         if name in user_ns
         and not _IPYTHON_PRIVATE.match(name)
         and not (name in hidden and hidden[name] is user_ns[name])

@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from taas_magic.closure import mentioned_names, select_closure, serialise_closure
+from taas_magic.closure import select_closure, serialise_closure
+from taas_magic.freenames import free_names
 from taas_magic.errors import ClosureError
 
 
@@ -18,13 +19,21 @@ def test_only_used_names_are_selected():
     assert select_closure(tree, user_ns, {"In": user_ns["In"]}) == {"x": 1, "f": len}
 
 
+def test_a_rerun_cell_does_not_ship_what_it_rebinds():
+    """Rerunning a cell: the last run's model and optimizer are in the notebook (one of
+    them unpicklable here), and the cell binds both again before using them."""
+    user_ns = {"model": Bomb(), "opt": threading.Lock(), "lr": 0.1}
+    tree = ast.parse("model = make()\nopt = SGD(model, lr)\nfor _ in range(3):\n    opt.step()\n")
+    assert select_closure(tree, user_ns, {}) == {"lr": 0.1}
+
+
 def test_names_in_nested_scopes_and_ipython_strings_count():
     source = (
         "def g():\n    return helper(a)\n"
         "get_ipython().system('echo $b {c}')\n"
         "get_ipython().run_line_magic('time', 'z = d + 1')\n"
     )
-    names = mentioned_names(ast.parse(source))
+    names = free_names(ast.parse(source))
     assert {"helper", "a", "b", "c", "d"} <= names
 
 
