@@ -24,8 +24,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..pragma import PragmaError
-
 MAP = "map"
 ITERABLE = "iterable"
 
@@ -107,6 +105,9 @@ def plan_feed(
     Raises:
         PragmaError: no ``len`` and no ``--units``, or fewer elements than ranks.
     """
+    from ..pragma import PragmaError  # here, not at the top: ranks and data workers import this
+    # module, and PragmaError would make each of them import IPython (about 80 ms)
+
     kind, length, shuffle = loader_kind(loader)
     if units is None:
         if length is None:

@@ -16,8 +16,10 @@ import json
 import os
 import sys
 
-# What DDP construction imports, so a warm cell does not pay for it either.
-WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.distributed_c10d")
+# What DDP construction imports, so a warm cell does not pay for it either, then what the
+# rank itself imports once it has its cell (the closure loader, the cell's ``taas`` module).
+WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.distributed_c10d",
+                "taas", "taas_magic.feed.proxy", "taas_magic.rank.devices")
 
 
 PR_SET_NAME = 15
