@@ -4,7 +4,8 @@ It runs in the kernel's main thread, inside the magic, and installs no signal ha
 the kernel's interrupt arrives here as ``KeyboardInterrupt``, and the ``finally`` of
 :func:`run_ranks` stops every rank. One selector watches everything, so there are no
 threads to race: the listener, handshakes, rank channels (rich output, errors, rank
-0's results) and the ranks' stdout/stderr pipes. Because a rank flushes its pipes
+0's results), the ranks' stdout/stderr pipes and their exits (a pidfd per local process,
+so the run ends the moment its last rank does, not at the next poll). Because a rank flushes its pipes
 before it sends a display message, draining that rank's pipes before publishing the
 message keeps text and rich output in the order the rank produced them.
 
@@ -104,6 +105,8 @@ class _Loop:
                 os.set_blocking(fd, False)
                 self.pipes[fd] = (peer, name)
                 self.selector.register(fd, selectors.EVENT_READ, ("pipe", fd))
+            if process.exit_fd is not None:
+                self.selector.register(process.exit_fd, selectors.EVENT_READ, ("exit", process.exit_fd))
 
     def close(self) -> None:
         for connection in self.connections.values():
@@ -127,6 +130,8 @@ class _Loop:
                 self._read_pipe(item)
             elif tag == "conn":
                 self._read_connection(item)
+            elif tag == "exit":  # a process ended: poll_exits (after this step) reads its code
+                self.selector.unregister(item)
 
     def _on_hello(self, peer: PendingPeer) -> None:
         outcome = self.server.read_hello(peer)

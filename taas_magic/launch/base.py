@@ -26,6 +26,7 @@ class RankProcess(Protocol):
     host: str
     stdout_fd: int
     stderr_fd: int
+    exit_fd: int | None  # readable once the process has exited (a pidfd), or None: poll() is polled
 
     def poll(self) -> int | None:
         """The exit code once the rank has exited (negative: killed by that signal)."""

@@ -168,6 +168,7 @@ class RayRank:
     stderr_fd: int
     control: HostControl
     local_index: int
+    exit_fd: int | None = None  # exit codes arrive on the host's control channel, polled
 
     def poll(self) -> int | None:
         return self.control.poll(self.local_index)
