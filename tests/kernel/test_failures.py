@@ -140,6 +140,21 @@ def test_unused_names_are_never_pickled(kernel):
     assert ran.reply["status"] == "ok", ran.error_text()
 
 
+def test_a_rerun_cell_does_not_ship_the_names_it_rebinds(kernel):
+    # The edit-and-run loop: the last run left a model the cell builds again before any
+    # use; that old value (unpicklable here) is not shipped, and the new one comes back.
+    kernel.execute("import threading\nmodel = threading.Lock()")
+    ran = kernel.execute("#pragma taas --gpus 2\nmodel = [1, 2]\nfor step in range(2):\n    model.append(step)\n")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert kernel.execute("print(model)").stream("stdout") == "[1, 2, 0, 1]\n"
+
+
+def test_ranks_do_not_import_ipython_unless_the_cell_does(kernel):
+    # The kernel's UI stack costs a rank about 80 ms to import and is no business of its.
+    ran = kernel.execute("#pragma taas --gpus 2\nimport sys\nprint('ipython', 'IPython' in sys.modules)")
+    assert ran.stream("stdout").splitlines()[-1] == "ipython False", ran.stream()
+
+
 def test_kernel_listeners_are_loopback_and_refuse_strangers(kernel):
     msg_id, started = kernel.submit(
         "#pragma taas --gpus 2\nimport time\nprint('up', flush=True)\ntime.sleep(2)\n'finished'"
