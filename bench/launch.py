@@ -14,7 +14,8 @@ jupyter_client (the time a person waits: execute_request -> first rank-0 line on
 - the anchors of ``bench/anchors.py`` that are installed (accelerate's notebook_launcher,
   Lightning's ddp_notebook, ipyparallel's %%px on a running cluster), 50 steps each;
 - steps/s: steady-state DDP steps per second of the same loop (2 ranks, gloo, a small
-  MLP), under taas and under torchrun;
+  MLP), under taas and under torchrun: over the timed steps' total time, and from the
+  median step (which a moment of contention on a shared host does not move);
 - isolation cost: a 2-rank cell whose ranks print their clock first thing; rank 1 runs
   under the write rule's isolation, rank 0 never does, so rank 1's start minus rank 0's
   start is what the isolation adds (overlay and Python modes, one kernel);
@@ -29,9 +30,10 @@ Medians of --repeats runs; ratios are of medians measured in this run.
 ``--cluster`` times the cluster mode (``--gpus 4`` on a local multi-node Ray cluster)
 beside Ray Train's TorchTrainer instead: see bench/cluster.py.
 
-``--throughput-only`` measures steps/s alone, alternating a taas cell (one kernel) and a
-torchrun run --repeats times, and prints the median of the paired ratios: on a noisy
-2-core machine that is a fairer comparison than two medians taken minutes apart.
+``--throughput-only`` measures steps/s alone, in --repeats pairs of a taas cell (one kernel)
+and a torchrun run, in ABBA order, with the spares a taas cell refills ready before torchrun
+starts, and prints the median of the paired ratios: on a noisy 2-core machine that is a
+fairer comparison than two medians taken minutes apart.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,16 +59,29 @@ LOOP = (
     'print("first-line", flush=True)\n'
     'dist.init_process_group("gloo", init_method="env://")\n'
     + anchors.MODEL
-    + "WARM, STEPS = 20, {steps}\n"
+    + "WARM, STEPS, took = 20, {steps}, []\n"
     "for i in range(WARM + STEPS):\n"
-    "    if i == WARM:\n"
-    "        t0 = time.perf_counter()\n"
+    "    t0 = time.perf_counter()\n"
     + anchors.STEP
-    + "rate = STEPS / (time.perf_counter() - t0)\n"
+    + "    took.append(time.perf_counter() - t0)\n"
+    "took = sorted(took[WARM:])\n"
     "if dist.get_rank() == 0:\n"
-    '    print(f"steps_per_sec {{rate:.2f}}", flush=True)\n'
+    '    print(f"steps_per_sec {{STEPS / sum(took):.2f}} median_step_per_sec {{1 / took[STEPS // 2]:.2f}}", flush=True)\n'
     "dist.destroy_process_group()\n"
 )
+
+
+class Rates(NamedTuple):
+    """Steps/s of the loop's timed steps: over their total time, and from the median step
+    (which a moment of host contention on a shared machine does not move)."""
+
+    mean: float
+    median: float
+
+    @classmethod
+    def parse(cls, output: str) -> "Rates":
+        words = output.split("steps_per_sec ")[1].split()
+        return cls(float(words[0]), float(words[2]))
 
 
 def floor_seconds() -> float:
@@ -89,8 +105,7 @@ def taas_cell(kernel: Kernel, steps: int) -> tuple[float, float, float]:
     if ran.reply["status"] != "ok":
         raise RuntimeError(ran.error_text())
     first = next(m.at for m in ran.messages if m.type == "stream" and "first-line" in m.content["text"])
-    rate = float(ran.stream("stdout").split("steps_per_sec ")[1].split()[0])
-    return first, ran.reply_at, rate
+    return first, ran.reply_at, Rates.parse(ran.stream("stdout"))
 
 
 ANCHOR_STEPS = anchors.STEPS  # the workload the anchors (fork launchers, ipyparallel, Ray) run
@@ -160,30 +175,41 @@ def torchrun(script: Path) -> tuple[float, float, float]:
         out.append(line)
     proc.wait()
     whole = time.monotonic() - started
-    rate = float("".join(out).split("steps_per_sec ")[1].split()[0])
-    return first or whole, whole, rate
+    return first or whole, whole, Rates.parse("".join(out))
 
 
 def paired_throughput(repeats: int, steps: int) -> None:
-    ratios, taas_rates, torchrun_rates = [], [], []
+    rows: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "loop.py"
         script.write_text(LOOP.format(steps=steps))
         kernel = Kernel(cwd=tmp)
         try:
             taas_cell(kernel, 50)  # let the kernel settle; not counted
-            for _ in range(repeats):
-                taas_rate = taas_cell(kernel, steps)[2]
-                torchrun_rate = torchrun(script)[2]
-                taas_rates.append(taas_rate)
-                torchrun_rates.append(torchrun_rate)
-                ratios.append(taas_rate / torchrun_rate)
+
+            def taas_rates() -> Rates:
+                rates = taas_cell(kernel, steps)[2]
+                wait_for_spares(kernel, 2)  # the spares it refills import torch: not during torchrun
+                return rates
+
+            for pair in range(repeats):
+                # ABBA order, so neither side always runs first (drift, a machine warming up)
+                if pair % 2 == 0:
+                    taas, other = taas_rates(), torchrun(script)[2]
+                else:
+                    other, taas = torchrun(script)[2], taas_rates()
+                for kind in Rates._fields:
+                    ours, theirs = getattr(taas, kind), getattr(other, kind)
+                    rows.setdefault(f"taas steps/s ({kind})", []).append(ours)
+                    rows.setdefault(f"torchrun steps/s ({kind})", []).append(theirs)
+                    rows.setdefault(f"paired ratio ({kind})", []).append(ours / theirs)
         finally:
             kernel.shutdown()
-    print(f"\nbench/launch.py --throughput-only: {repeats} alternating pairs, {steps} steps, --gpus 2 gloo on CPU")
-    print(f"{'measure':<24} {'median':>9} {'min':>9} {'max':>9}")
-    for name, values in (("taas steps/s", taas_rates), ("torchrun steps/s", torchrun_rates), ("paired ratio", ratios)):
-        print(f"{name:<24} {statistics.median(values):>9.3f} {min(values):>9.3f} {max(values):>9.3f}")
+    print(f"\nbench/launch.py --throughput-only: {repeats} pairs (ABBA order), {steps} steps, --gpus 2 gloo on CPU")
+    print(f"{'measure':<30} {'median':>9} {'min':>9} {'max':>9}")
+    for name in sorted(rows, key=lambda name: (name.split("(")[1], name)):
+        values = rows[name]
+        print(f"{name:<30} {statistics.median(values):>9.3f} {min(values):>9.3f} {max(values):>9.3f}")
 
 
 CAPTURE_CELL = """#pragma taas --gpus 2
@@ -232,6 +258,10 @@ def main() -> None:
     def add(name: str, value: float) -> None:
         results.setdefault(name, []).append(value)
 
+    def add_rates(who: str, rates: Rates) -> None:
+        add(f"{who} steps/s", rates.mean)
+        add(f"{who} steps/s (median step)", rates.median)
+
     anchor_runs = anchors.available()
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "loop.py"
@@ -240,15 +270,15 @@ def main() -> None:
             add("floor", floor_seconds())
             kernel = Kernel(cwd=tmp)
             try:
-                first, whole, rate = taas_cell(kernel, args.steps)
+                first, whole, rates = taas_cell(kernel, args.steps)
                 add("taas first cell: first line", first)
                 add("taas first cell: whole cell", whole)
-                add("taas steps/s", rate)
+                add_rates("taas", rates)
                 wait_for_spares(kernel, 2)  # what a person's next cell finds, seconds later
-                first, whole, rate = taas_cell(kernel, args.steps)
+                first, whole, rates = taas_cell(kernel, args.steps)
                 add("taas warm cell: first line", first)
                 add("taas warm cell: whole cell", whole)
-                add("taas steps/s", rate)
+                add_rates("taas", rates)
                 for _ in range(3):  # the closest race: three samples per kernel
                     wait_for_spares(kernel, 2)
                     first, whole, _ = taas_cell(kernel, ANCHOR_STEPS)
@@ -262,10 +292,10 @@ def main() -> None:
                     add(name, value)
             finally:
                 kernel.shutdown()
-            first, whole, rate = torchrun(script)
+            first, whole, rates = torchrun(script)
             add("torchrun: first line", first)
             add("torchrun: whole", whole)
-            add("torchrun steps/s", rate)
+            add_rates("torchrun", rates)
             for name, run in anchor_runs.items():
                 first, whole = run(tmp)
                 add(f"{name}: first line", first)
@@ -282,7 +312,7 @@ def main() -> None:
         elif name == "flushed line -> iopub":
             versus = f"p90 {statistics.quantiles(values, n=10)[-1]:.3f} s, max {max(values):.3f} s (target < 0.2 s)"
         elif "steps/s" in name:
-            versus = f"{med[name] / med['torchrun steps/s']:.3f}x torchrun"
+            versus = f"{med[name] / med[name.replace('taas', 'torchrun')]:.3f}x torchrun"
         elif name.startswith("capture"):
             versus = f"{med[name] / floor:.2f}x floor (file: written once, mapped by each rank)"
         elif any(name.startswith(anchor) for anchor in anchor_runs):
