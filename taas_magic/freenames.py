@@ -12,7 +12,8 @@ The analysis is conservative; it only ever errs towards shipping a name:
   name bound by an earlier top-level statement (assignment, import, ``def``, ``class``)
   is bound for everything after it. ``if`` binds what both branches bind; the body of a
   ``for``, ``while``, ``with`` or ``try`` binds nothing for what follows (it may not run,
-  or stop half-way), though its own later statements see its earlier bindings;
+  or stop half-way), though its own later statements see its earlier bindings; a
+  ``with``'s ``as`` targets and a ``finally`` block's bindings do count after it;
 - a read inside a function, lambda or class body counts where the ``def`` stands: the
   body cannot run before the ``def`` did. A name read in a nested scope counts even
   when it is that scope's own local (shipping it is harmless);
