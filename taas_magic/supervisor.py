@@ -4,10 +4,11 @@ It runs in the kernel's main thread, inside the magic, and installs no signal ha
 the kernel's interrupt arrives here as ``KeyboardInterrupt``, and the ``finally`` of
 :func:`run_ranks` stops every rank. One selector watches everything, so there are no
 threads to race: the listener, handshakes, rank channels (rich output, errors, rank
-0's results), the ranks' stdout/stderr pipes and their exits (a pidfd per local process,
-so the run ends the moment its last rank does, not at the next poll). Because a rank flushes its pipes
-before it sends a display message, draining that rank's pipes before publishing the
-message keeps text and rich output in the order the rank produced them.
+0's results), the ranks' stdout/stderr pipes and their exits (a pidfd per local
+process, so the run ends the moment its last rank does, not at the next poll).
+Because a rank flushes its pipes before it sends a display message, draining that
+rank's pipes before publishing the message keeps text and rich output in the order
+the rank produced them.
 
 The first failure (an error frame, or a non-zero exit) stops every rank; the cell's
 error names that rank. ``--timeout`` stops every rank and names those still running.
