@@ -146,8 +146,15 @@ def sweep_orphans(directory: str | None = None, prefix: str = "taas-scratch-") -
         if not pid.isdigit() or _alive(int(pid)):
             continue
         path = os.path.join(directory, name)
-        if os.path.isdir(path) and os.stat(path).st_uid == os.getuid():
-            remove_tree(path)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            if os.path.isdir(path):
+                remove_tree(path)
+            else:  # a memory file (tensor data, a closure)
+                os.unlink(path)
+        except FileNotFoundError:
+            pass  # another kernel swept it first
 
 
 def _alive(pid: int) -> bool:

@@ -32,6 +32,8 @@ from .launch.spares import SparePool
 from .pragma import PragmaError, parse_cell, parse_size
 from .rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port, visible_gpu_count
 from .relay import OutputRelay
+from .transfer import memfile
+from .transfer.pack import Packing
 from .results import apply_results
 from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
@@ -40,6 +42,7 @@ from .supervisor import DataPlane, run_ranks
 
 # A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster).
 CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
+INLINE_ALWAYS = 1 << 62
 
 
 @magics_class
@@ -91,16 +94,17 @@ class TaasMagics(Magics):
         import taas
 
         registered = taas.registered()
-        closure_blob, used = serialise_closure(closure, registered)
+        packing = serialise_closure(closure, registered)
+        used = sorted(packing.externals_used)
         data = self._data_run({index: registered[index] for index in used}, options) if used else None
         cluster = self._cluster_launch(options) if self.cluster is not None else None
         try:
-            return self._launch(options, code, closure, closure_blob, data, cluster, output, timeout)
+            return self._launch(options, code, closure, packing, registered, data, cluster, output, timeout)
         finally:
             if cluster is not None:
                 cluster.release()  # whatever happened: agents killed, GPUs given back
 
-    def _launch(self, options, code, closure, closure_blob: bytes, data: DataRun | None,
+    def _launch(self, options, code, closure, packing: Packing, registered: list, data: DataRun | None,
                 cluster: ClusterLaunch | None, output: str, timeout: float | None):
         """Build every rank's environment, start ranks (and data workers), supervise, render."""
         world_size = options.gpus
@@ -114,6 +118,8 @@ class TaasMagics(Magics):
 
         run_id = secrets.token_hex(6)
         key = wire.new_key()
+        # A memory file only reaches processes on this host: the cluster mode sends every byte in the frames.
+        file_bytes = self.closure_file_bytes if cluster is None else INLINE_ALWAYS
         spec = {
             "run_id": run_id,
             "sys_path": list(sys.path),
@@ -125,9 +131,12 @@ class TaasMagics(Magics):
             "kernel_has_cuda": devices.device == "cuda",
             "suppress_final": code.suppress_final,
             "feeds": data.rank_feeds() if data is not None else [],
+            "kernel_pid": os.getpid(),
+            "result_file_bytes": file_bytes,
         }
         rule = self._write_rule()
-        header = header_line(options, devices, run_id, len(closure_blob), len(closure_blob) >= self.closure_file_bytes)
+        tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
+        header = header_line(options, devices, run_id, len(packing.skeleton) + tensor_bytes, tensor_bytes >= file_bytes)
         header += "\ntaas: " + rule.header()
         if cluster is not None:
             header += "\ntaas: cluster: " + cluster.layout()
@@ -145,9 +154,10 @@ class TaasMagics(Magics):
         server = RankServer(key, world_size + workers, LOOPBACK if cluster is None else cluster.kernel_address)
         layers = ScratchLayers(world_size, workers)
         handoff: ClosureHandoff | None = None
+        finished = False
         started = time.monotonic()
         try:
-            handoff = ClosureHandoff(closure_blob, run_id, self.closure_file_bytes)
+            handoff = ClosureHandoff(packing, run_id, file_bytes)
             bodies = [wire.encode_body("spec", wire.dumps(spec)), handoff.body]
             envs = [
                 rank_environment(
@@ -197,6 +207,7 @@ class TaasMagics(Magics):
             outcome = run_ranks(start_ranks, server, greeting, relay, self._publish, timeout,
                                 start_data if data is not None else None)
             record.outcome = "ok"
+            finished = True
         except BaseException as exc:
             record.outcome = f"{type(exc).__name__}: {exc}".splitlines()[0]
             raise
@@ -214,7 +225,12 @@ class TaasMagics(Magics):
                 self.spares.fill(int(self.warm) if self.warm.isdigit() else world_size)
             if data is not None:
                 data.close()
-        return apply_results(self._shell.user_ns, outcome.result)
+            if not finished:  # rank 0 may have written its results before the run failed
+                memfile.remove_run(os.getpid(), run_id)
+        try:
+            return apply_results(self._shell.user_ns, outcome.result, packing, registered)
+        finally:
+            memfile.remove_run(os.getpid(), run_id)
 
     def _cluster_launch(self, options) -> ClusterLaunch:
         """Plan the hosts and hold their GPUs; raises (nothing started) if the cluster cannot."""

@@ -1,30 +1,70 @@
-"""Rank 0's names -> the notebook namespace; its final expression -> the cell's ``Out``."""
+"""Rank 0's names -> the notebook namespace; its final expression -> the cell's ``Out``.
+
+The ``result`` frame (authenticated) holds the pickle's segments, where each tensor's
+bytes are, and the digests of the memory file rank 0 wrote (rank/returns.py). The
+kernel maps that file shared, checks it, removes its name at once (the mapping keeps
+the pages, which are then the only copy) and builds every tensor on it. A tensor
+rank 0 left untouched is built on the kernel's own storage instead.
+
+Each name is loaded on its own (transfer/unpack.py): one that cannot be pickled in
+rank 0 or loaded here costs only itself, and one line lists each with its type and
+why. A wrapper that came back as its module is said in a line of its own.
+"""
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Sequence
 
-import cloudpickle
+from .transfer import memfile, unpack
+from .transfer.pack import Packing
+from .wire import AuthenticationError
 
 
-def apply_results(user_ns: dict[str, Any], message: dict | None) -> Any:
+def _short(type_name: str) -> str:
+    return type_name.rsplit(".", 1)[-1]
+
+
+def _label(name: str) -> str:
+    return "the final value" if name == unpack.FINAL else name
+
+
+def report(failed: Sequence[tuple[str, str, str]], notes: Sequence[tuple[str, str, str]]) -> None:
+    """One line for what did not come back, one for what came back as something else."""
+    if failed:
+        listed = ", ".join(f"{_label(name)} ({type_name}: {reason})" for name, type_name, reason in failed)
+        noun = "name" if len(failed) == 1 else "names"
+        print(f"taas: {len(failed)} {noun} could not come back from rank 0 (the notebook keeps what it had): {listed}",
+              file=sys.stderr)
+    if notes:
+        print("taas: " + "; ".join(f"{_label(name)}: {_short(type_name)}, {note}" for name, type_name, note in notes),
+              file=sys.stderr)
+
+
+def apply_results(user_ns: dict[str, Any], message: dict | None, shipped: Packing | None = None,
+                  externals: Sequence[Any] = ()) -> Any:
     """Bind what rank 0 sent back; return its final value (or None).
 
-    Names that could not come back are listed in one line on stderr; the rest arrive.
+    ``shipped`` is the closure the kernel sent (rank 0 refers to its untouched tensors);
+    ``externals`` the registered loaders, by index.
     """
     if message is None:
         return None
-    failed = list(message["failed"])
+    data = message["data"]
     try:
-        payload = cloudpickle.loads(message["blob"])
-    except Exception as exc:  # noqa: BLE001 - e.g. a class importable only in the ranks
-        print(f"taas: rank 0's results could not be loaded in the kernel: {type(exc).__name__}: {exc}", file=sys.stderr)
+        buffer = memfile.open_data(data, private=False)
+    except (AuthenticationError, OSError) as exc:
+        print(f"taas: rank 0's results were not loaded: {exc}", file=sys.stderr)
         return None
-    user_ns.update(payload["names"])
+    finally:
+        memfile.remove(data.path)  # mapped (or refused): the name is no longer needed
+    blobs = unpack.Blobs(message["places"], buffer, shipped.blobs if shipped is not None else ())
+    values, failed = unpack.load(message["skeleton"], message["segments"], unpack.resolver(blobs, externals.__getitem__))
+    bound = [segment for segment in message["segments"] if segment.bind and segment.name in values]
+    for segment in bound:
+        if segment.name != unpack.FINAL:
+            user_ns[segment.name] = values[segment.name]
     for name in message["deleted"]:
         user_ns.pop(name, None)
-    if failed:
-        listed = ", ".join(f"{name} ({reason})" for name, reason in failed)
-        print(f"taas: {len(failed)} name(s) could not come back from rank 0 and keep their old value: {listed}", file=sys.stderr)
-    return payload["final"] if payload["has_final"] else None
+    report(list(message["failed"]) + failed, [(s.name, s.type_name, s.note) for s in bound if s.note])
+    return values.get(unpack.FINAL)

@@ -15,9 +15,8 @@ from its pickle on first use.
 from __future__ import annotations
 
 import collections
-import pickle
 import threading
-from typing import IO, Any
+from typing import Any
 
 from .. import wire
 from .plan import MAP, FeedPlan
@@ -113,22 +112,7 @@ class PreparedLoader:
         return f"<taas prepared loader {self._plan.describe()}>"
 
 
-class _ClosureUnpickler(pickle.Unpickler):
-    """Resolves ``("taas-feed", i)`` to the prepared loader; any other reference is refused."""
-
-    def __init__(self, source: IO[bytes], loaders: dict[int, PreparedLoader]):
-        super().__init__(source)
-        self._loaders = loaders
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, feed = pid
-        if kind != "taas-feed" or feed not in self._loaders:
-            raise pickle.UnpicklingError(f"unknown reference in the closure: {pid!r}")
-        return self._loaders[feed]
-
-
-def load_closure(source: IO[bytes], feeds: list[dict], channel: wire.BlockingChannel) -> dict:
-    """The cell's closure, with each registered loader it uses as a :class:`PreparedLoader`."""
+def prepared_loaders(feeds: list[dict], channel: wire.BlockingChannel) -> dict[int, PreparedLoader]:
+    """Feed index -> the :class:`PreparedLoader` the closure's ``("taas-feed", i)`` resolves to."""
     client = FeedClient(channel) if feeds else None
-    loaders = {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}  # type: ignore[arg-type]
-    return _ClosureUnpickler(source, loaders).load()
+    return {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}  # type: ignore[arg-type]

@@ -6,9 +6,10 @@ stdin. The rank then:
 
 1. ranks other than 0 mount their copy-on-write view of the repository (isolation.py);
    then it guards its life (lifeline.py) and connects to the kernel, proving it holds the key;
-2. receives the run spec and the closure (both verified before unpickling);
+2. receives the run spec and the closure (both verified before unpickling; the closure's
+   tensor bytes are mapped from one shared memory file, not copied: transfer/);
 3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
-4. rank 0 sends back what the cell bound; a failing rank sends its traceback;
+4. rank 0 sends back what the cell bound (rank/returns.py); a failing rank sends its traceback;
 5. exits with ``os._exit`` (0, or 1 when the cell raised), so no atexit hook or
    non-daemon thread of the cell can hang the run.
 """
@@ -93,7 +94,7 @@ def main() -> None:
 
     channel = wire.BlockingChannel.connect(host, int(port), bytes.fromhex(key_hex), rank)
     spec = wire.loads_verified(channel.expect("spec"))
-    closure_source = receive_closure(channel)
+    received = receive_closure(channel)
 
     sys.path[:] = spec["sys_path"]
     sys.argv = ["taas-rank"]
@@ -128,9 +129,10 @@ def main() -> None:
     filename = spec["filename"]
     execute.register_source(filename, spec["display_source"])
     try:
-        from taas_magic.feed.proxy import load_closure
+        from taas_magic.feed.proxy import prepared_loaders
 
-        closure = load_closure(closure_source, spec["feeds"], channel)
+        loaders = prepared_loaders(spec["feeds"], channel)
+        closure = received.load(loaders.__getitem__)
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
                     execute.format_cell_traceback(exc, filename))
@@ -138,7 +140,7 @@ def main() -> None:
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
 
-    before = returns.snapshot(module.__dict__, set(closure)) if rank == 0 else {}
+    before = returns.snapshot(module.__dict__) if rank == 0 else {}
     final = execute.NO_VALUE
     try:
         final = execute.run_cell(spec["source"], filename, module)
@@ -155,10 +157,10 @@ def main() -> None:
         private = shell.hidden_names() | {"get_ipython", "__builtins__"}
         names, deleted = returns.changed_names(module.__dict__, before, private)
         has_final = final is not execute.NO_VALUE and not spec["suppress_final"]
-        blob, failed = returns.pack_returns(
-            module.__dict__, names, final if has_final else None, has_final, not spec["kernel_has_cuda"]
-        )
+        externals = [loaders.get(index) for index in range(max(loaders, default=-1) + 1)]
+        message = returns.pack_returns(module.__dict__, closure, received, names, deleted, final, has_final,
+                                       externals, spec["kernel_pid"], spec["run_id"], spec["result_file_bytes"])
         _flush()
-        channel.send("result", wire.dumps({"blob": blob, "failed": failed, "deleted": deleted}))
+        channel.send("result", wire.dumps(message))
     channel.close()
     _exit(0)

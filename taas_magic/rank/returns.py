@@ -1,101 +1,179 @@
 """What rank 0 sends back: the names its cell bound or changed, and its final value.
 
-Before the cell runs, rank 0 notes the identity of every name in its namespace and a
-digest of each shipped data value. Afterwards a name comes back when it is new,
-rebound, or (for shipped data) changed in place, so ``model.train()`` on a notebook
-model comes back too; a shipped name the cell deleted is deleted in the notebook.
+Before the cell, rank 0 notes the identity of every name in its namespace. After it, it
+pickles once (transfer/pack.py), in this order: every shipped value as the kernel
+shipped it (the object it received, whatever name holds it now), then the names that
+are new or rebound, then the final value. Because the shipped values come first and in
+the kernel's order, a shipped value the cell did not touch pickles to the very bytes
+the kernel sent: its segment's digest equals the one the kernel vouched for, and each
+tensor it holds is still the shipped storage with the same bytes (compared against the
+kernel's file, never pickled again). Such a value is not sent back, and the notebook
+keeps its own object. Everything else comes back, so ``model.train()`` or
+``history.append(...)`` on a notebook value returns too; a shipped name the cell
+deleted is deleted in the notebook.
 
-Everything is pickled together (so ``optimizer`` keeps pointing at ``model``'s
-parameters); a name that cannot be pickled is left out and listed, and the rest come
-back. CUDA tensors are moved to CPU when the kernel has no CUDA.
+What the notebook receives keeps its references: a value that reaches an object of an
+untouched shipped value (``opt = SGD(model.parameters())``) brings that value back too,
+so ``opt`` still holds ``model``'s parameters. A tensor whose bytes the cell did not
+change is not copied back at all: the kernel builds it on its own storage.
+
+A name that cannot be pickled is listed and the rest come back; a DDP or compiled
+wrapper comes back as its module (transfer/unwrap.py). The bytes travel in one memory
+file the kernel maps (transfer/memfile.py), named for the kernel's pid and the run.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import hashlib
 import sys
-import types
-from typing import Any
+import warnings
+from typing import Any, Sequence
 
-import cloudpickle
+from taas_magic.handoff import ReceivedClosure
+from taas_magic.transfer import memfile
+from taas_magic.transfer.pack import Packing, Segment, pack
+from taas_magic.transfer.unpack import FINAL
 
-_CODE_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
-
-
-class _ReturnPickler(cloudpickle.Pickler):
-    def __init__(self, file, cuda_to_cpu: bool):
-        super().__init__(file, protocol=5)
-        self._cuda_to_cpu = cuda_to_cpu
-
-    def reducer_override(self, obj):
-        torch = sys.modules.get("torch") if self._cuda_to_cpu else None
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
-            cpu = obj.detach().to("cpu")
-            if isinstance(obj, torch.nn.Parameter):
-                cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
-            elif obj.requires_grad:
-                cpu.requires_grad_(True)
-            return cpu.__reduce_ex__(5)
-        return super().reducer_override(obj)
+_ABSENT = object()
+SHIPPED = "<shipped {}>"  # a shipped object its name no longer holds: loaded if something reaches it, never bound
 
 
-def dumps(obj: Any, cuda_to_cpu: bool) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    _ReturnPickler(buffer, cuda_to_cpu).dump(obj)
-    return buffer.getvalue()
+def snapshot(namespace: dict[str, Any]) -> dict[str, int]:
+    return {name: id(value) for name, value in namespace.items()}
 
 
-def _digest(value: Any) -> bytes | None:
-    if isinstance(value, _CODE_TYPES):
-        return None
-    try:
-        return hashlib.blake2b(cloudpickle.dumps(value, protocol=5), digest_size=16).digest()
-    except Exception:  # noqa: BLE001 - unpicklable data is compared by identity only
-        return None
-
-
-def snapshot(namespace: dict[str, Any], shipped: set[str]) -> dict[str, tuple[int, bytes | None]]:
-    return {
-        name: (id(value), _digest(value) if name in shipped else None) for name, value in namespace.items()
-    }
-
-
-def changed_names(
-    namespace: dict[str, Any], before: dict[str, tuple[int, bytes | None]], private: set[str]
-) -> tuple[list[str], list[str]]:
-    """Names to send back, and shipped names the cell deleted."""
-    changed = []
-    for name, value in namespace.items():
-        if name in private or name.startswith("__"):
-            continue
-        seen = before.get(name)
-        if seen is None or seen[0] != id(value):
-            changed.append(name)
-        elif seen[1] is not None and _digest(value) != seen[1]:
-            changed.append(name)
+def changed_names(namespace: dict[str, Any], before: dict[str, int], private: set[str]) -> tuple[list[str], list[str]]:
+    """Names bound to a new object (or new names), and names the cell deleted."""
+    changed = [
+        name for name, value in namespace.items()
+        if name not in private and not name.startswith("__") and before.get(name) != id(value)
+    ]
     deleted = [name for name in before if name not in namespace and name not in private]
     return changed, deleted
 
 
-def pack_returns(
-    namespace: dict[str, Any], names: list[str], final: Any, has_final: bool, cuda_to_cpu: bool
-) -> tuple[bytes, list[tuple[str, str]]]:
-    """Pickle the names and final value together; leave out and list what cannot be pickled."""
-    values = {name: namespace[name] for name in names}
-    failed: list[tuple[str, str]] = []
-    try:
-        return dumps({"names": values, "final": final, "has_final": has_final}, cuda_to_cpu), failed
-    except Exception:  # noqa: BLE001
-        pass
-    items = dict(values, **({"<final value>": final} if has_final else {}))
-    for name, value in items.items():
-        try:
-            dumps(value, cuda_to_cpu)
-        except Exception as exc:  # noqa: BLE001
-            failed.append((name, f"{type(value).__name__}: {type(exc).__name__}"))
-    bad = {name for name, _ in failed}
-    values = {name: value for name, value in values.items() if name not in bad}
-    keep_final = has_final and "<final value>" not in bad
-    return dumps({"names": values, "final": final if keep_final else None, "has_final": keep_final}, cuda_to_cpu), failed
+def _equal_bytes(kind: str, address: int, original: Any, offset: int, nbytes: int) -> bool:
+    if nbytes == 0:
+        return True
+    current = (ctypes.c_char * nbytes).from_address(address)
+    before = memoryview(original)[offset:offset + nbytes]
+    if "torch" in sys.modules:
+        import torch
+
+        with warnings.catch_warnings():  # the kernel's file is mapped read-only: nothing writes through it
+            warnings.simplefilter("ignore")
+            return torch.equal(torch.frombuffer(current, dtype=torch.uint8), torch.frombuffer(before, dtype=torch.uint8))
+    import numpy
+
+    return bool(numpy.array_equal(numpy.frombuffer(current, numpy.uint8), numpy.frombuffer(before, numpy.uint8)))
+
+
+class _Shipped:
+    """Which of rank 0's blobs are a shipped blob whose bytes the cell left alone."""
+
+    def __init__(self, received: ReceivedClosure, packing: Packing):
+        data = received.data
+        base = received.base_address()
+        kinds = received.message["kinds"]
+        self._at = {(kinds[j], base + offset): j for j, offset in enumerate(data.offsets)}
+        self._data = data
+        self._received = received
+        self._original: Any = None
+        self._blobs = packing.blobs
+        self._untouched: dict[int, int | None] = {}
+
+    def origin(self, index: int) -> int | None:
+        """The shipped blob that rank 0's blob ``index`` lies on (same place, same size), if any."""
+        blob = self._blobs[index]
+        if blob.address is None:
+            return None
+        j = self._at.get((blob.kind, blob.address))
+        return j if j is not None and self._data.sizes[j] == blob.nbytes else None
+
+    def untouched(self, index: int) -> int | None:
+        """The shipped blob that rank 0's blob ``index`` is, with its bytes unchanged, if any."""
+        if index not in self._untouched:
+            j = self.origin(index)
+            if j is not None:
+                if self._original is None:
+                    self._original = self._received.original_bytes()
+                blob = self._blobs[index]
+                if self._original is None or not _equal_bytes(blob.kind, blob.address, self._original,  # type: ignore[arg-type]
+                                                              self._data.offsets[j], blob.nbytes):
+                    j = None
+            self._untouched[index] = j
+        return self._untouched[index]
+
+
+def _decide(packing: Packing, received: ReceivedClosure, shipped: _Shipped) -> list[bool] | None:
+    """Per segment, whether the kernel binds it; None for a segment it need not even load."""
+    digests = received.message["digests"]
+    bind, start = [], 0
+    for segment in packing.segments:
+        digest = digests.get(segment.name)
+        if digest is None:  # new, rebound, the final value, or a shipped object no name holds now
+            bind.append(not segment.name.startswith("<shipped "))
+        else:
+            same_pickle = hashlib.sha256(packing.skeleton[start:segment.end]).digest() == digest
+            bind.append(not (same_pickle and all(shipped.untouched(i) == i for i in segment.blobs)))
+        start = segment.end
+    needed: list[bool | None] = [True if each else None for each in bind]
+    for k in range(len(packing.segments) - 1, -1, -1):
+        if needed[k] is None:
+            continue
+        for d in packing.segments[k].deps:  # what a loaded segment reaches must come back with it
+            if needed[d] is None:
+                needed[d] = bind[d] = packing.segments[d].name in digests
+    return [bind[k] if needed[k] is not None else None for k in range(len(bind))]
+
+
+def _places(packing: Packing, included: Sequence[Segment], bound: Sequence[bool], shipped: _Shipped) -> tuple[list, list[int]]:
+    """Each blob's place for the kernel (its own ``("kept", j)``, or to be written), and those to write."""
+    used = set().union(*(segment.blobs for segment in included)) if included else set()
+    used_by_bound = set().union(*(s.blobs for s, b in zip(included, bound) if b)) if included else set()
+    places: list[Any] = []
+    to_write = []
+    for index in range(len(packing.blobs)):
+        if index not in used:
+            places.append(("none",))
+            continue
+        j = shipped.untouched(index)
+        if j is None and index not in used_by_bound:
+            j = shipped.origin(index)  # only unbound objects use it: its size is all that matters
+        if j is not None:
+            places.append(("kept", j))
+        else:
+            places.append(None)
+            to_write.append(index)
+    return places, to_write
+
+
+def pack_returns(namespace: dict[str, Any], closure: dict[str, Any], received: ReceivedClosure,
+                 changed: list[str], deleted: list[str], final: Any, has_final: bool,
+                 loaders: Sequence[Any], kernel_pid: int, run_id: str, inline_below: int) -> dict:
+    """The ``result`` message: what the kernel must load and bind, and the file holding the bytes."""
+    items = [(name if namespace.get(name, _ABSENT) is closure[name] else SHIPPED.format(name), closure[name])
+             for name in received.names]
+    items += [(name, namespace[name]) for name in changed]
+    if has_final:
+        items.append((FINAL, final))
+    packing = pack(items, loaders, unwrap=True, track=True)
+    shipped = _Shipped(received, packing)
+    decisions = _decide(packing, received, shipped)
+    last = max((k for k, bind in enumerate(decisions) if bind is not None), default=-1)
+    included = packing.segments[: last + 1]
+    bound = [bool(decisions[k]) for k in range(last + 1)]
+    places, to_write = _places(packing, included, bound, shipped)
+    data = memfile.write([packing.blobs[i] for i in to_write], memfile.RESULT_PREFIX, kernel_pid, run_id, inline_below)
+    for position, index in enumerate(to_write):
+        places[index] = ("at", data.offsets[position], data.sizes[position])
+    return {
+        "skeleton": packing.skeleton[: included[-1].end] if included else b"",
+        "segments": [dataclasses.replace(segment, bind=b) for segment, b in zip(included, bound)],
+        "places": places,
+        "data": data,
+        "failed": packing.failed,
+        "deleted": deleted,
+    }

@@ -1,4 +1,5 @@
 import ast
+import os
 import threading
 
 import pytest
@@ -37,14 +38,21 @@ def test_names_in_nested_scopes_and_ipython_strings_count():
     assert {"helper", "a", "b", "c", "d"} <= names
 
 
-def test_serialised_once_and_round_trips():
-    import cloudpickle
+def _round_trip(packing):
+    from taas_magic.transfer import memfile, unpack
 
+    data = memfile.write(packing.blobs, "taas-test-", os.getpid(), "unit")
+    places = [("at", offset, size) for offset, size in zip(data.offsets, data.sizes)]
+    values, failed = unpack.load(packing.skeleton, packing.segments, unpack.resolver(unpack.Blobs(places, data.inline)))
+    assert not failed
+    return values
+
+
+def test_serialised_once_and_round_trips():
     def notebook_fn(v):
         return v * 2
 
-    blob, _ = serialise_closure({"fn": notebook_fn, "data": [1, 2]})
-    back = cloudpickle.loads(blob)
+    back = _round_trip(serialise_closure({"fn": notebook_fn, "data": [1, 2]}))
     assert back["fn"](3) == 6 and back["data"] == [1, 2]
 
 
@@ -69,8 +77,6 @@ def test_function_capturing_something_unpicklable_is_named():
 def test_modules_travel_by_name_and_are_reimported():
     import json
 
-    import cloudpickle
-
-    blob, _ = serialise_closure({"j": json})
-    assert len(blob) < 100  # a reference, not the module's contents
-    assert cloudpickle.loads(blob)["j"] is json
+    packing = serialise_closure({"j": json})
+    assert len(packing.skeleton) < 100  # a reference, not the module's contents
+    assert _round_trip(packing)["j"] is json

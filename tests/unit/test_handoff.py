@@ -1,11 +1,12 @@
-"""A large closure travels as one shared file whose digest the authenticated frame carries."""
+"""The closure's pickle travels in the frame; its tensor bytes in one owner-only file the ranks map."""
 
 import os
-import pickle
 
 import pytest
+import torch
 
 from taas_magic import wire
+from taas_magic.closure import serialise_closure
 from taas_magic.handoff import ClosureHandoff, receive_closure
 
 
@@ -19,20 +20,31 @@ class _Frames:
         return self._frame
 
 
+def _no_feeds(index):
+    raise KeyError(index)
+
+
 def test_small_closures_travel_in_the_frame():
-    handoff = ClosureHandoff(pickle.dumps({"x": 1}), "run", threshold=1 << 20)
+    handoff = ClosureHandoff(serialise_closure({"x": 1, "t": torch.arange(4)}), "run", threshold=1 << 20)
     assert handoff.path is None
-    assert pickle.load(receive_closure(_Frames(handoff.body))) == {"x": 1}
+    values = receive_closure(_Frames(handoff.body)).load(_no_feeds)
+    assert values["x"] == 1 and values["t"].tolist() == [0, 1, 2, 3]
 
 
-def test_large_closures_are_one_owner_only_file_checked_against_the_digest():
-    blob = pickle.dumps({"data": bytes(range(256)) * 4096})
-    handoff = ClosureHandoff(blob, "run", threshold=1024)
+def test_large_closures_map_one_owner_only_file_checked_against_the_digest():
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    handoff = ClosureHandoff(serialise_closure({"big": big, "view": big[10:20]}), "run", threshold=1024)
     try:
         assert handoff.path and oct(os.stat(handoff.path).st_mode & 0o777) == "0o600"
-        assert pickle.load(receive_closure(_Frames(handoff.body)))["data"][:3] == b"\x00\x01\x02"
+        assert len(handoff.body) < 4096  # the frame holds the pickle's structure, not the bytes
+        received = receive_closure(_Frames(handoff.body))
+        values = received.load(_no_feeds)
+        assert torch.equal(values["big"], big) and values["view"].tolist() == list(range(10, 20))
+        assert values["view"].untyped_storage().data_ptr() == values["big"].untyped_storage().data_ptr()
+        values["big"].add_(1)  # copy-on-write: the file, and so every other rank, keeps the kernel's bytes
+        assert float(receive_closure(_Frames(handoff.body)).load(_no_feeds)["big"][0]) == 0.0
         with open(handoff.path, "r+b") as handle:  # someone changes the file after the kernel wrote it
-            handle.seek(len(blob) // 2)
+            handle.seek(os.path.getsize(handoff.path) // 2)
             handle.write(b"\xff")
         with pytest.raises(wire.AuthenticationError, match="does not match the digest"):
             receive_closure(_Frames(handoff.body))

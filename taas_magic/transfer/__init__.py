@@ -1,0 +1,20 @@
+"""Values across a process boundary: the structure pickled, the tensor bytes beside it.
+
+Both directions (the cell's closure, kernel -> ranks; rank 0's names, rank 0 -> kernel)
+use the same three pieces:
+
+- ``pack.py`` pickles named values in order, each its own *segment* of one pickle
+  stream with one memo, so two names for one object stay one object. Every torch
+  storage and plain numpy array is replaced by a persistent id: its bytes are a *blob*
+  that is never pickled. A value that cannot be pickled costs only its own name.
+- ``memfile.py`` lays the blobs out in one owner-only memory file (``/dev/shm``) that
+  the receiver maps, or inline in the frame when they are small. The authenticated
+  frame carries a SHA-256 per 8 MB chunk of the file; the receiver checks them before
+  it builds anything on those bytes.
+- ``unpack.py`` loads the segments in order, builds tensors and arrays straight on the
+  mapping (no copy), and loses only the segments that fail (and those that share an
+  object with one that failed).
+
+``unwrap.py`` says which wrappers (DistributedDataParallel, ``torch.compile``'s
+OptimizedModule, FSDP) travel as the module they wrap.
+"""

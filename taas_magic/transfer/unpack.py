@@ -1,0 +1,166 @@
+"""Load a packing's segments: tensors and arrays built on the blob bytes, failures kept to their names.
+
+Contract:
+
+- :class:`Blobs` turns a blob's persistent id into a storage or array *on* the bytes it
+  is given (a mapped file, or the frame's buffer): no copy. A blob placed ``("kept", j)``
+  is the receiver's own ``j``-th blob of what it sent (rank 0 sends back only where a
+  shipped tensor's bytes are unchanged, so the notebook keeps its own storage). A CUDA
+  storage lands on the same device when this process has it, else on the CPU.
+- :func:`load` loads the segments in order with one unpickler (one memo, so shared
+  objects stay shared). If any segment raises, it loads them all again with a
+  recovering unpickler: a failing segment is listed, its memo slots are filled with
+  placeholders, and a later segment that reaches a placeholder fails too, naming the
+  segment it shares an object with. Every other value arrives.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import sys
+from typing import Any, Callable, Sequence
+
+from .pack import Blob, Segment
+
+FINAL = "<final value>"  # the segment holding the cell's final expression
+Resolve = Callable[[Any], Any]
+_MEMO_PUTS = {"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
+
+
+def _device_here(device: str) -> str:
+    if not device.startswith("cuda"):
+        return "cpu"
+    torch = sys.modules["torch"]
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return device if torch.cuda.is_available() and index < torch.cuda.device_count() else "cpu"
+
+
+class Blobs:
+    """Blob index -> storage or array, built on ``buffer`` (``places[i]``: ``("at", offset, nbytes)``
+    or ``("kept", j)``, the receiver's own ``kept[j]``)."""
+
+    def __init__(self, places: Sequence[tuple], buffer: Any, kept: Sequence[Blob] = ()):
+        self._places = places
+        self._buffer = buffer
+        self._kept = kept
+        self._storages: dict[int, Any] = {}
+        self._arrays: dict[int, Any] = {}
+
+    def storage(self, index: int, dtype: Any, device: str) -> Any:
+        import torch
+
+        untyped = self._storages.get(index)
+        if untyped is None:
+            place = self._places[index]
+            if place[0] == "kept":
+                untyped = self._kept[place[1]].source
+            else:
+                _, offset, nbytes = place
+                flat = (torch.frombuffer(self._buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+                        if nbytes else torch.empty(0, dtype=torch.uint8))
+                target = _device_here(device)
+                untyped = (flat.to(target) if target != "cpu" else flat).untyped_storage()
+            self._storages[index] = untyped
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    def array(self, index: int, dtype: str, shape: tuple) -> Any:
+        import numpy
+
+        array = self._arrays.get(index)
+        if array is None:
+            place = self._places[index]
+            if place[0] == "kept":
+                array = self._kept[place[1]].source
+            else:
+                _, offset, nbytes = place
+                array = (numpy.frombuffer(self._buffer, dtype=numpy.uint8, count=nbytes, offset=offset)
+                         .view(numpy.dtype(dtype)).reshape(shape) if nbytes else numpy.empty(shape, dtype))
+            self._arrays[index] = array
+        return array
+
+
+def resolver(blobs: Blobs, externals: Callable[[int], Any] | None = None) -> Resolve:
+    def resolve(pid: Any) -> Any:
+        kind = pid[0]
+        if kind == "s":
+            return blobs.storage(*pid[1:])
+        if kind == "n":
+            return blobs.array(*pid[1:])
+        if kind == "taas-feed" and externals is not None:
+            return externals(pid[1])
+        raise pickle.UnpicklingError(f"unknown reference in the pickle: {pid!r}")
+
+    return resolve
+
+
+class _Missing:
+    """Stands in the memo for the objects of a segment that failed to load."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _SharesFailed(Exception):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def _checked(load_get: Callable[[Any], None]) -> Callable[[Any], None]:
+    def load(self: Any) -> None:
+        load_get(self)
+        if isinstance(self.stack[-1], _Missing):
+            raise _SharesFailed(self.stack[-1].name)
+
+    return load
+
+
+class _RecoveringUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the pure-Python one: its memo is a dict we may fill
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    for _opcode, _method in ((pickle.GET, "load_get"), (pickle.BINGET, "load_binget"), (pickle.LONG_BINGET, "load_long_binget")):
+        dispatch[_opcode[0]] = _checked(getattr(pickle._Unpickler, _method))  # type: ignore[attr-defined]
+
+
+def _memo_puts(segment: bytes) -> int:
+    return sum(1 for opcode, _, _ in pickletools.genops(segment) if opcode.name in _MEMO_PUTS)
+
+
+def _load_fast(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -> dict[str, Any]:
+    unpickler = pickle.Unpickler(io.BytesIO(skeleton))
+    unpickler.persistent_load = resolve  # type: ignore[assignment]  # documented: an attribute works too
+    return {segment.name: unpickler.load() for segment in segments}
+
+
+def _load_recovering(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve):
+    stream = io.BytesIO(skeleton)
+    unpickler = _RecoveringUnpickler(stream)
+    unpickler.persistent_load = resolve
+    values: dict[str, Any] = {}
+    failed: list[tuple[str, str, str]] = []
+    start = 0
+    for segment in segments:
+        stream.seek(start)
+        before = len(unpickler.memo)
+        try:
+            values[segment.name] = unpickler.load()
+        except _SharesFailed as shared:
+            failed.append((segment.name, segment.type_name, f"shares an object with {shared.name}, which could not be loaded"))
+        except Exception as exc:  # noqa: BLE001 - unpickling can raise anything (a __setstate__, a missing module)
+            failed.append((segment.name, segment.type_name, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        else:
+            start = segment.end
+            continue
+        for index in range(len(unpickler.memo), before + _memo_puts(skeleton[start:segment.end])):
+            unpickler.memo[index] = _Missing(segment.name)
+        start = segment.end
+    return values, failed
+
+
+def load(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    """Every segment's value by name, and (name, type, reason) for each that could not be loaded."""
+    try:
+        return _load_fast(skeleton, segments, resolve), []
+    except Exception:  # noqa: BLE001 - find out which segments, and keep the rest
+        return _load_recovering(skeleton, segments, resolve)
