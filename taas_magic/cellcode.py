@@ -10,6 +10,7 @@ traceback can show the person's own text (registered in the rank's linecache).
 from __future__ import annotations
 
 import ast
+import linecache
 from dataclasses import dataclass
 
 from IPython.core.displayhook import DisplayHook
@@ -53,3 +54,18 @@ def translate(shell, display_source: str) -> CellCode:
         line = (exc.text or "").strip()
         raise TaasError(f"taas: SyntaxError on line {exc.lineno} of the cell: {exc.msg}: {line!r}") from None
     return CellCode(display_source, source, tree, filename, DisplayHook.semicolon_at_end_of_expression(source))
+
+
+def earlier_cells(shell, pickled: bytes) -> dict[str, tuple[int, list[str]]]:
+    """The notebook cells whose code the pickle carries: file name -> (execution count, lines).
+
+    A function defined in ``In[3]`` keeps that cell's file name as its code's filename;
+    the ranks register these lines in their linecache and label the frames
+    ``Cell In[3], line 2``, as IPython does, so a rank's traceback shows the person's lines.
+    """
+    cells = {}
+    for filename, number in getattr(shell.compile, "_filename_map", {}).items():
+        entry = linecache.cache.get(filename)
+        if entry is not None and filename.encode() in pickled:
+            cells[filename] = (number, list(entry[2]))
+    return cells

@@ -18,7 +18,7 @@ from traitlets import Enum, Float, Int, Unicode
 
 from . import wire
 from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
-from .cellcode import translate
+from .cellcode import earlier_cells, translate
 from .closure import select_closure, serialise_closure
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .feed.run import DataRun, default_cache_ram, describe_registered
@@ -117,6 +117,7 @@ class TaasMagics(Magics):
             slots = [RankSlot(rank, rank, world_size, 0) for rank in range(world_size)]
 
         run_id = secrets.token_hex(6)
+        memfile.sweep_all()  # what a killed kernel left in /dev/shm
         key = wire.new_key()
         # A memory file only reaches processes on this host: the cluster mode sends every byte in the frames.
         file_bytes = self.closure_file_bytes if cluster is None else INLINE_ALWAYS
@@ -131,6 +132,7 @@ class TaasMagics(Magics):
             "kernel_has_cuda": devices.device == "cuda",
             "suppress_final": code.suppress_final,
             "feeds": data.rank_feeds() if data is not None else [],
+            "cells": earlier_cells(self._shell, packing.skeleton),
             "kernel_pid": os.getpid(),
             "result_file_bytes": file_bytes,
         }

@@ -15,11 +15,19 @@ from types import ModuleType
 from typing import Any
 
 NO_VALUE = object()
+_CELL_LABELS: dict[str, str] = {}  # an earlier notebook cell's file name -> "Cell In[3]"
 
 
 def register_source(filename: str, display_source: str) -> None:
     lines = display_source.splitlines(keepends=True)
     linecache.cache[filename] = (len(display_source), None, lines, filename)
+
+
+def register_cells(cells: dict[str, tuple[int, list[str]]]) -> None:
+    """Earlier notebook cells (cellcode.earlier_cells): their lines, and their IPython labels."""
+    for filename, (number, lines) in cells.items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        _CELL_LABELS[filename] = f"Cell In[{number}]"
 
 
 def run_cell(source: str, filename: str, module: ModuleType) -> Any:
@@ -44,4 +52,7 @@ def format_cell_traceback(exc: BaseException, filename: str) -> str:
         tb = tb.tb_next
     if tb is None:
         tb = exc.__traceback__
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    for cell_file, label in _CELL_LABELS.items():
+        text = text.replace(f'File "{cell_file}", line ', f"{label}, line ")
+    return text

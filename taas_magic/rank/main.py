@@ -128,6 +128,7 @@ def main() -> None:
 
     filename = spec["filename"]
     execute.register_source(filename, spec["display_source"])
+    execute.register_cells(spec["cells"])
     try:
         from taas_magic.feed.proxy import prepared_loaders
 

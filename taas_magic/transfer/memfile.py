@@ -13,7 +13,7 @@ Below ``inline_below`` bytes in all, the blobs travel inside the authenticated f
 instead (no file, no digest needed).
 
 File names carry the kernel's pid (``<prefix><pid>-<run id>-...``): the kernel removes
-its own at the end of every cell, and :func:`sweep` removes those of a kernel that died.
+its own at the end of every cell, and :func:`sweep_all` removes those of a kernel that died.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ def write(blobs: Sequence[Blob], prefix: str, owner_pid: int, run_id: str, inlin
             inline[offset:offset + blob.nbytes] = blob.cpu_bytes()
         return BlobData(offsets, sizes, size, inline=inline)
     directory = memory_dir(size)
-    sweep(directory, prefix)
     fd, path = tempfile.mkstemp(prefix=f"{prefix}{owner_pid}-{run_id}-", dir=directory)  # 0600
     try:
         os.ftruncate(fd, size)
@@ -183,8 +182,11 @@ def remove_run(owner_pid: int, run_id: str) -> None:
                 remove(os.path.join(directory, name))
 
 
-def sweep(directory: str, prefix: str) -> None:
-    """Remove the files a killed kernel left (``<prefix><pid>-...`` whose pid is gone)."""
+def sweep_all() -> None:
+    """Remove the files killed kernels left (``<prefix><pid>-...`` whose pid is gone)."""
     from ..isolation import sweep_orphans
 
-    sweep_orphans(directory, prefix)
+    for directory in {SHM, tempfile.gettempdir()}:
+        if os.path.isdir(directory):
+            for prefix in (CLOSURE_PREFIX, RESULT_PREFIX):
+                sweep_orphans(directory, prefix)

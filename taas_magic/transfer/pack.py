@@ -41,6 +41,20 @@ _NO_IDENTITY = frozenset((
 ))
 
 
+_IDENTITY_BY_CLASS: dict[type, bool] = {}
+
+
+def _has_identity(cls: type) -> bool:
+    """Whether a person could see two copies of such an object as two: a mutable container, or
+    an instance with attributes (a tensor, a module, an optimizer), never a class or a dtype."""
+    known = _IDENTITY_BY_CLASS.get(cls)
+    if known is None:
+        known = _IDENTITY_BY_CLASS[cls] = (
+            issubclass(cls, (list, dict, set, bytearray)) or (cls.__dictoffset__ != 0 and not issubclass(cls, type))
+        )
+    return known
+
+
 @dataclass
 class Blob:
     """One out-of-band payload: a torch storage or a numpy array, and where its bytes are."""
@@ -118,7 +132,7 @@ class _Pickler(cloudpickle.Pickler):
         cls = type(obj)
         if cls in _NO_IDENTITY:
             return None
-        if self._track:
+        if self._track and _has_identity(cls):
             first = self._first_seen.setdefault(id(obj), self.segment)
             if first == self.segment:
                 self._keep.append(obj)

@@ -9,8 +9,8 @@ Contract:
   storage lands on the same device when this process has it, else on the CPU.
 - :func:`load` loads the segments in order with one unpickler (one memo, so shared
   objects stay shared). If any segment raises, it loads them all again with a
-  recovering unpickler: a failing segment is listed, its memo slots are filled with
-  placeholders, and a later segment that reaches a placeholder fails too, naming the
+  recovering unpickler: a failing segment is listed, every memo slot it fills (or would
+  have) holds a placeholder instead, and a later segment that reaches a placeholder fails too, naming the
   segment it shares an object with. Every other value arrives.
 """
 
@@ -152,7 +152,8 @@ def _load_recovering(skeleton: bytes, segments: Sequence[Segment], resolve: Reso
         else:
             start = segment.end
             continue
-        for index in range(len(unpickler.memo), before + _memo_puts(skeleton[start:segment.end])):
+        # Whatever the segment built before it failed is half-made: nothing may reach it.
+        for index in range(before, before + _memo_puts(skeleton[start:segment.end])):
             unpickler.memo[index] = _Missing(segment.name)
         start = segment.end
     return values, failed
