@@ -34,7 +34,7 @@ CASES = {
 assert ddp_model is model and type(model).__name__ == "Sequential", type(ddp_model)
 assert opt.param_groups[0]["params"][0] is model[0].weight  # the optimizer holds the model's parameters
 assert opt.state[model[0].weight]["momentum_buffer"].shape == (8, 4)
-assert w == 3 and _ is model
+assert w == 3 and {out} is model
 """,
         (),
         "ddp_model: DistributedDataParallel, came back as its module",
@@ -43,7 +43,7 @@ assert w == 3 and _ is model
         "#pragma taas --gpus 2\n" + NET + "ddp_model = DDP(model)\n" + TRAIN.format(params="ddp_model.parameters()", net="ddp_model")
         + "dist.destroy_process_group()\nddp_model\n",
         """
-assert ddp_model is model and opt.param_groups[0]["params"][-1] is model[2].bias and _ is model
+assert ddp_model is model and opt.param_groups[0]["params"][-1] is model[2].bias and {out} is model
 """,
         (),
         "ddp_model: DistributedDataParallel, came back as its module",
@@ -55,7 +55,7 @@ assert ddp_model is model and opt.param_groups[0]["params"][-1] is model[2].bias
         + "scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)\nscheduler.get_last_lr()[0]\n",
         """
 assert compiled is model and type(model).__name__ == "Sequential"
-assert scheduler.optimizer is opt and opt.param_groups[0]["lr"] == 0.05 and _ == 0.05
+assert scheduler.optimizer is opt and opt.param_groups[0]["lr"] == 0.05 and {out} == 0.05
 assert scaler.get_scale() == 1024.0
 """,
         (),
@@ -74,7 +74,7 @@ assert len(state) == 10_000 and float(state["t9999"][2]) == 9999.0
 assert tied is state["t7"]
 assert arrays["a"].dtype == np.int32 and arrays["a"][2, 3] == 11 and arrays["b"][-1] == 1.0
 assert arrays["f"].flags.f_contiguous and arrays["f"].sum() == 6
-assert _ == 10_000
+assert {out} == 10_000
 """,
         (),
         None,
@@ -111,7 +111,7 @@ p
 """,
         """
 assert (p.x, p.y) == (1, 2) and type(p).__name__ == "Point"
-assert after == [3] and _ is p
+assert after == [3] and {out} is p
 assert "only_here" not in dir() and "holder" not in dir()
 """,
         ("only_here", "holder"),
@@ -137,7 +137,7 @@ def test_what_rank_0_binds_arrives_in_the_notebook(kernel, case):
         assert "could not come back" not in stderr, stderr
     if note is not None:
         assert f"taas: {note}" in stderr, stderr
-    checked = kernel.execute(check)
+    checked = kernel.execute(check.replace("{out}", f"Out[{ran.reply['execution_count']}]"))
     assert checked.reply["status"] == "ok", checked.error_text()
 
 
