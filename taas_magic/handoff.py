@@ -98,8 +98,11 @@ class ReceivedClosure:
         return memfile.original_view(self.data)
 
 
-def receive_closure(channel: wire.BlockingChannel) -> ReceivedClosure:
+def receive_closure(channel: wire.BlockingChannel, keep_original: bool = False) -> ReceivedClosure:
     """Read the closure frame and map (and verify) its tensor bytes; nothing is unpickled yet.
+
+    ``keep_original`` (rank 0): keep a copy of bytes that came in the frame, to tell later
+    which the cell changed (a file's original stays in the file).
 
     Raises:
         wire.AuthenticationError: the file's bytes are not those the kernel vouched for.
@@ -109,6 +112,6 @@ def receive_closure(channel: wire.BlockingChannel) -> ReceivedClosure:
         raise ConnectionError(f"expected the closure from the kernel, got a {kind!r} frame")
     message = wire.loads_verified(body)
     received = ReceivedClosure(message, memfile.open_data(message["data"], private=True))
-    if message["data"].path is None:
+    if keep_original and message["data"].path is None:
         received.pristine = bytes(received.buffer)
     return received

@@ -94,7 +94,7 @@ def main() -> None:
 
     channel = wire.BlockingChannel.connect(host, int(port), bytes.fromhex(key_hex), rank)
     spec = wire.loads_verified(channel.expect("spec"))
-    received = receive_closure(channel)
+    received = receive_closure(channel, keep_original=rank == 0)
 
     sys.path[:] = spec["sys_path"]
     sys.argv = ["taas-rank"]

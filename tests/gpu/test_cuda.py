@@ -73,3 +73,38 @@ dist.destroy_process_group()
     import os
 
     os.remove("taas_gpu_write_rule.pt")
+
+
+def test_a_cuda_ddp_model_comes_back_as_its_module_on_its_gpu(gpu_kernel):
+    ran = gpu_kernel.execute(
+        """#pragma taas --gpus 1
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group(backend="nccl", init_method="env://")
+model = torch.nn.Linear(16, 4).cuda()
+ddp_model = DDP(model, device_ids=[int(os.environ["LOCAL_RANK"])])
+opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    ddp_model(torch.randn(8, 16, device="cuda")).sum().backward()
+    opt.step()
+big = torch.ones(64 * 2**20, device="cuda")  # 256 MB: through the memory file
+ddp_model
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert "ddp_model: DistributedDataParallel, came back as its module" in ran.stream("stderr")
+    check = gpu_kernel.execute(
+        "assert ddp_model is model and opt.param_groups[0]['params'][0] is model.weight\n"
+        "print(model.weight.device, big.device, float(big.sum()))"
+    )
+    assert check.stream("stdout") == f"cuda:0 cuda:0 {float(64 * 2**20)}\n", check.error_text()
+
+
+def test_a_captured_cuda_tensor_reaches_the_rank_on_its_device(gpu_kernel):
+    gpu_kernel.execute("import torch\non_gpu = torch.arange(1000, device='cuda', dtype=torch.float32)")
+    ran = gpu_kernel.execute("#pragma taas --gpus 1\nprint(on_gpu.device, float(on_gpu.sum()))\nscaled = on_gpu * 2")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert f"cuda:0 {float(sum(range(1000)))}" in ran.stream("stdout")
+    check = gpu_kernel.execute("print(scaled.device, bool((scaled == on_gpu * 2).all()))")
+    assert check.stream("stdout") == "cuda:0 True\n", check.error_text()
