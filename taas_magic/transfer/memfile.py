@@ -6,8 +6,9 @@ once) into a file created ``0600`` in ``/dev/shm`` (on disk when ``/dev/shm`` la
 room). Its bytes are never pickled, and nothing else holds a copy. The frame that
 announces the file carries a SHA-256 of every 8 MB chunk: the frame is authenticated
 (wire.py), so a reader that finds every chunk's digest equal knows the bytes are the
-ones the key holder wrote, and only then builds tensors on them. Writing and hashing
-run on a few threads (both release the GIL).
+ones the key holder wrote, and only then builds tensors on them. The writer hashes
+each piece as it writes it; writing, hashing and checking run on a few threads (all
+release the GIL).
 
 Below ``inline_below`` bytes in all, the blobs travel inside the authenticated frame
 instead (no file, no digest needed).
@@ -83,20 +84,34 @@ def _chunk_digests(view: memoryview, size: int) -> tuple[bytes, ...]:
         return tuple(pool.map(lambda span: hashlib.sha256(view[span[0]:span[1]]).digest(), spans))
 
 
-def _write_file(fd: int, blobs: Sequence[Blob], offsets: Sequence[int]) -> None:
-    pieces = []
+def _chunks(blobs: Sequence[Blob], offsets: Sequence[int], size: int) -> list[list[tuple[memoryview, int]]]:
+    """Each 8 MB chunk of the file as the (bytes, file offset) pieces of the blobs that fall in it."""
+    chunks: list[list[tuple[memoryview, int]]] = [[] for _ in range(-(-size // CHUNK))]
     for blob, offset in zip(blobs, offsets):
         data = blob.cpu_bytes()  # once per blob: a CUDA storage is copied to the host here
-        pieces += [(data[start:start + CHUNK], offset + start) for start in range(0, blob.nbytes, CHUNK)]
+        start = 0
+        while start < blob.nbytes:
+            at = offset + start
+            end = min(blob.nbytes, start + CHUNK - at % CHUNK)
+            chunks[at // CHUNK].append((data[start:end], at))
+            start = end
+    return chunks
 
-    def write(piece: tuple[memoryview, int]) -> None:
-        view, at = piece
-        while len(view):
-            written = os.pwrite(fd, view, at)
-            view, at = view[written:], at + written
 
-    with _pool() as pool:
-        list(pool.map(write, pieces))
+def _write_chunk(fd: int, pieces: list[tuple[memoryview, int]], start: int, end: int) -> bytes:
+    """Write one chunk's pieces and return the SHA-256 of the chunk as the file holds it
+    (the gaps between blobs are the file's zeros), hashing each piece while it is hot."""
+    digest = hashlib.sha256()
+    position = start
+    for view, at in pieces:
+        digest.update(bytes(at - position))
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], at + written)
+        digest.update(view)
+        position = at + len(view)
+    digest.update(bytes(end - position))
+    return digest.digest()
 
 
 def write(blobs: Sequence[Blob], prefix: str, owner_pid: int, run_id: str, inline_below: int = INLINE_BYTES) -> BlobData:
@@ -112,9 +127,10 @@ def write(blobs: Sequence[Blob], prefix: str, owner_pid: int, run_id: str, inlin
     fd, path = tempfile.mkstemp(prefix=f"{prefix}{owner_pid}-{run_id}-", dir=directory)  # 0600
     try:
         os.ftruncate(fd, size)
-        _write_file(fd, blobs, offsets)
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            digests = _chunk_digests(view, size)
+        chunks = _chunks(blobs, offsets, size)
+        with _pool() as pool:
+            digests = tuple(pool.map(lambda k: _write_chunk(fd, chunks[k], k * CHUNK, min(size, (k + 1) * CHUNK)),
+                                     range(len(chunks))))
     except BaseException:
         os.unlink(path)
         raise

@@ -7,8 +7,9 @@ So the pickler replaces each wrapper, wherever it is reached, by ``same(inner)``
 inner module keeps its identity (``ddp_model`` and ``model`` are one object afterwards).
 
 FSDP (``FullyShardedDataParallel``) comes back as its module only when its parameters
-are whole in rank 0 (``NO_SHARD``, or a world of one); a sharded one is refused with a
-message saying how to gather it, since rank 0 alone holds only its shard.
+are whole in rank 0 (``NO_SHARD``, or a world of one) and are the module's own
+(``use_orig_params=True``); otherwise it is refused with a message saying what to bind
+instead, since rank 0 alone holds only its shard, or only a flattened parameter.
 
 Classes are recognised by module and name along their MRO, so nothing here imports
 torch's distributed or dynamo packages.
@@ -57,6 +58,11 @@ def _refuse_sharded(wrapper: Any) -> None:
         raise TypeError(
             "FullyShardedDataParallel holds only this rank's shard of each parameter; gather a full "
             "state dict in the cell (FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT)) and bind that"
+        )
+    if not getattr(wrapper, "_use_orig_params", False):
+        raise TypeError(
+            "FullyShardedDataParallel(use_orig_params=False) keeps the module's parameters flattened into one; "
+            "wrap with use_orig_params=True, or bind model.state_dict()"
         )
 
 
