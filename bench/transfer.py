@@ -7,7 +7,8 @@ shape (one big float32 tensor; a state dict of 1 MB tensors):
 
 - closure -> first line: the notebook holds the tensors (untimed); a taas cell that
   reads them prints a line first thing. Time from execute_request to that line on iopub;
-  beside it the same cell capturing nothing, which is the launch alone.
+  beside it the same cell capturing nothing, which is the launch alone; and that line to
+  the reply, which is what rank 0 spends finding the captured tensors untouched.
 - last line -> names bound: rank 0 makes the tensors, prints a line, and ends. Time
   from that line's arrival to the reply (the names are bound by then).
 - floor: ``torch.save`` then ``torch.load`` of the same tensors through ``/dev/shm`` in
@@ -101,8 +102,9 @@ def _first_line_at(ran, needle: str) -> float:
     return next(m.at for m in ran.messages if m.type == "stream" and needle in m.content["text"])
 
 
-def closure_to_first_line(kernel: Kernel, shape: str, size_mb: int) -> tuple[float, float, float, float]:
-    """(seconds, seconds capturing nothing, rank private bytes, rank shared bytes)."""
+def closure_to_first_line(kernel: Kernel, shape: str, size_mb: int) -> tuple[float, float, float, float, float]:
+    """(seconds, seconds capturing nothing, rank private bytes, rank shared bytes, seconds from that
+    line to the reply: the cell binds only ``n``, and the captured tensors are found untouched)."""
     assert kernel.execute(f"import torch\n{_make(shape, size_mb)}").reply["status"] == "ok"
     probe = ("import torch\nfields = dict(l.split(':', 1) for l in open('/proc/self/status') if l.startswith('Rss'))\n"
              "print('first', fields['RssAnon'].split()[0], fields['RssShmem'].split()[0], flush=True)\n")
@@ -115,7 +117,8 @@ def closure_to_first_line(kernel: Kernel, shape: str, size_mb: int) -> tuple[flo
     empty = kernel.execute(f"#pragma taas --gpus 1\n{probe}")  # the same rank with torch and no closure
     kernel.execute("del data")
     base_anon, base_shmem = (int(v) * 1024 for v in empty.stream("stdout").split("first", 1)[1].split()[:2])
-    return seconds, _first_line_at(empty, "first"), max(0, anon - base_anon), max(0, shmem - base_shmem)
+    return (seconds, _first_line_at(empty, "first"), max(0, anon - base_anon), max(0, shmem - base_shmem),
+            ran.reply_at - seconds)
 
 
 def last_line_to_bound(kernel: Kernel, shape: str, size_mb: int) -> tuple[float, int]:
@@ -206,6 +209,8 @@ def _print_row(size_mb: int, shape: str, figures: dict[str, list], repeats: int)
           f"(the same cell capturing nothing: {launch:.3f} s)")
     print(f"    rank 0's private memory {_median([r[2] for r in figures['in now']]) / size:.2f}x the closure, "
           f"its mapped shared pages {_median([r[3] for r in figures['in now']]) / size:.2f}x")
+    print(f"    the same cell, first line -> reply (the capture found untouched, nothing sent back): "
+          f"{_median([r[4] for r in figures['in now']]):.3f} s")
     print(f"  rank 0's last line -> names bound: {_median(out_now):.3f} s = {_median(out_now) / fl:.2f}x floor; "
           f"kernel peak growth {_median([r[1] for r in figures['out now']]) / size:.2f}x the results")
     if "in before" in figures:

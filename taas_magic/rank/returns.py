@@ -6,8 +6,9 @@ shipped it (the object it received, whatever name holds it now), then the names 
 are new or rebound, then the final value. Because the shipped values come first and in
 the kernel's order, a shipped value the cell did not touch pickles to the very bytes
 the kernel sent: its segment's digest equals the one the kernel vouched for, and each
-tensor it holds is still the shipped storage with the same bytes (compared against the
-kernel's file, never pickled again). Such a value is not sent back, and the notebook
+tensor it holds is still the shipped storage with the same bytes: no page of it was
+written (the page map of the copy-on-write mapping says so at once), or else its bytes
+equal the kernel's file (never pickled again). Such a value is not sent back, and the notebook
 keeps its own object. Everything else comes back, so ``model.train()`` or
 ``history.append(...)`` on a notebook value returns too; a shipped name the cell
 deleted is deleted in the notebook.
@@ -24,9 +25,11 @@ file the kernel maps (transfer/memfile.py), named for the kernel's pid and the r
 
 from __future__ import annotations
 
+import array
 import ctypes
 import dataclasses
 import hashlib
+import mmap
 import sys
 import warnings
 from typing import Any, Sequence
@@ -54,7 +57,28 @@ def changed_names(namespace: dict[str, Any], before: dict[str, int], private: se
     return changed, deleted
 
 
-def _equal_bytes(kind: str, address: int, original: Any, offset: int, nbytes: int) -> bool:
+def _pages_untouched(address: int, nbytes: int) -> bool:
+    """Whether this process wrote none of the pages under ``[address, address + nbytes)`` of a
+    private file mapping: each is absent or still the file's own page (``/proc/self/pagemap``:
+    bit 63 present, bit 61 file page; a page written copy-on-write turns anonymous). False
+    whenever that cannot be read, so the caller compares the bytes instead."""
+    if nbytes == 0:
+        return True
+    first = address // mmap.PAGESIZE
+    count = (address + nbytes - 1) // mmap.PAGESIZE - first + 1
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            entries = array.array("Q", pagemap.read(count * 8))
+    except (OSError, ValueError):
+        return False
+    present, swapped, file_page = 1 << 63, 1 << 62, 1 << 61
+    return len(entries) == count and not any(
+        entry & swapped or (entry & present and not entry & file_page) for entry in entries
+    )
+
+
+def _equal_bytes(address: int, original: Any, offset: int, nbytes: int) -> bool:
     if nbytes == 0:
         return True
     current = (ctypes.c_char * nbytes).from_address(address)
@@ -96,11 +120,11 @@ class _Shipped:
         """The shipped blob that rank 0's blob ``index`` is, with its bytes unchanged, if any."""
         if index not in self._untouched:
             j = self.origin(index)
-            if j is not None:
+            blob = self._blobs[index]
+            if j is not None and not (self._data.path is not None and _pages_untouched(blob.address, blob.nbytes)):  # type: ignore[arg-type]
                 if self._original is None:
                     self._original = self._received.original_bytes()
-                blob = self._blobs[index]
-                if self._original is None or not _equal_bytes(blob.kind, blob.address, self._original,  # type: ignore[arg-type]
+                if self._original is None or not _equal_bytes(blob.address, self._original,  # type: ignore[arg-type]
                                                               self._data.offsets[j], blob.nbytes):
                     j = None
             self._untouched[index] = j

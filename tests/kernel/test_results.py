@@ -181,12 +181,19 @@ assert torch.equal(net.weight, net.weight) and mean == 499999.5
     assert checked.reply["status"] == "ok", checked.error_text()
 
 
-def test_in_place_changes_come_back_and_the_rest_stays(kernel):
-    kernel.execute("import torch\nweights = torch.zeros(1000)\nfrozen = torch.ones(1000)\nfrozen_id = id(frozen)")
-    ran = kernel.execute("#pragma taas --gpus 1\nweights.add_(2)\nfloat(frozen.sum())")
-    assert ran.reply["status"] == "ok", ran.error_text()
-    checked = kernel.execute("assert float(weights.sum()) == 2000.0 and id(frozen) == frozen_id")
-    assert checked.reply["status"] == "ok", checked.error_text()
+@pytest.mark.parametrize("file_bytes", [4 << 20, 1024], ids=["in the frame", "through a file"])
+def test_in_place_changes_come_back_and_the_rest_stays(kernel, file_bytes):
+    kernel.execute(f"import torch\n%config TaasMagics.closure_file_bytes = {file_bytes}\n"
+                   "weights = torch.zeros(100_000)\nfrozen = torch.ones(100_000)\nrewritten = torch.ones(100_000)\n"
+                   "ids = (id(frozen), id(rewritten))")
+    try:
+        # frozen is only read; rewritten is written with the bytes it had: neither comes back
+        ran = kernel.execute("#pragma taas --gpus 1\nweights.add_(2)\nrewritten.mul_(1)\nfloat(frozen.sum())")
+        assert ran.reply["status"] == "ok", ran.error_text()
+        checked = kernel.execute("assert float(weights.sum()) == 200_000.0 and (id(frozen), id(rewritten)) == ids")
+        assert checked.reply["status"] == "ok", checked.error_text()
+    finally:
+        kernel.execute("%config TaasMagics.closure_file_bytes = 4 << 20\ndel weights, frozen, rewritten")
 
 
 def _memory_files(pid: int) -> list[str]:

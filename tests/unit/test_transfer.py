@@ -128,3 +128,23 @@ def test_cuda_storages_are_copied_to_the_host_once():
     packing, data = _send([("t", torch.arange(8, device="cuda"))])
     values, _ = _receive(packing, data)
     assert values["t"].device.type == "cuda" and values["t"].tolist() == list(range(8))
+
+
+def test_the_page_map_tells_pages_read_from_pages_written(tmp_path):
+    import ctypes
+    import mmap
+
+    from taas_magic.rank.returns import _pages_untouched
+
+    path = tmp_path / "shipped"
+    path.write_bytes(b"x" * (64 * mmap.PAGESIZE))
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    size = 64 * mmap.PAGESIZE
+    assert _pages_untouched(base, size)  # nothing touched yet
+    assert sum(mapped[i * mmap.PAGESIZE] for i in range(64)) == 64 * ord("x")
+    assert _pages_untouched(base, size)  # read: still the file's pages
+    mapped[5 * mmap.PAGESIZE] = ord("y")
+    assert not _pages_untouched(base, size) and not _pages_untouched(base + 5 * mmap.PAGESIZE + 7, 1)
+    assert _pages_untouched(base + 6 * mmap.PAGESIZE, 10 * mmap.PAGESIZE)
