@@ -129,7 +129,6 @@ class TaasMagics(Magics):
             "filename": code.filename,
             "device": devices.device,
             "output": output,
-            "kernel_has_cuda": devices.device == "cuda",
             "suppress_final": code.suppress_final,
             "feeds": data.rank_feeds() if data is not None else [],
             "cells": earlier_cells(self._shell, packing.skeleton),

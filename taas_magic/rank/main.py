@@ -159,8 +159,13 @@ def main() -> None:
         names, deleted = returns.changed_names(module.__dict__, before, private)
         has_final = final is not execute.NO_VALUE and not spec["suppress_final"]
         externals = [loaders.get(index) for index in range(max(loaders, default=-1) + 1)]
-        message = returns.pack_returns(module.__dict__, closure, received, names, deleted, final, has_final,
-                                       externals, spec["kernel_pid"], spec["run_id"], spec["result_file_bytes"])
+        try:
+            message = returns.pack_returns(module.__dict__, closure, received, names, deleted, final, has_final,
+                                           externals, spec["kernel_pid"], spec["run_id"], spec["result_file_bytes"])
+        except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
+            _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
+                        execute.format_cell_traceback(exc, filename))
+            _exit(EXIT_CELL_RAISED)
         _flush()
         channel.send("result", wire.dumps(message))
     channel.close()

@@ -2,13 +2,13 @@
 
 The writer lays the blobs out 64-byte aligned and writes each straight from where it
 lives (a tensor's storage, an array's buffer; a CUDA storage is copied to the host
-once) into a file created ``0600`` in ``/dev/shm`` (on disk when ``/dev/shm`` lacks the
-room). Its bytes are never pickled, and nothing else holds a copy. The frame that
-announces the file carries a SHA-256 of every 8 MB chunk: the frame is authenticated
-(wire.py), so a reader that finds every chunk's digest equal knows the bytes are the
-ones the key holder wrote, and only then builds tensors on them. The writer hashes
-each piece as it writes it; writing, hashing and checking run on a few threads (all
-release the GIL).
+once) into a file created ``0600`` in ``/dev/shm`` (in the temp dir when ``/dev/shm``
+lacks the room, or runs out of it while being written). Its bytes are never pickled,
+and nothing else holds a copy. The frame that announces the file carries a SHA-256 of
+every 8 MB chunk: the frame is authenticated (wire.py), so a reader that finds every
+chunk's digest equal knows the bytes are the ones the key holder wrote, and only then
+builds tensors on them. The writer hashes each piece as it writes it; writing, hashing
+and checking run on a few threads (all release the GIL).
 
 Below ``inline_below`` bytes in all, the blobs travel inside the authenticated frame
 instead (no file, no digest needed).
@@ -19,6 +19,7 @@ its own at the end of every cell, and :func:`sweep_all` removes those of a kerne
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -114,20 +115,11 @@ def _write_chunk(fd: int, pieces: list[tuple[memoryview, int]], start: int, end:
     return digest.digest()
 
 
-def write(blobs: Sequence[Blob], prefix: str, owner_pid: int, run_id: str, inline_below: int = INLINE_BYTES) -> BlobData:
-    """Write the blobs' bytes once, inline or to an owner-only memory file."""
-    sizes = tuple(blob.nbytes for blob in blobs)
-    offsets, size = layout(sizes)
-    if size < inline_below:
-        inline = bytearray(size)
-        for blob, offset in zip(blobs, offsets):
-            inline[offset:offset + blob.nbytes] = blob.cpu_bytes()
-        return BlobData(offsets, sizes, size, inline=inline)
-    directory = memory_dir(size)
-    fd, path = tempfile.mkstemp(prefix=f"{prefix}{owner_pid}-{run_id}-", dir=directory)  # 0600
+def _write_file(directory: str, stem: str, chunks: list, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                size: int) -> BlobData:
+    fd, path = tempfile.mkstemp(prefix=stem, dir=directory)  # 0600
     try:
         os.ftruncate(fd, size)
-        chunks = _chunks(blobs, offsets, size)
         with _pool() as pool:
             digests = tuple(pool.map(lambda k: _write_chunk(fd, chunks[k], k * CHUNK, min(size, (k + 1) * CHUNK)),
                                      range(len(chunks))))
@@ -137,6 +129,27 @@ def write(blobs: Sequence[Blob], prefix: str, owner_pid: int, run_id: str, inlin
     finally:
         os.close(fd)
     return BlobData(offsets, sizes, size, path=path, digests=digests)
+
+
+def write(blobs: Sequence[Blob], prefix: str, owner_pid: int, run_id: str, inline_below: int = INLINE_BYTES) -> BlobData:
+    """Write the blobs' bytes once, inline or to an owner-only memory file."""
+    sizes = tuple(blob.nbytes for blob in blobs)
+    offsets, size = layout(sizes)
+    if size < inline_below:
+        inline = bytearray(size)
+        for blob, offset in zip(blobs, offsets):
+            inline[offset:offset + blob.nbytes] = blob.cpu_bytes()
+        return BlobData(offsets, sizes, size, inline=inline)
+    chunks = _chunks(blobs, offsets, size)
+    stem = f"{prefix}{owner_pid}-{run_id}-"
+    first, fallback = memory_dir(size), tempfile.gettempdir()
+    if first != fallback:
+        try:
+            return _write_file(first, stem, chunks, offsets, sizes, size)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return _write_file(fallback, stem, chunks, offsets, sizes, size)
 
 
 def open_data(data: BlobData, *, private: bool) -> Any:

@@ -148,3 +148,25 @@ def test_the_page_map_tells_pages_read_from_pages_written(tmp_path):
     mapped[5 * mmap.PAGESIZE] = ord("y")
     assert not _pages_untouched(base, size) and not _pages_untouched(base + 5 * mmap.PAGESIZE + 7, 1)
     assert _pages_untouched(base + 6 * mmap.PAGESIZE, 10 * mmap.PAGESIZE)
+
+
+def test_a_full_dev_shm_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
+    import errno
+
+    real = memfile._write_file
+    tried = []
+
+    def full_shm(directory, *args):
+        tried.append(directory)
+        if directory == memfile.SHM:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(directory, *args)
+
+    monkeypatch.setattr(memfile, "_write_file", full_shm)
+    monkeypatch.setattr(memfile.tempfile, "tempdir", str(tmp_path))
+    packing, data = _send([("t", torch.arange(1 << 16))], threshold=1024)
+    try:
+        assert tried == [memfile.SHM, str(tmp_path)] and data.path.startswith(str(tmp_path))
+        assert _receive(packing, data)[0]["t"][-1] == (1 << 16) - 1
+    finally:
+        memfile.remove(data.path)
