@@ -13,8 +13,8 @@ shape (one big float32 tensor; a state dict of 1 MB tensors):
   from that line's arrival to the reply (the names are bound by then).
 - floor: ``torch.save`` then ``torch.load`` of the same tensors through ``/dev/shm`` in
   one process: writing and reading the bytes once each.
-- memory: the kernel's peak growth (anonymous + shared + file-backed resident pages,
-  sampled every 5 ms from /proc) while it receives, as a multiple of the results'
+- memory: the kernel's peak growth (anonymous, shared and file-backed resident pages,
+  each kind's growth added, sampled every 5 ms from /proc) while it receives, as a multiple of the results'
   size; the rank's private (anonymous) memory and its resident shared-memory pages
   (the mapped closure file) at its first line, beyond those of the same rank capturing
   nothing, as multiples of the closure's size.
@@ -68,34 +68,30 @@ def _status(pid: int) -> dict[str, int]:
 
 
 class PeakMemory:
-    """The peak of a process's resident pages while the block runs, sampled every 5 ms."""
+    """A process's peak growth in resident pages while the block runs, sampled every 5 ms: the
+    growth of anonymous, file-backed and shared pages each (a kind that shrinks, say the heap
+    giving back what the last cell freed, does not hide another that grows)."""
 
     def __init__(self, pid: int):
         self.pid = pid
-        self.peak = 0
+        self.growth = 0
         self._stop = threading.Event()
 
-    def _total(self) -> int:
-        return sum(_status(self.pid).values())
-
     def __enter__(self) -> "PeakMemory":
-        self.start = self._total()
+        self.start = _status(self.pid)
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._total())
+            now = _status(self.pid)
+            self.growth = max(self.growth, sum(max(0, now[field] - self.start[field]) for field in RSS_FIELDS))
             time.sleep(0.005)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return max(0, self.peak - self.start)
 
 
 def _first_line_at(ran, needle: str) -> float:
