@@ -14,7 +14,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from traitlets import Enum, Float, Int, Unicode
+from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
 from . import wire
 from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
@@ -22,7 +22,7 @@ from .cellcode import earlier_cells, translate
 from .closure import select_closure, serialise_closure
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .feed.run import DataRun, default_cache_ram, describe_registered
-from .isolation import MODES, ScratchLayers, WriteRule, choose_rule, find_repository
+from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 from .cluster import Cluster, address_from_environment
 from .launch.base import LaunchPlan, RankGroup
 from .launch.local import LocalRankGroup
@@ -58,11 +58,39 @@ class TaasMagics(Magics):
     ahead = Int(16, config=True, help="Default for --ahead: elements per rank that may wait before workers pause.")
     place_timeout = Float(60.0, config=True, help="Default for --place-timeout: seconds to wait for a cluster's GPUs.")
 
+    @validate("warm")
+    def _valid_warm(self, proposal):
+        value = proposal["value"]
+        if value not in ("off", "auto") and not value.isdigit():
+            raise TraitError(f"TaasMagics.warm must be 'off', 'auto' or a number of spares, got {value!r}")
+        return value
+
+    @validate("cache_ram")
+    def _valid_cache_ram(self, proposal):
+        value = proposal["value"]
+        if value and parse_size(value) is None:
+            raise TraitError(f"TaasMagics.cache_ram must be a size such as 512M or 4G (or empty: automatic), got {value!r}")
+        return value
+
+    @validate("timeout", "place_timeout")
+    def _valid_seconds(self, proposal):
+        value = proposal["value"]
+        if value is not None and not value > 0:
+            raise TraitError(f"TaasMagics.{proposal['trait'].name} must be a positive number of seconds, got {value!r}")
+        return value
+
+    @validate("ahead", "max_output_lines", "max_output_bytes", "tail_output_lines", "closure_file_bytes")
+    def _valid_count(self, proposal):
+        least = {"ahead": 2, "max_output_lines": 1, "max_output_bytes": 1}.get(proposal["trait"].name, 0)
+        if proposal["value"] < least:
+            raise TraitError(f"TaasMagics.{proposal['trait'].name} must be at least {least}, got {proposal['value']!r}")
+        return proposal["value"]
+
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.last_run: LastRun | None = None
         self.repository: str | None = None  # %taas config repo PATH
-        self.isolation = "auto"  # %taas config isolation auto|overlay|python
+        self.isolation = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
         self.spares = SparePool()
         if self.warm.isdigit():
             self.spares.fill(int(self.warm))
@@ -249,9 +277,7 @@ class TaasMagics(Magics):
         if options.cache_ram is not None:
             cache_ram = options.cache_ram
         elif self.cache_ram:
-            cache_ram = parse_size(self.cache_ram)
-            if cache_ram is None:
-                raise PragmaError(f"TaasMagics.cache_ram must be a size such as 4G, got {self.cache_ram!r}")
+            cache_ram = parse_size(self.cache_ram)  # validated when set
         else:
             cache_ram = default_cache_ram()
         return DataRun(
@@ -261,7 +287,7 @@ class TaasMagics(Magics):
             ranks=options.gpus,
             workers=options.cpus,
             cache_ram=cache_ram,
-            ahead=options.ahead if options.ahead is not None else max(2, self.ahead),
+            ahead=options.ahead if options.ahead is not None else self.ahead,
         )
 
     def _attach(self, address: str) -> None:
@@ -307,9 +333,15 @@ class TaasMagics(Magics):
         elif words[:2] == ["config", "isolation"] and len(words) == 3:
             if words[2] not in MODES:
                 raise UsageError(f"taas: isolation must be one of {', '.join(MODES)}, got {words[2]!r}")
-            self.isolation = "auto" if words[2] == "overlay" else words[2]
+            unavailable = probe_overlay() if words[2] == OVERLAY else None
+            if unavailable is not None:
+                raise UsageError(f"taas: isolation overlay is unavailable on this host ({unavailable}); "
+                                 "use auto or python")
+            self.isolation = words[2]
             print(f"taas: isolation {words[2]}")
-        elif words[:1] == ["warm"] and len(words) == 2 and (words[1] in ("off", "auto") or words[1].isdigit()):
+        elif words[:1] == ["warm"] and len(words) == 2:
+            if words[1] not in ("off", "auto") and not words[1].isdigit():
+                raise UsageError(f"taas: warm must be off, auto or a number of spares, got {words[1]!r}")
             self.warm = words[1]
             if words[1] == "off":
                 self.spares.close()

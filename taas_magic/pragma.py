@@ -8,17 +8,9 @@ A taas cell looks like::
 
 or, as a cell magic, ``%%taas --gpus 8`` followed by the body.
 
-Options (each at most once; ``--opt VALUE`` or ``--opt=VALUE``):
-
-    --gpus N        required, N >= 1: the number of ranks
-    --cpus M        1..8, default 1: data workers (used by ``taas.register``)
-    --units K       K >= 1: elements the data workers extract (default: one pass)
-    --cache-ram B   bytes of prepared elements kept in RAM (e.g. 512M, 4G); the rest on disk
-    --ahead E       E >= 2: elements per rank that may wait before the workers pause
-    --timeout S     S > 0 seconds: end the run and name the ranks still running
-    --per-host G    G >= 1: at most G ranks on any host (cluster mode)
-    --place-timeout S  S > 0 seconds to wait for the cluster to grant the GPUs (cluster mode)
-    --output MODE   rank0 (default) or all: which ranks' output reaches the cell
+Options (each at most once; ``--opt VALUE`` or ``--opt=VALUE``) are defined once, in
+:data:`OPTIONS`: the parser, the usage line, ``%taas help`` and the README's table are
+all made from (or checked against) that table.
 
 Everything here is pure: text in, a frozen :class:`PragmaOptions` or a
 :class:`PragmaError` out. Nothing is launched by this module.
@@ -29,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 from IPython.core.error import UsageError
 
@@ -38,10 +31,6 @@ CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
 OUTPUT_MODES = ("rank0", "all")
 MAX_CPUS = 8
 
-USAGE = (
-    "usage: #pragma taas --gpus N [--cpus M] [--units K] [--cache-ram BYTES] [--ahead E] "
-    "[--timeout SECONDS] [--per-host G] [--place-timeout SECONDS] [--output rank0|all]"
-)
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(i?b)?$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -50,7 +39,7 @@ class PragmaError(UsageError):
     """A malformed taas cell head. The message names the bad token; nothing is launched."""
 
     def __init__(self, message: str):
-        super().__init__(f"taas: {message}\n{USAGE}")
+        super().__init__(f"taas: {message}\n{usage()}")
         self.reason = message
 
     def __reduce__(self):
@@ -134,17 +123,44 @@ def _output_value(option: str, token: str) -> str:
     return token
 
 
-_PARSERS = {
-    "--gpus": lambda opt, tok: _int_value(opt, tok, 1),
-    "--cpus": lambda opt, tok: _int_value(opt, tok, 1, MAX_CPUS),
-    "--units": lambda opt, tok: _int_value(opt, tok, 1),
-    "--cache-ram": _size_value,
-    "--ahead": lambda opt, tok: _int_value(opt, tok, 2),
-    "--timeout": _timeout_value,
-    "--per-host": lambda opt, tok: _int_value(opt, tok, 1),
-    "--place-timeout": _timeout_value,
-    "--output": _output_value,
-}
+@dataclass(frozen=True)
+class Option:
+    """One pragma option: its flag, what its value is called, the field it sets, and its help."""
+
+    flag: str
+    metavar: str
+    field: str
+    parse: Callable[[str, str], object]
+    help: str
+    required: bool = False
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--gpus", "N", "gpus", lambda opt, tok: _int_value(opt, tok, 1),
+           "required, N >= 1: the number of ranks, one per GPU (CPU + gloo where the host has no GPU)", required=True),
+    Option("--cpus", "M", "cpus", lambda opt, tok: _int_value(opt, tok, 1, MAX_CPUS),
+           f"1..{MAX_CPUS}, default 1: data workers preparing the loaders registered with taas.register"),
+    Option("--units", "K", "units", lambda opt, tok: _int_value(opt, tok, 1),
+           "K >= 1: elements the data workers extract in all (default: one pass of the loader)"),
+    Option("--cache-ram", "SIZE", "cache_ram", _size_value,
+           "prepared elements kept in RAM (512M, 4G; powers of 1024); the rest spills to disk"),
+    Option("--ahead", "E", "ahead", lambda opt, tok: _int_value(opt, tok, 2),
+           "E >= 2, default 16: elements per rank that may wait before the data workers pause"),
+    Option("--timeout", "SECONDS", "timeout", _timeout_value,
+           "stop every rank after this long and name the ranks still running"),
+    Option("--per-host", "G", "per_host", lambda opt, tok: _int_value(opt, tok, 1),
+           "cluster mode: at most G ranks on any host"),
+    Option("--place-timeout", "SECONDS", "place_timeout", _timeout_value,
+           "cluster mode: how long to wait for the cluster's GPUs (default 60)"),
+    Option("--output", "rank0|all", "output", _output_value,
+           "rank0 (default): only rank 0's output reaches the cell; all: every rank's, prefixed [rank k]"),
+)
+_BY_FLAG = {option.flag: option for option in OPTIONS}
+
+
+def usage() -> str:
+    words = [f"{o.flag} {o.metavar}" if o.required else f"[{o.flag} {o.metavar}]" for o in OPTIONS]
+    return "usage: #pragma taas " + " ".join(words)
 
 
 def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
@@ -155,7 +171,7 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
     while i < len(tokens):
         token = tokens[i]
         name, eq, inline = token.partition("=")
-        if name not in _PARSERS:
+        if name not in _BY_FLAG:
             if token.startswith("-"):
                 raise PragmaError(f"unknown option {token!r}")
             raise PragmaError(f"unexpected token {token!r} (options start with --)")
@@ -171,21 +187,12 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
                 raise PragmaError(f"{name} needs a value")
             raw = tokens[i + 1]
             i += 2
-        values[name] = _PARSERS[name](name, raw)
-    if "--gpus" not in values:
-        raise PragmaError("--gpus N is required")
-    return PragmaOptions(
-        gpus=values["--gpus"],  # type: ignore[arg-type]
-        cpus=values.get("--cpus", 1),  # type: ignore[arg-type]
-        units=values.get("--units"),  # type: ignore[arg-type]
-        timeout=values.get("--timeout"),  # type: ignore[arg-type]
-        output=values.get("--output"),  # type: ignore[arg-type]
-        cache_ram=values.get("--cache-ram"),  # type: ignore[arg-type]
-        ahead=values.get("--ahead"),  # type: ignore[arg-type]
-        per_host=values.get("--per-host"),  # type: ignore[arg-type]
-        place_timeout=values.get("--place-timeout"),  # type: ignore[arg-type]
-        configs=configs,
-    )
+        values[name] = _BY_FLAG[name].parse(name, raw)
+    for option in OPTIONS:
+        if option.required and option.flag not in values:
+            raise PragmaError(f"{option.flag} {option.metavar} is required")
+    fields = {_BY_FLAG[flag].field: value for flag, value in values.items()}
+    return PragmaOptions(configs=configs, **fields)  # type: ignore[arg-type]  # each parser returns its field's type
 
 
 def _config_name(line: str, lineno: int) -> str:

@@ -5,23 +5,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .pragma import PragmaOptions
+from .pragma import OPTIONS, PragmaOptions
 from .rankenv import DevicePlan
 
-HELP = """\
+LINE_COMMANDS = (
+    ("%taas status", "the last run, the devices seen, the defaults, the write rule"),
+    ("%taas config repo PATH", "set the repository (default: $TAAS_REPO, the git work tree, the cwd)"),
+    ("%taas config isolation auto|overlay|python", "how other ranks' writes are diverted (auto: overlay where possible)"),
+    ("%taas cluster ADDRESS|local", "run ranks on a Ray cluster (ray.init address), or back to this host"),
+    ("%taas warm off|auto|N", "warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus"),
+    ("%taas help", "this text"),
+)
+
+
+def _columns(rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(left) for left, _ in rows) + 2
+    return "\n".join(f"  {left:<{width}}{right}" for left, right in rows)
+
+
+HELP = f"""\
 taas: run one notebook cell as N DDP ranks.
 
   #!<config>                   optional config lines (e.g. #!g2.8), recorded and shown
   #pragma taas --gpus N        first line of the cell (or: %%taas --gpus N)
 
 Options:
-  --gpus N         number of ranks, one per GPU (CPU + gloo where the host has no GPU)
-  --cpus M         1..8 data workers for loaders registered with taas.register (default 1)
-  --units K        elements the data workers extract (default: one pass of the loader)
-  --timeout S      stop every rank after S seconds and name those still running
-  --per-host G     cluster mode: at most G ranks on any host
-  --place-timeout S  cluster mode: seconds to wait for the GPUs (default 60)
-  --output MODE    rank0 (default): only rank 0's output; all: every rank's, prefixed [rank k]
+{_columns([(f"{option.flag} {option.metavar}", option.help) for option in OPTIONS])}
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT and TORCHELASTIC_RUN_ID, so init_process_group(init_method='env://') and
@@ -31,11 +40,7 @@ back to the notebook; its last expression becomes the cell's result.
 Only rank 0 writes to the repository (the git work tree holding the working directory):
 the other ranks' writes there are diverted to a private layer, thrown away after the cell.
 
-%taas status             the last run, the devices seen, the defaults, the write rule
-%taas config repo PATH   set the repository (default: $TAAS_REPO, the git work tree, the cwd)
-%taas cluster ADDRESS|local  run ranks on a Ray cluster (ray.init address), or back to this host
-%taas warm off|auto|N    warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus
-%taas help               this text"""
+{_columns(LINE_COMMANDS)}"""
 
 
 @dataclass

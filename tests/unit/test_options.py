@@ -1,0 +1,66 @@
+"""The options are defined once (pragma.OPTIONS): the usage line, %taas help and the README cannot drift."""
+
+import re
+from pathlib import Path
+
+import pytest
+from traitlets import TraitError
+
+from taas_magic.magics import TaasMagics
+from taas_magic.pragma import OPTIONS, PragmaError, parse_options, usage
+from taas_magic.status import HELP, LINE_COMMANDS
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def _readme_option_rows() -> list[str]:
+    """The first cell of every row of the README's option table, as written (`--gpus N`)."""
+    table = README.split("| option | meaning |", 1)[1].split("\n\n", 1)[0]
+    return [match.replace("\\|", "|") for match in re.findall(r"^\| `(--[^`]+)` \|", table, flags=re.MULTILINE)]
+
+
+def test_the_readme_table_lists_exactly_the_grammars_options():
+    assert _readme_option_rows() == [f"{option.flag} {option.metavar}" for option in OPTIONS]
+
+
+def test_help_and_usage_name_every_option_with_its_value():
+    for option in OPTIONS:
+        assert f"{option.flag} {option.metavar}" in HELP and option.help in HELP
+        assert f"{option.flag} {option.metavar}" in usage()
+
+
+def test_every_line_command_is_in_help_and_in_the_readme():
+    for command, _ in LINE_COMMANDS:
+        assert command in HELP
+        assert f"`{command}" in README, command
+
+
+def test_every_option_parses_and_sets_its_own_field():
+    samples = {"--gpus": "2", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
+               "--per-host": "1", "--place-timeout": "7", "--output": "all"}
+    assert set(samples) == {option.flag for option in OPTIONS}
+    parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items()))
+    assert (parsed.gpus, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.per_host,
+            parsed.place_timeout, parsed.output) == (2, 3, 9, 1 << 30, 4, 5.0, 1, 7.0, "all")
+    with pytest.raises(PragmaError, match="--gpus N is required"):
+        parse_options("--cpus 2")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "accepted"),
+    [
+        ("warm", "bogus", "'off', 'auto' or a number"),
+        ("cache_ram", "lots", "a size such as 512M or 4G"),
+        ("timeout", -1.0, "a positive number of seconds"),
+        ("place_timeout", 0.0, "a positive number of seconds"),
+        ("ahead", 1, "at least 2"),
+        ("max_output_lines", 0, "at least 1"),
+    ],
+)
+def test_a_setting_with_an_invalid_value_is_refused_naming_what_is_accepted(setting, value, accepted):
+    magics = TaasMagics(shell=None)
+    try:
+        with pytest.raises(TraitError, match=accepted):
+            setattr(magics, setting, value)
+    finally:
+        magics.spares.close()
