@@ -66,6 +66,6 @@ def earlier_cells(shell, pickled: bytes) -> dict[str, tuple[int, list[str]]]:
     cells = {}
     for filename, number in getattr(shell.compile, "_filename_map", {}).items():
         entry = linecache.cache.get(filename)
-        if entry is not None and filename.encode() in pickled:
+        if entry is not None and len(entry) == 4 and filename.encode() in pickled:  # 4: loaded, not lazy
             cells[filename] = (number, list(entry[2]))
     return cells

@@ -115,7 +115,9 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as exc:
-        raise UsageError(f"taas: no Ray cluster answers at {address!r} ({exc}); check the address (ray status shows it)") from None
+        raise UsageError(
+            f"taas: no Ray cluster answers at {address!r} ({exc}); check the address (ray status shows it)"
+        ) from None
 
 
 def address_from_environment() -> str | None:

@@ -55,6 +55,8 @@ class LaunchError(TaasError):
 class RunError(TaasError):
     """The ranks started but the run did not succeed; every rank has been stopped."""
 
+    last_lines: tuple[str, ...] = ()  # the failing process's last lines of output, when it printed any
+
 
 def describe_exit(code: int | None) -> str:
     """A person's words for a process exit code (negative means killed by a signal)."""
@@ -69,7 +71,9 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _failure_report(who: str, host: str, summary: str, stopped: str, traceback_text: str, last_lines: tuple[str, ...]) -> list[str]:
+def _failure_report(
+    who: str, host: str, summary: str, stopped: str, traceback_text: str, last_lines: tuple[str, ...]
+) -> list[str]:
     """The cell's error lines for a failed process: what happened, its traceback, its last output."""
     lines = [f"taas: {who} on {host} {summary}; {stopped}."]
     if traceback_text:
@@ -139,7 +143,8 @@ class WorkerFailed(RunError):
             if line and line.strip():
                 lines.append(f"    {line.strip()}\n")
         exception = report["exception"].strip()
-        summary = f"raised {exception.splitlines()[-1] if exception else 'an error'} while preparing {report['element']} of {loader}"
+        raised = exception.splitlines()[-1] if exception else "an error"
+        summary = f"raised {raised} while preparing {report['element']} of {loader}"
         return cls(worker, host, summary, "".join(lines) + report["exception"])
 
     def _render_traceback_(self) -> list[str]:

@@ -54,8 +54,8 @@ def reads(node: ast.AST) -> set[str]:
             names.add(sub.target.id)
         elif isinstance(sub, (ast.Global, ast.Nonlocal)):
             names.update(sub.names)
-        elif _is_get_ipython_call(sub):
-            for arg in sub.args:  # type: ignore[attr-defined]
+        elif isinstance(sub, ast.Call) and _is_get_ipython_call(sub):
+            for arg in sub.args:
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     names.update(_IDENTIFIER.findall(arg.value))
     return names
@@ -133,12 +133,12 @@ class _Flow:
                     binds |= _target_names(item.optional_vars)  # bound before the body runs
             self.block(node.body, bound | binds)
         elif isinstance(node, _TRY):
-            completed = self.block(node.body, bound)  # type: ignore[attr-defined]
-            self.block(node.orelse, completed)  # type: ignore[attr-defined]  # runs only after the body completed
-            for handler in node.handlers:  # type: ignore[attr-defined]
+            completed = self.block(node.body, bound)
+            self.block(node.orelse, completed)  # runs only after the body completed
+            for handler in node.handlers:
                 self.read(handler.type, bound)
                 self.block(handler.body, bound | ({handler.name} if handler.name else set()))
-            binds = self.block(node.finalbody, bound)  # type: ignore[attr-defined]
+            binds = self.block(node.finalbody, bound)
         else:  # expressions, del, return, match, ...: reads everything, binds nothing for certain
             self.read(node, bound)
         return bound | (binds - self.never_bound)

@@ -20,25 +20,24 @@ from . import wire
 from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from .cellcode import earlier_cells, translate
 from .closure import select_closure, serialise_closure
-from .handoff import HANDOFF_BYTES, ClosureHandoff
-from .feed.run import DataRun, default_cache_ram, describe_registered
-from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 from .cluster import Cluster, address_from_environment
+from .feed.run import DataRun, default_cache_ram, describe_registered
+from .handoff import HANDOFF_BYTES, ClosureHandoff
+from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 from .launch.base import LaunchPlan, RankGroup
 from .launch.local import LocalRankGroup
 from .launch.placement import RankSlot, plan_hosts
 from .launch.ray import ClusterLaunch
 from .launch.spares import SparePool
-from .pragma import PragmaError, parse_cell, parse_size
+from .pragma import parse_cell, parse_size
 from .rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port, visible_gpu_count
 from .relay import OutputRelay
-from .transfer import memfile
-from .transfer.pack import Packing
 from .results import apply_results
 from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
 from .supervisor import DataPlane, run_ranks
-
+from .transfer import memfile
+from .transfer.pack import Packing
 
 # A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster).
 CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
@@ -176,10 +175,11 @@ class TaasMagics(Magics):
         record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
         self.last_run = record
         port_reservation = reserve_port() if cluster is None else None
-        master_addr, master_port = (
-            (LOOPBACK, port_reservation.getsockname()[1]) if port_reservation is not None
-            else (cluster.master_addr, cluster.master_port)  # type: ignore[union-attr]
-        )
+        if cluster is None:
+            assert port_reservation is not None
+            master_addr, master_port = LOOPBACK, port_reservation.getsockname()[1]
+        else:
+            master_addr, master_port = cluster.master_addr, cluster.master_port
         server = RankServer(key, world_size + workers, LOOPBACK if cluster is None else cluster.kernel_address)
         layers = ScratchLayers(world_size, workers)
         handoff: ClosureHandoff | None = None
@@ -214,7 +214,10 @@ class TaasMagics(Magics):
             relay = OutputRelay(output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr}, workers=workers, budget=budget)
 
             def greeting(peer: int) -> list[bytes]:
-                return bodies if peer < world_size else data.greeting(peer - world_size)  # type: ignore[union-attr]
+                if peer < world_size:
+                    return bodies
+                assert data is not None  # only data workers have peer ids past the ranks
+                return data.greeting(peer - world_size)
 
             def start_data() -> DataPlane:
                 assert data is not None
@@ -319,7 +322,7 @@ class TaasMagics(Magics):
             kwargs["update"] = True
         display_pub.publish(message["data"], **kwargs)
 
-    @line_magic("taas")  # type: ignore[arg-type]
+    @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str):
         """``%taas help`` | ``status`` | ``config repo PATH`` | ``config isolation auto|python`` | ``warm off|auto|N``."""
         command = line.strip() or "help"
@@ -357,7 +360,8 @@ class TaasMagics(Magics):
             print(help_text())
         elif command == "status":
             rule = self._write_rule()
-            defaults = {"output": self.output, "timeout": self.timeout, "cache-ram": self.cache_ram or "auto", "ahead": self.ahead}
+            defaults = {"output": self.output, "timeout": self.timeout, "cache-ram": self.cache_ram or "auto",
+                        "ahead": self.ahead}
             print(status_text(self.last_run, visible_gpu_count(), defaults, self._registered_lines()))
             spares = len(self.spares.spares)
             print(f"warm spares: {self.warm}, {spares} waiting, {self.spares.resident_bytes() / 2**20:.0f} MB resident")

@@ -196,7 +196,9 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
 
 
 def _config_name(line: str, lineno: int) -> str:
-    config = CONFIG_RE.match(line).group("config").strip()  # type: ignore[union-attr]
+    match = CONFIG_RE.match(line)
+    assert match is not None, "called only for lines CONFIG_RE matched"
+    config = match.group("config").strip()
     if not config or " " in config:
         raise PragmaError(f"bad config line {line.strip()!r} on line {lineno} (expected e.g. #!g2.8)")
     return config
@@ -253,7 +255,9 @@ def parse_cell(cell: str, magic_args: str | None = None) -> TaasCell:
         raise PragmaError("no #pragma taas line at the top of the cell")
     pragma_index = index
     _check_no_more_pragmas(lines, pragma_index + 1, "two pragmas in one cell")
-    args = PRAGMA_RE.match(lines[pragma_index]).group("args")  # type: ignore[union-attr]
+    pragma = PRAGMA_RE.match(lines[pragma_index])
+    assert pragma is not None, "is_pragma_line said so"
+    args = pragma.group("args")
     options = parse_options(args, tuple(configs))
     # Blank lines above the pragma become empty comments so that IPython's
     # leading_empty_lines cleanup cannot shift the person's line numbers.

@@ -142,7 +142,8 @@ class _Loop:
         if outcome is False:
             self.server.drop(peer)
             return
-        connection: RankConnection = outcome  # type: ignore[assignment]
+        assert isinstance(outcome, RankConnection)
+        connection = outcome
         self.connections[connection.rank] = connection
         for body in self.greeting(connection.rank) + self.queued.pop(connection.rank, []):
             connection.send(body)
@@ -348,12 +349,13 @@ def supervise(
             if deadline is not None and now >= deadline:
                 running = tuple(r.rank for r in group.ranks if r.rank not in loop.exit_codes)
                 _stop(group, data)
-                raise RunTimeout(timeout, running)  # type: ignore[arg-type]
+                assert timeout is not None  # a deadline exists only with a timeout
+                raise RunTimeout(timeout, running)
         if loop.failure is not None:
             failure, peer = loop.failure, loop.failure_peer
             loop.drain_pipes(peer)  # what it printed before it reported the failure
             relay.flush(force=True)
-            failure.last_lines = relay.last_lines(peer)  # type: ignore[attr-defined]
+            failure.last_lines = relay.last_lines(peer)
             relay.mute()
             _stop(group, data)
             raise failure

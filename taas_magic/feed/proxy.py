@@ -114,5 +114,7 @@ class PreparedLoader:
 
 def prepared_loaders(feeds: list[dict], channel: wire.BlockingChannel) -> dict[int, PreparedLoader]:
     """Feed index -> the :class:`PreparedLoader` the closure's ``("taas-feed", i)`` resolves to."""
-    client = FeedClient(channel) if feeds else None
-    return {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}  # type: ignore[arg-type]
+    if not feeds:
+        return {}
+    client = FeedClient(channel)
+    return {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}

@@ -134,7 +134,8 @@ class DataRun:
         else:
             group = LocalRankGroup.start(plan, WORKER_COMMAND, "data worker")
         coordinator = FeedCoordinator(self.plans)
-        return DataPlane(coordinator, group, ProgressLine(coordinator, publish, self.workers), self.usage, courier() if courier is not None else None)
+        progress = ProgressLine(coordinator, publish, self.workers)
+        return DataPlane(coordinator, group, progress, self.usage, courier() if courier is not None else None)
 
     def _cache_inside(self, repository: str) -> bool:
         """A cache directory inside the repository cannot be isolated away from the workers."""

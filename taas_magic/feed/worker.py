@@ -107,7 +107,8 @@ class Worker:
         return self._step_iterable(feed)
 
     def _step_map(self, feed: _Feed) -> bool:
-        source: MapSource = feed.source  # type: ignore[assignment]
+        source = feed.source
+        assert isinstance(source, MapSource)
         if feed.pending is None:
             feed.pending = source.next_index()
             if feed.pending is None:
@@ -129,7 +130,8 @@ class Worker:
     def _step_iterable(self, feed: _Feed) -> bool:
         if feed.waiting_for_pass or feed.arrived + (feed.sent - feed.counted) >= feed.horizon:
             return False
-        source: IterableSource = feed.source  # type: ignore[assignment]
+        source = feed.source
+        assert isinstance(source, IterableSource)
         try:
             element = source.next_element()
         except StopIteration:

@@ -58,8 +58,9 @@ class LocalRank:
     exit_fd: int | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stdout_fd = self.process.stdout.fileno()  # type: ignore[union-attr]
-        self.stderr_fd = self.process.stderr.fileno()  # type: ignore[union-attr]
+        assert self.process.stdout is not None and self.process.stderr is not None  # started with PIPE
+        self.stdout_fd = self.process.stdout.fileno()
+        self.stderr_fd = self.process.stderr.fileno()
         for fd in (self.stdout_fd, self.stderr_fd):
             _widen_pipe(fd)
         self.exit_fd = _open_pidfd(self.process.pid)
@@ -113,8 +114,9 @@ class LocalRankGroup:
                     )
                     message = f"{plan.handshake}\n"
                 ranks.append(LocalRank(rank, process))
-                process.stdin.write(message.encode("utf-8"))  # type: ignore[union-attr]
-                process.stdin.flush()  # type: ignore[union-attr]
+                assert process.stdin is not None  # started with PIPE
+                process.stdin.write(message.encode("utf-8"))
+                process.stdin.flush()
         except (OSError, subprocess.SubprocessError) as exc:
             cls(ranks).close()
             if warm is not None:

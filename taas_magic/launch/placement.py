@@ -95,7 +95,8 @@ def _pack(order: list[Node], gpus: int, per_host: int | None, free: bool) -> lis
 
 
 def describe_free(nodes: list[Node]) -> str:
-    return ", ".join(f"{node.label}: {node.gpus_free}/{node.gpus_total} GPU free" for node in nodes if node.gpus_total) or "no GPU hosts"
+    free = [f"{node.label}: {node.gpus_free}/{node.gpus_total} GPU free" for node in nodes if node.gpus_total]
+    return ", ".join(free) or "no GPU hosts"
 
 
 def worker_blocks(nodes: list[Node], workers: int) -> list[tuple[Node, list[int]]]:

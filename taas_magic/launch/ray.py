@@ -308,13 +308,19 @@ class ClusterLaunch:
 
     def layout(self) -> str:
         return ", ".join(
-            f"ranks {s.first_rank}-{s.first_rank + s.ranks - 1} on {s.node.label}" if s.ranks > 1 else f"rank {s.first_rank} on {s.node.label}"
+            f"ranks {s.first_rank}-{s.first_rank + s.ranks - 1} on {s.node.label}"
+            if s.ranks > 1
+            else f"rank {s.first_rank} on {s.node.label}"
             for s in self.shares
         )
 
     def start(self, envs: Sequence[dict], cwd: str, handshake: str, key: bytes) -> RayRankGroup:
         hosts = [
-            (agent, LaunchPlan(share.ranks, envs[share.first_rank:share.first_rank + share.ranks], cwd, handshake), share.node.label)
+            (
+                agent,
+                LaunchPlan(share.ranks, envs[share.first_rank:share.first_rank + share.ranks], cwd, handshake),
+                share.node.label,
+            )
             for agent, share in zip(self.agents, self.shares)
         ]
         return RayRankGroup.start(self.ray, self.reservation, hosts, self.kernel_address, key)

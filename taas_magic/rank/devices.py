@@ -39,5 +39,5 @@ def serve_nccl_with_gloo(dist: ModuleType) -> None:
                 args = (_cpu_backend(args[0]), *args[1:])
             return __original(*args, **kwargs)
 
-        wrapper.__taas_cpu__ = True  # type: ignore[attr-defined]
+        wrapper.__taas_cpu__ = True  # type: ignore[attr-defined]  # a marker on the function: wrapped once only
         setattr(module, name, wrapper)

@@ -101,18 +101,20 @@ class Diversion:
 
     def _delete(self, path: Any, is_dir: bool) -> None:
         relative = self.relative(path)
-        upper = os.path.join(self.upper, relative)  # type: ignore[arg-type]
+        assert relative is not None, "called only for paths inside the repository"
+        upper = os.path.join(self.upper, relative)
         if os.path.lexists(upper):
             (self.real_rmtree if is_dir and not os.path.islink(upper) else self.real["unlink"])(upper)
-        self.deleted.add(relative)  # type: ignore[arg-type]
-        self._log(relative)  # type: ignore[arg-type]
+        self.deleted.add(relative)
+        self._log(relative)
 
     # -- the patched functions -----------------------------------------------------------
     def open(self, file, mode="r", *args, **kwargs):
         if self.relative(file) is None:
             return self.real_open(file, mode, *args, **kwargs)
         writes = any(flag in mode for flag in "wax+")
-        target = self.for_writing(file, copy_up="a" in mode or "+" in mode and "w" not in mode) if writes else self.for_reading(file)
+        copy_up = "a" in mode or "+" in mode and "w" not in mode
+        target = self.for_writing(file, copy_up=copy_up) if writes else self.for_reading(file)
         return self.real_open(target, mode, *args, **kwargs)
 
     def os_open(self, path, flags, mode=0o777, *, dir_fd=None):
@@ -210,13 +212,13 @@ def install(repository: str, layer: str) -> Diversion:
     from taas_magic.rank.import_hooks import when_imported
 
     diversion = Diversion(repository, layer)
-    builtins.open = io.open = diversion.open  # type: ignore[assignment]
-    os.open = diversion.os_open  # type: ignore[assignment]
-    os.remove = os.unlink = diversion.remove  # type: ignore[assignment]
-    os.rename, os.replace = diversion.rename, diversion.rename  # type: ignore[assignment]
-    os.mkdir, os.rmdir, os.chmod = diversion.mkdir, diversion.rmdir, diversion.chmod  # type: ignore[assignment]
-    os.stat, os.lstat, os.listdir = diversion.stat, diversion.lstat, diversion.listdir  # type: ignore[assignment]
-    shutil.rmtree = diversion.rmtree  # type: ignore[assignment]
+    builtins.open = io.open = diversion.open
+    os.open = diversion.os_open
+    os.remove = os.unlink = diversion.remove
+    os.rename, os.replace = diversion.rename, diversion.rename
+    os.mkdir, os.rmdir, os.chmod = diversion.mkdir, diversion.rmdir, diversion.chmod
+    os.stat, os.lstat, os.listdir = diversion.stat, diversion.lstat, diversion.listdir
+    shutil.rmtree = diversion.rmtree  # type: ignore[assignment]  # replacing it with the diverting one is the point
 
     def patch_torch(torch_module) -> None:
         import torch.serialization as serialization

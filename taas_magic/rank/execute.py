@@ -42,7 +42,7 @@ def run_cell(source: str, filename: str, module: ModuleType) -> Any:
     exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - running the person's cell is the point
     if last is None:
         return NO_VALUE
-    return eval(compile(last, filename, "eval"), namespace)  # noqa: S307
+    return eval(compile(last, filename, "eval"), namespace)  # noqa: S307 - the cell's own last expression
 
 
 def format_cell_traceback(exc: BaseException, filename: str) -> str:

@@ -19,7 +19,7 @@ class _CallbackLoader(importlib.abc.Loader):
         self._loader = loader
         self._callback = callback
 
-    def create_module(self, spec):  # type: ignore[override]
+    def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -34,7 +34,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self.callbacks: dict[str, Callable[[ModuleType], None]] = {}
 
-    def find_spec(self, fullname, path, target=None):  # type: ignore[override]
+    def find_spec(self, fullname, path, target=None):
         callback = self.callbacks.pop(fullname, None)
         if callback is None:
             return None

@@ -105,7 +105,8 @@ def main() -> None:
         io.BufferedWriter(io.FileIO(1, "w", closefd=False), STDOUT_BUFFER),
         encoding=sys.stdout.encoding, errors=sys.stdout.errors,
     )
-    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if isinstance(sys.stderr, io.TextIOWrapper):  # it is, unless something replaced it before we ran
+        sys.stderr.reconfigure(line_buffering=True)
     lifeline.flush_periodically(sys.stdout, FLUSH_SECONDS)
     import taas
 

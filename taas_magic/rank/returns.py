@@ -91,7 +91,7 @@ def _equal_bytes(address: int, original: Any, offset: int, nbytes: int) -> bool:
             return torch.equal(torch.frombuffer(current, dtype=torch.uint8), torch.frombuffer(before, dtype=torch.uint8))
     import numpy
 
-    return bool(numpy.array_equal(numpy.frombuffer(current, numpy.uint8), numpy.frombuffer(before, numpy.uint8)))
+    return bool(numpy.array_equal(numpy.frombuffer(memoryview(current), numpy.uint8), numpy.frombuffer(before, numpy.uint8)))
 
 
 class _Shipped:
@@ -120,18 +120,17 @@ class _Shipped:
         """The shipped blob that rank 0's blob ``index`` is, with its bytes unchanged, if any."""
         if index not in self._untouched:
             j = self.origin(index)
-            blob = self._blobs[index]
-            if j is not None and not (self._data.path is not None and _pages_untouched(blob.address, blob.nbytes)):  # type: ignore[arg-type]
+            address, nbytes = self._blobs[index].address, self._blobs[index].nbytes
+            if j is not None and address is not None and not (self._data.path is not None and _pages_untouched(address, nbytes)):
                 if self._original is None:
                     self._original = self._received.original_bytes()
-                if self._original is None or not _equal_bytes(blob.address, self._original,  # type: ignore[arg-type]
-                                                              self._data.offsets[j], blob.nbytes):
+                if self._original is None or not _equal_bytes(address, self._original, self._data.offsets[j], nbytes):
                     j = None
             self._untouched[index] = j
         return self._untouched[index]
 
 
-def _decide(packing: Packing, received: ReceivedClosure, shipped: _Shipped) -> list[bool] | None:
+def _decide(packing: Packing, received: ReceivedClosure, shipped: _Shipped) -> list[bool | None]:
     """Per segment, whether the kernel binds it; None for a segment it need not even load."""
     digests = received.message["digests"]
     bind, start = [], 0

@@ -67,11 +67,11 @@ class Blob:
     def cpu_bytes(self) -> memoryview:
         """The payload as bytes in host memory (a CUDA storage is copied to the host once)."""
         if self.kind == "n":
-            return memoryview(self.source.reshape(-1).view("uint8"))
+            return self.source.reshape(-1).view("uint8").data
         import torch
 
         flat = torch.empty(0, dtype=torch.uint8, device=self.source.device).set_(self.source)
-        return memoryview(flat.cpu().numpy())
+        return flat.cpu().numpy().data
 
 
 @dataclass(frozen=True)

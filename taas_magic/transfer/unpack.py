@@ -117,10 +117,27 @@ def _checked(load_get: Callable[[Any], None]) -> Callable[[Any], None]:
     return load
 
 
-class _RecoveringUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the pure-Python one: its memo is a dict we may fill
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+# The pure-Python unpickler: its memo is a dict we may fill, and its opcodes are methods we may wrap.
+_PythonUnpickler: Any = getattr(pickle, "_Unpickler")  # noqa: B009 - private: typeshed does not declare it
+
+
+class _RecoveringUnpickler(_PythonUnpickler):
+    dispatch = dict(_PythonUnpickler.dispatch)
     for _opcode, _method in ((pickle.GET, "load_get"), (pickle.BINGET, "load_binget"), (pickle.LONG_BINGET, "load_long_binget")):
-        dispatch[_opcode[0]] = _checked(getattr(pickle._Unpickler, _method))  # type: ignore[attr-defined]
+        dispatch[_opcode[0]] = _checked(getattr(_PythonUnpickler, _method))
+
+    def __init__(self, file: io.BytesIO, resolve: Resolve):
+        super().__init__(file)
+        self.persistent_load = resolve
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, resolve: Resolve):
+        super().__init__(file)
+        self._resolve = resolve
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._resolve(pid)
 
 
 def _memo_puts(segment: bytes) -> int:
@@ -128,15 +145,13 @@ def _memo_puts(segment: bytes) -> int:
 
 
 def _load_fast(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -> dict[str, Any]:
-    unpickler = pickle.Unpickler(io.BytesIO(skeleton))
-    unpickler.persistent_load = resolve  # type: ignore[assignment]  # documented: an attribute works too
+    unpickler = _Unpickler(io.BytesIO(skeleton), resolve)
     return {segment.name: unpickler.load() for segment in segments}
 
 
 def _load_recovering(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve):
     stream = io.BytesIO(skeleton)
-    unpickler = _RecoveringUnpickler(stream)
-    unpickler.persistent_load = resolve
+    unpickler = _RecoveringUnpickler(stream, resolve)
     values: dict[str, Any] = {}
     failed: list[tuple[str, str, str]] = []
     start = 0
