@@ -158,3 +158,15 @@ def wait_until_gone(processes: list[psutil.Process], timeout: float) -> list[psu
 
 def in_ci() -> bool:
     return os.environ.get("CI") == "true"
+
+
+def assert_nothing_left(kernel: Kernel) -> None:
+    """No process started for a cell is still alive (waiting warm spares are kept on purpose)."""
+    alive = wait_until_gone(kernel.children(), timeout=5)
+    left = []
+    for process in alive:
+        try:
+            left.append((process.pid, process.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes left behind: {left}"

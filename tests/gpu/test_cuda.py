@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_client import Kernel
+from tests.kernel_client import Kernel, assert_nothing_left
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,7 +15,10 @@ pytestmark = [
 def gpu_kernel():
     kernel = Kernel()
     yield kernel
-    kernel.shutdown()
+    try:
+        assert_nothing_left(kernel)
+    finally:
+        kernel.shutdown()
 
 
 def test_one_rank_with_nccl_and_cuda_tensors_back(gpu_kernel):

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.kernel_client import Kernel, wait_until_gone
+from tests.kernel_client import Kernel, assert_nothing_left
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +17,4 @@ def nothing_left_running(request):
     yield
     if "kernel" not in request.fixturenames:
         return
-    shared = request.getfixturevalue("kernel")
-    alive = wait_until_gone(shared.children(), timeout=5)
-    assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+    assert_nothing_left(request.getfixturevalue("kernel"))

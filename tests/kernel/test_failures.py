@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from taas_magic import wire
-from tests.kernel_client import Kernel, wait_until_gone
+from tests.kernel_client import wait_until_gone
 
 # Rank 1 fails while rank 0 would sleep for a minute; the rank 0 sleep proves the stop.
 FAILING_RANK_1 = """\
@@ -187,33 +187,40 @@ def test_kernel_listeners_are_loopback_and_refuse_strangers(kernel):
         "ctypes.PyDLL(None).pthread_mutex_lock(mutex)\nctypes.PyDLL(None).pthread_mutex_lock(mutex)",
     ],
 )
-def test_no_rank_outlives_a_killed_kernel(wait):
-    victim = Kernel()
-    try:
-        msg_id, _ = victim.submit(
-            "#pragma taas --gpus 2 --output all\nimport ctypes, subprocess, time\nsubprocess.Popen(['sleep', '120'])\n"
-            f"print('up', flush=True)\n{wait}"
-        )
-        victim.wait_for_stream(msg_id, "up")
-        time.sleep(0.5)
-        descendants = victim.children()
-        assert len(descendants) >= 4  # two ranks and their sleeps
-        os.kill(victim.pid, signal.SIGKILL)
-        alive = wait_until_gone(descendants, timeout=10)
-        assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    finally:
-        victim.shutdown()
+def test_no_rank_outlives_a_killed_kernel(wait, new_kernel):
+    victim = new_kernel()
+    msg_id, _ = victim.submit(
+        "#pragma taas --gpus 2 --output all\nimport ctypes, subprocess, time\nsubprocess.Popen(['sleep', '120'])\n"
+        f"print('up', flush=True)\n{wait}"
+    )
+    victim.wait_for_stream(msg_id, ("[rank 0] up", "[rank 1] up"))
+    sleeps = _wait_for(lambda: [p for p in victim.children() if p.name() == "sleep"], 2)
+    descendants = victim.children()
+    assert len(sleeps) == 2 and len(descendants) >= 4  # two ranks and their sleeps
+    os.kill(victim.pid, signal.SIGKILL)
+    alive = wait_until_gone(descendants, timeout=10)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
-def test_unload_removes_everything():
-    fresh = Kernel()
-    try:
-        fresh.execute("%unload_ext taas_magic")
-        ran = fresh.execute("#pragma taas --gpus 2\nprint('local')")
-        assert ran.reply["status"] == "ok" and ran.stream("stdout") == "local\n"  # a plain comment now
-        assert fresh.execute("%taas status").reply["status"] == "error"
-        assert fresh.execute("%load_ext taas_magic").reply["status"] == "ok"
-        again = fresh.execute("#pragma taas --gpus 1\nprint('remote')")
-        assert "taas: 1 rank(s)" in again.stream("stdout")
-    finally:
-        fresh.shutdown()
+def _wait_for(found, count: int, timeout: float = 10) -> list:
+    """Poll ``found()`` until it lists ``count`` things (or the timeout passes): what it lists last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            items = found()
+        except psutil.NoSuchProcess:
+            items = []
+        if len(items) >= count or time.monotonic() > deadline:
+            return items
+        time.sleep(0.02)
+
+
+def test_unload_removes_everything(new_kernel):
+    fresh = new_kernel()
+    fresh.execute("%unload_ext taas_magic")
+    ran = fresh.execute("#pragma taas --gpus 2\nprint('local')")
+    assert ran.reply["status"] == "ok" and ran.stream("stdout") == "local\n"  # a plain comment now
+    assert fresh.execute("%taas status").reply["status"] == "error"
+    assert fresh.execute("%load_ext taas_magic").reply["status"] == "ok"
+    again = fresh.execute("#pragma taas --gpus 1\nprint('remote')")
+    assert "taas: 1 rank(s)" in again.stream("stdout")

@@ -31,18 +31,13 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     assert not list(Path(os.getcwd()).glob("mnist_cnn.pt"))
 
 
-def test_kernelspec_python3_taas_loads_the_extension():
+def test_kernelspec_python3_taas_loads_the_extension(new_kernel):
     from jupyter_client.kernelspec import KernelSpecManager
-
-    from tests.kernel_client import Kernel
 
     specs = KernelSpecManager().find_kernel_specs()
     assert "taas" in specs, "install the package (pip install .) or see the README's kernelspec line"
     assert KernelSpecManager().get_kernel_spec("taas").display_name == "Python 3 (taas)"
-    taas_kernel = Kernel(kernel_name="taas", load_ext=False)
-    try:
-        ran = taas_kernel.execute("#pragma taas --gpus 1\nimport os\nos.environ['WORLD_SIZE']")
-        assert ran.reply["status"] == "ok", ran.error_text()
-        assert ran.result["text/plain"] == "'1'"
-    finally:
-        taas_kernel.shutdown()
+    taas_kernel = new_kernel(kernel_name="taas", load_ext=False)
+    ran = taas_kernel.execute("#pragma taas --gpus 1\nimport os\nos.environ['WORLD_SIZE']")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert ran.result["text/plain"] == "'1'"

@@ -37,26 +37,31 @@ def test_later_cells_start_from_spares_and_never_reuse_a_process(kernel):
 def test_no_state_passes_from_one_cell_to_the_next(kernel):
     kernel.execute("%taas warm auto")
     kernel.execute("#pragma taas --gpus 2\nimport json\njson.left_behind = 1")
-    _wait_for_spares(kernel, 2)
-    ran = kernel.execute("#pragma taas --gpus 2 --output all\nimport json\nprint('leak', hasattr(json, 'left_behind'))")
+    assert _wait_for_spares(kernel, 2)
+    spares = {p.pid for p in kernel.spares()}
+    ran = kernel.execute("#pragma taas --gpus 2 --output all\nimport json, os\nprint('leak', hasattr(json, 'left_behind'), os.getpid())")
     assert ran.stream().count("leak False") == 2, ran.stream()
+    assert {int(line.split()[-1]) for line in ran.stream().splitlines() if "leak" in line} == spares  # ran on spares
 
 
 def test_spares_take_the_environment_and_cwd_of_the_launch_not_their_own(kernel, tmp_path):
     kernel.execute("%taas warm auto")
     kernel.execute(PIDS)
-    _wait_for_spares(kernel, 2)
+    assert _wait_for_spares(kernel, 2)
+    spares = {p.pid for p in kernel.spares()}
     kernel.execute(f"import os\nos.environ['TAAS_TEST_LATE'] = 'late'\n_old = os.getcwd()\nos.chdir({str(tmp_path)!r})")
     try:
         ran = kernel.execute(
             "#pragma taas --gpus 2 --output all\nimport os, torch\n"
-            "print('env', os.environ.get('TAAS_TEST_LATE'), os.getcwd(), os.environ['RANK'], torch.get_num_threads())"
+            "print('env', os.environ.get('TAAS_TEST_LATE'), os.getcwd(), os.environ['RANK'], torch.get_num_threads())\n"
+            "print('pid', os.getpid(), flush=True)"
         )
     finally:
         kernel.execute("os.chdir(_old)\ndel os.environ['TAAS_TEST_LATE']")
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // 2))
     for rank in (0, 1):
         assert f"[rank {rank}] env late {tmp_path} {rank} {threads}" in ran.stream(), ran.stream()
+    assert {int(line.split()[-1]) for line in ran.stream().splitlines() if " pid " in line} == spares  # they were spares
 
 
 def test_warm_off_and_n_control_the_spares_and_status_reports_their_memory(kernel):
@@ -71,16 +76,13 @@ def test_warm_off_and_n_control_the_spares_and_status_reports_their_memory(kerne
     kernel.execute("%taas warm auto")
 
 
-def test_spares_die_with_the_kernel():
-    lone = Kernel()
-    try:
-        lone.execute("%taas warm 2")
-        assert _wait_for_spares(lone, 2)
-        spares = lone.spares()
-        os.kill(lone.pid, signal.SIGKILL)
-        assert not wait_until_gone(spares, timeout=5)
-    finally:
-        lone.shutdown()
+def test_spares_die_with_the_kernel(new_kernel):
+    lone = new_kernel()
+    lone.execute("%taas warm 2")
+    assert _wait_for_spares(lone, 2)
+    spares = lone.spares()
+    os.kill(lone.pid, signal.SIGKILL)
+    assert not wait_until_gone(spares, timeout=5)
 
 
 def _wait_for_spares(kernel: Kernel, count: int, timeout: float = 30) -> bool:

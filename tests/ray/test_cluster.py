@@ -248,7 +248,7 @@ def test_data_workers_run_on_the_cpu_host_and_elements_reach_every_host(attached
 
 def test_a_failing_data_worker_on_the_cpu_host_stops_the_run(attached):
     setup = attached.execute(
-        "import taas\n"
+        "import taas, torch\n"
         "class Flaky:\n"
         "    def __len__(self): return 40\n"
         "    def __getitem__(self, i):\n"

@@ -86,10 +86,6 @@ def test_malformed_magic_lines(line, cell, named):
         parse_cell(cell, line)
 
 
-def test_enough_malformed_inputs():
-    assert len(MALFORMED_CELLS) + len(MALFORMED_MAGIC) >= 30
-
-
 def test_config_lines_are_recorded_and_line_numbers_kept():
     cell = "\n#!g2.8\n#pragma taas --gpus 8\nx = 1\n"
     parsed = parse_cell(cell)

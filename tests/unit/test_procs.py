@@ -1,3 +1,4 @@
+import signal
 import subprocess
 import sys
 import time
@@ -12,11 +13,13 @@ def _start(code):
 
 
 def test_sigint_is_enough_for_a_cooperative_process():
-    proc = _start("import time\ntime.sleep(60)")
-    time.sleep(0.3)
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(60)"],
+                            start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"  # Python's own SIGINT handler is in place now
     report = stop_groups([proc])
     assert report.signals == ["SIGINT"]
-    assert proc.returncode is not None and not report.still_running
+    proc.stdout.close()
+    assert proc.returncode == -signal.SIGINT and not report.still_running
 
 
 def test_ladder_escalates_to_kill_and_takes_the_group_down():

@@ -88,14 +88,6 @@ def _serve_one(server):
             return outcome
 
 
-def test_server_listens_on_loopback_only():
-    server = RankServer(wire.new_key(), 2)
-    try:
-        assert server.address[0] == "127.0.0.1"
-    finally:
-        server.close()
-
-
 def test_unauthenticated_connection_is_dropped():
     server = RankServer(wire.new_key(), 2)
     outcome = {}
@@ -131,9 +123,3 @@ def test_rank_with_key_connects_and_exchanges_frames():
     channel.close()
     connection.sock.close()
     server.close()
-
-
-def test_key_is_random():
-    assert wire.new_key() != wire.new_key()
-    assert len(wire.new_key()) == 32
-    assert wire.new_nonce() != wire.new_nonce()
