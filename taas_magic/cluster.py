@@ -16,8 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from IPython.core.error import UsageError
-
+from .errors import ClusterError
 from .launch.placement import Node
 
 ENV_VAR = "TAAS_CLUSTER"
@@ -33,7 +32,7 @@ def import_ray() -> Any:
             warnings.filterwarnings("ignore", message="IProgress not found")
             import ray
     except ImportError as exc:
-        raise UsageError(f"taas: {INSTALL_HINT} ({exc})") from None
+        raise ClusterError(f"taas: {INSTALL_HINT} ({exc})") from None
     return ray
 
 
@@ -57,7 +56,7 @@ class Cluster:
             # cell is current.
             ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
         except Exception as exc:  # noqa: BLE001 - Ray raises many types for an unreachable cluster
-            raise UsageError(f"taas: could not attach to the Ray cluster at {address!r}: {exc}") from None
+            raise ClusterError(f"taas: could not attach to the Ray cluster at {address!r}: {exc}") from None
         return cls(address, ray, ray.get_runtime_context().get_node_id())
 
     def detach(self) -> None:
@@ -115,7 +114,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as exc:
-        raise UsageError(
+        raise ClusterError(
             f"taas: no Ray cluster answers at {address!r} ({exc}); check the address (ray status shows it)"
         ) from None
 

@@ -6,9 +6,11 @@
     ├── PragmaError (IPython UsageError)   malformed head; one line, nothing launched   [pragma.py]
     ├── AuthenticationError (ConnectionError)  a peer without the key                   [wire.py]
     └── TaasError                          one line, no kernel-side traceback
-        ├── ClosureError                   a used notebook name cannot be pickled
-        ├── LaunchError                    the ranks cannot be started (too few GPUs, ...)
-        └── RunError                       the ranks started, the run failed
+        ├── ClosureError                   a used notebook name cannot be pickled           [closure.py]
+        ├── DataPlanError                  the registered loaders cannot serve the run as asked [feed/plan.py]
+        ├── ClusterError                   %taas cluster cannot attach (Ray missing, unreachable) [cluster.py]
+        ├── LaunchError                    the ranks cannot be started (too few GPUs, ...)  [rankenv.py, launch/]
+        └── RunError                       the ranks started, the run failed                [supervisor.py, launch/]
             ├── RankFailed                 a rank raised, exited non-zero or was killed
             ├── WorkerFailed               a data worker raised preparing an element, or died
             └── RunTimeout                 --timeout passed; names the ranks still running
@@ -43,6 +45,22 @@ class ClosureError(TaasError):
 
     def __reduce__(self):
         return (type(self), (self.name, self.type_name, self.reason))
+
+
+class DataPlanError(TaasError):
+    """The registered loaders cannot serve this run as asked (no ``len()`` and no ``--units``,
+    fewer elements than ranks); nothing was launched."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class ClusterError(TaasError):
+    """``%taas cluster`` (or ``$TAAS_CLUSTER``) cannot attach: Ray is not installed, or no
+    cluster answers at the address; the kernel keeps the mode it had."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
 
 
 class LaunchError(TaasError):

@@ -21,6 +21,7 @@ from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from .cellcode import earlier_cells, translate
 from .closure import select_closure, serialise_closure
 from .cluster import Cluster, address_from_environment
+from .errors import ClusterError
 from .feed.run import DataRun, default_cache_ram, describe_registered
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
@@ -98,7 +99,7 @@ class TaasMagics(Magics):
         if address is not None:
             try:
                 self.cluster = Cluster.attach(address)
-            except UsageError as exc:  # the extension still loads: the local mode works
+            except ClusterError as exc:  # the extension still loads: the local mode works
                 print(f"{exc} ($TAAS_CLUSTER); cells run as local processes", file=sys.stderr)
 
     @property
@@ -302,7 +303,7 @@ class TaasMagics(Magics):
             return
         try:
             attached = Cluster.attach(address)  # an unreachable address fails before the current one is let go
-        except UsageError:
+        except ClusterError:
             if self.cluster is not None and not self.cluster.ray.is_initialized():
                 self.cluster = None  # Ray let go of it before failing: the local mode now
             raise

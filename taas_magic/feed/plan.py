@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import DataPlanError  # errors.py imports nothing heavy: ranks load this module too
+
 MAP = "map"
 ITERABLE = "iterable"
 
@@ -103,21 +105,18 @@ def plan_feed(
     """The plan for one registered loader the cell uses.
 
     Raises:
-        PragmaError: no ``len`` and no ``--units``, or fewer elements than ranks.
+        DataPlanError: no ``len`` and no ``--units``, or fewer elements than ranks.
     """
-    from ..pragma import PragmaError  # here, not at the top: ranks and data workers import this
-    # module, and PragmaError would make each of them import IPython (about 80 ms)
-
     kind, length, shuffle = loader_kind(loader)
     if units is None:
         if length is None:
-            raise PragmaError(
-                f"{name} ({type(loader).__name__}) has no len(), so one pass has no known size: "
+            raise DataPlanError(
+                f"taas: {name} ({type(loader).__name__}) has no len(), so one pass has no known size: "
                 "give --units K, the number of elements the data workers extract"
             )
         units = length
     if kind == MAP and length is not None and length < ranks:
-        raise PragmaError(f"{name} yields {length} element(s) per pass, fewer than the {ranks} ranks")
+        raise DataPlanError(f"taas: {name} yields {length} element(s) per pass, fewer than the {ranks} ranks")
     if units < ranks:
-        raise PragmaError(f"--units {units} is fewer than the {ranks} ranks: every rank needs an element")
+        raise DataPlanError(f"taas: --units {units} is fewer than the {ranks} ranks: every rank needs an element")
     return FeedPlan(feed, name, kind, length, units, ranks, workers, shuffle, seed, ahead)

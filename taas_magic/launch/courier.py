@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import LaunchError
+from ..errors import RunError
 
 
 class Courier:
@@ -79,7 +79,9 @@ class Courier:
                 try:
                     places = self.ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - any Ray failure ends the run the same way
-                    raise LaunchError(f"taas: moving prepared elements between hosts failed: {exc}") from None
+                    raise RunError(
+                        f"taas: moving prepared elements between hosts failed: {exc}; every rank was stopped."
+                    ) from None
                 self.copies.update(zip(keys, places))
         out = []
         for rank, queue in self.waiting.items():

@@ -124,7 +124,7 @@ def test_units_covering_several_passes_extracts_every_pass_afresh(data_kernel):
 def test_loader_without_len_needs_units(data_kernel):
     data_kernel.execute("loader = taas.register(DataLoader(Sharded(50), batch_size=5))")
     ran = data_kernel.execute("#pragma taas --gpus 2\nfor batch in loader: pass")
-    assert ran.error is not None and ran.error_text().startswith("UsageError: taas:")
+    assert ran.error is not None and ran.error_text().startswith("DataPlanError: taas:")
     assert "has no len()" in ran.error_text() and "--units K" in ran.error_text()
     assert "rank(s)" not in ran.stream()  # nothing was launched
 

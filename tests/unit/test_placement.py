@@ -3,10 +3,9 @@
 import sys
 
 import pytest
-from IPython.core.error import UsageError
 
 from taas_magic.cluster import import_ray
-from taas_magic.errors import LaunchError
+from taas_magic.errors import ClusterError, LaunchError
 from taas_magic.launch.placement import Node, plan_hosts, worker_blocks
 
 
@@ -55,7 +54,7 @@ def test_infeasible_requests_fail_at_once(nodes, gpus, per_host, message):
 
 def test_without_ray_the_cluster_command_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what a missing package looks like to import
-    with pytest.raises(UsageError, match=r'pip install "taas-magic\[ray\]"'):
+    with pytest.raises(ClusterError, match=r'pip install "taas-magic\[ray\]"'):
         import_ray()
 
 
