@@ -11,15 +11,23 @@ iopub, and -> execute_reply.
   before the clock starts, as its users keep one running.
 
 An anchor whose package is not installed is reported as such and skipped: they are bench
-dependencies only (``pip install accelerate ipyparallel lightning``).
+dependencies only (``pip install accelerate ipyparallel lightning``). Each run of an anchor
+goes through :func:`run_with_deadline`: one that raises or passes its deadline becomes a
+reason instead of figures (the bench's table prints it as a row), and every process it
+started (its kernel, forked ranks, an ipyparallel controller and engines) is killed
+afterwards, whatever happened.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import textwrap
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+import psutil
 
 from tests.kernel_client import Kernel
 
@@ -142,6 +150,79 @@ ANCHORS: dict[str, tuple[str, Callable[[str], tuple[float, float]]]] = {
 }
 
 
+DEADLINE_SECONDS = 300.0
+# Processes an anchor may leave that are no longer our descendants (re-parented when their
+# parent died): matched by command line, and only if they started during the anchor's run.
+_ORPHAN_MARKERS = ("ipykernel", "ipyparallel", "ipengine", "ipcontroller", "accelerate", "lightning", "torch")
+
+
+def _gone(process: psutil.Process) -> bool:
+    """Exited: no such process, or a zombie (a re-parented one waits for init to reap it)."""
+    try:
+        if process.status() != psutil.STATUS_ZOMBIE:
+            return False
+        if process.ppid() == os.getpid():
+            process.wait(0)  # our own child: reap it
+        return True
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+        return True
+
+
+def _started_during(since: float, before: set[int]) -> list[psutil.Process]:
+    me = psutil.Process()
+    ours = {p.pid for p in me.children(recursive=True)}
+    found = []
+    for process in psutil.process_iter(["pid", "uids", "create_time", "cmdline"]):
+        info = process.info
+        if info["pid"] in before or info["pid"] == me.pid or info["uids"] is None or info["uids"].real != os.getuid():
+            continue
+        if (info["create_time"] or 0) < since - 1 or _gone(process):
+            continue
+        cmdline = " ".join(info["cmdline"] or ())
+        if info["pid"] in ours or any(marker in cmdline for marker in _ORPHAN_MARKERS):
+            found.append(process)
+    return found
+
+
+def _reap(processes: list[psutil.Process], grace: float = 3.0) -> None:
+    """TERM, then KILL what is still there after ``grace`` seconds."""
+    for signal_them in (psutil.Process.terminate, psutil.Process.kill):
+        for process in processes:
+            try:
+                signal_them(process)
+            except psutil.NoSuchProcess:
+                pass
+        deadline = time.monotonic() + grace
+        while processes and time.monotonic() < deadline:
+            processes = [process for process in processes if not _gone(process)]
+            time.sleep(0.05)
+
+
+def run_with_deadline(name: str, run: Callable[[str], tuple[float, float]], cwd: str,
+                      deadline: float = DEADLINE_SECONDS) -> tuple[float, float] | str:
+    """One run of an anchor: its (first line, whole) seconds, or why there are none (it raised,
+    or it passed ``deadline``). Every process it started is gone when this returns."""
+    before = set(psutil.pids())
+    since = time.time()
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["figures"] = run(cwd)
+        except BaseException as exc:  # noqa: BLE001 - any failure of an anchor is a row, not the end of the bench
+            outcome["error"] = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:160]
+
+    thread = threading.Thread(target=target, name=f"anchor {name}", daemon=True)
+    thread.start()
+    thread.join(deadline)
+    _reap(_started_during(since, before))
+    if thread.is_alive():
+        return f"hung past its {deadline:.0f} s deadline (stopped)"
+    if "figures" in outcome:
+        return outcome["figures"]
+    return f"failed: {outcome['error']}"
+
+
 def available() -> dict[str, Callable[[str], tuple[float, float]]]:
     """The anchors whose package is installed here, by name."""
     found = {}
@@ -159,5 +240,9 @@ if __name__ == "__main__":  # one run of each, for a quick check
     with tempfile.TemporaryDirectory() as tmp:
         for name, run in available().items():
             began = time.monotonic()
-            first, whole = run(tmp)
-            print(f"{name:<36} first line {first:.3f} s, whole {whole:.3f} s ({time.monotonic() - began:.1f} s)")
+            outcome = run_with_deadline(name, run, tmp)
+            if isinstance(outcome, str):
+                print(f"{name:<36} {outcome} ({time.monotonic() - began:.1f} s)")
+            else:
+                first, whole = outcome
+                print(f"{name:<36} first line {first:.3f} s, whole {whole:.3f} s ({time.monotonic() - began:.1f} s)")

@@ -263,6 +263,7 @@ def main() -> None:
         add(f"{who} steps/s (median step)", rates.median)
 
     anchor_runs = anchors.available()
+    anchor_failures: dict[str, list[str]] = {}  # anchor -> why each failed run has no figures
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "loop.py"
         script.write_text(LOOP.format(steps=args.steps))
@@ -297,9 +298,12 @@ def main() -> None:
             add("torchrun: whole", whole)
             add_rates("torchrun", rates)
             for name, run in anchor_runs.items():
-                first, whole = run(tmp)
-                add(f"{name}: first line", first)
-                add(f"{name}: whole", whole)
+                outcome = anchors.run_with_deadline(name, run, tmp)
+                if isinstance(outcome, str):
+                    anchor_failures.setdefault(name, []).append(outcome)
+                    continue
+                add(f"{name}: first line", outcome[0])
+                add(f"{name}: whole", outcome[1])
 
     med = {name: statistics.median(values) for name, values in results.items()}
     floor = med["floor"]
@@ -323,6 +327,9 @@ def main() -> None:
         else:
             versus = f"{med[name] / floor:.2f}x floor"
         print(f"{name:<34} {med[name]:>8.3f}{unit[:2]:<2} {min(values):>8.3f} {max(values):>8.3f}  {versus}")
+    for name, reasons in anchor_failures.items():
+        runs = f"{len(reasons)} of {args.repeats} run(s)"
+        print(f"{name:<34} {'-':>9} {'-':>9} {'-':>9}  no figures from {runs}: {'; '.join(sorted(set(reasons)))}")
 
 
 if __name__ == "__main__":
