@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import psutil
 
-from tests.kernel_client import Kernel
+if __name__ == "__main__":  # run as a script: the repository root holds the tests package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.kernel_client import Kernel  # noqa: E402 - after the path, when run as a script
 
 STEPS = 50
 
