@@ -12,13 +12,14 @@ Whether this host allows the overlay is probed once per kernel, in a throwaway p
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
+
+from .tempdirs import remove_tree, sweep_orphans
 
 OVERLAY = "overlay"
 PYTHON = "python"
@@ -66,21 +67,6 @@ def choose_rule(repository: str, wanted: str) -> "WriteRule":
     if reason is None:
         return WriteRule(repository, OVERLAY)
     return WriteRule(repository, PYTHON, f"user namespaces or overlay mounts unavailable: {reason}")
-
-
-def remove_tree(path: str) -> None:
-    """rmtree that also clears overlayfs's mode-000 work directories."""
-
-    def make_writable_and_retry(function, target, _excinfo):
-        parent = os.path.dirname(target)
-        for item in (parent, target):
-            try:
-                os.chmod(item, stat.S_IRWXU)
-            except OSError:
-                pass
-        function(target)
-
-    shutil.rmtree(path, onerror=make_writable_and_retry)
 
 
 @dataclass(frozen=True)
@@ -134,37 +120,6 @@ class ScratchLayers:
 
     def remove(self) -> None:
         remove_tree(self.root)
-
-
-def sweep_orphans(directory: str | None = None, prefix: str = "taas-scratch-") -> None:
-    """Remove what killed kernels left: entries ``<prefix><pid>-...`` whose kernel is gone."""
-    directory = directory or tempfile.gettempdir()
-    for name in os.listdir(directory):
-        if not name.startswith(prefix):
-            continue
-        pid = name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid != os.getuid():
-                continue
-            if os.path.isdir(path):
-                remove_tree(path)
-            else:  # a memory file (tensor data, a closure)
-                os.unlink(path)
-        except FileNotFoundError:
-            pass  # another kernel swept it first
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _changes(upper: str, repository: str) -> list[str]:

@@ -22,7 +22,7 @@ from .cellcode import earlier_cells, translate
 from .closure import select_closure, serialise_closure
 from .cluster import Cluster, address_from_environment
 from .errors import ClusterError
-from .feed.run import DataRun, default_cache_ram, describe_registered
+from .feed.run import DataPlane, DataRun, default_cache_ram, describe_registered
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 from .launch.base import LaunchPlan, RankGroup
@@ -36,7 +36,7 @@ from .relay import OutputRelay
 from .results import apply_results
 from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
-from .supervisor import DataPlane, run_ranks
+from .supervisor import run_ranks
 from .transfer import memfile
 from .transfer.pack import Packing
 
@@ -209,7 +209,7 @@ class TaasMagics(Magics):
                     env["CUDA_VISIBLE_DEVICES"] = cluster.host_gpu_ids(rank)
             for rank, layer in layers.dirs.items():
                 envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=rule.mode)
-            handshake = f"{server.address[0]} {server.address[1]} {key.hex()}"
+            handshake = wire.Handshake(server.address[0], server.address[1], key).line()
             plan = LaunchPlan(world_size, envs, os.getcwd(), handshake)
             budget = OutputBudget(run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
             relay = OutputRelay(output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr}, workers=workers, budget=budget)

@@ -28,6 +28,9 @@ from typing import IO, Callable
 
 from .budget import OutputBudget
 
+# A display message for the cell (display_data, update_display_data, clear_output), by kind.
+Publish = Callable[[str, dict], None]
+
 PARTIAL_KEEP = 4096  # characters of an unfinished line kept for error reports
 _LINE_END = re.compile(r"(?<=[\n\r])")
 MARKER_PREFIX = "\x00taas-display:"

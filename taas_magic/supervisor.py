@@ -28,33 +28,21 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from . import wire
 from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
-from .feed.coordinator import FeedCoordinator, Send
-from .feed.progress import ProgressLine
+from .feed.coordinator import Send
+from .feed.run import DataPlane
 from .launch.base import RankGroup
-from .relay import OutputRelay
+from .relay import OutputRelay, Publish
 from .server import PendingPeer, RankConnection, RankServer
 
 POLL_SECONDS = 0.05
 COURIER_POLL_SECONDS = 0.005
 PIPE_GRACE_SECONDS = 2.0  # after every rank exited, how long to wait for pipes to close
 
-Publish = Callable[[str, dict], None]
 Greeting = Callable[[int], list[bytes]]  # peer id -> the frames it gets once connected
-
-
-@dataclass
-class DataPlane:
-    """The data workers of a run and the kernel's side of their element stream."""
-
-    coordinator: FeedCoordinator
-    workers: RankGroup  # worker w is ``workers.ranks[w]``, peer id N + w
-    progress: ProgressLine
-    usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
-    courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/ray.py Courier)
 
 
 @dataclass
@@ -293,6 +281,15 @@ class _Loop:
             if code != 0:
                 self.drain_connection(peer)  # its error frame may still be unread
                 self._fail(self._failed(peer, describe_exit(code) + " without reporting an error"), peer)
+            elif peer >= self.world_size and not self._worker_done(process.rank):
+                # A worker that ends cleanly before it said "done" leaves its share unprepared:
+                # the ranks would wait for it forever.
+                self.drain_connection(peer)
+                if not self._worker_done(process.rank):
+                    self._fail(self._failed(peer, "exited before preparing its share of the elements"), peer)
+
+    def _worker_done(self, worker: int) -> bool:
+        return self.data is not None and worker in self.data.coordinator.workers_done
 
     def ranks_exited(self) -> bool:
         return len(self.exit_codes) == self.world_size

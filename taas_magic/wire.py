@@ -34,6 +34,7 @@ import select
 import socket
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 KEY_SIZE = 32
@@ -44,6 +45,24 @@ LENGTH = struct.Struct("!Q")
 HELLO_SIZE = MAC_SIZE + RANK.size
 KERNEL_TO_RANK = b"k>r"
 RANK_TO_KERNEL = b"r>k"
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Where the kernel listens and the run's key: the one line a process the kernel starts
+    reads on its stdin (rank/startup.py), never in its environment."""
+
+    host: str
+    port: int
+    key: bytes
+
+    def line(self) -> str:
+        return f"{self.host} {self.port} {self.key.hex()}"
+
+    @classmethod
+    def parse(cls, line: str) -> "Handshake":
+        host, port, key_hex = line.split()
+        return cls(host, int(port), bytes.fromhex(key_hex))
 
 
 class AuthenticationError(ConnectionError):

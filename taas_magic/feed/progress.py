@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Callable
 
+from ..relay import Publish
 from .coordinator import FeedCoordinator
 
 INTERVAL = 0.5
 
-Publish = Callable[[str, dict], None]
 
 
 def _rate(count: int, seconds: float) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import cloudpickle
@@ -20,14 +21,26 @@ from .. import wire
 from ..isolation import WriteRule
 from ..launch.base import LaunchPlan, RankGroup
 from ..launch.local import WORKER_COMMAND, LocalRankGroup
-from ..supervisor import DataPlane, Publish
+from ..relay import Publish
+from ..tempdirs import ram_root
 from .coordinator import FeedCoordinator
 from .plan import FeedPlan, loader_kind, plan_feed
 from .progress import ProgressLine
-from .segments import SEGMENT_BYTES, CacheDirs, ram_root
+from .segments import SEGMENT_BYTES, CacheDirs
 
 MIN_SEGMENT_BYTES = 1 << 20
 DEFAULT_CACHE_RAM = 4 << 30
+
+
+@dataclass
+class DataPlane:
+    """The data workers of a run and the kernel's side of their element stream."""
+
+    coordinator: FeedCoordinator
+    workers: RankGroup  # worker w is ``workers.ranks[w]``, peer id N + w
+    progress: ProgressLine
+    usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
+    courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/ray.py Courier)
 
 
 def default_cache_ram() -> int:

@@ -15,20 +15,11 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ..isolation import remove_tree, sweep_orphans
+from ..tempdirs import ram_root, remove_tree, spill_root, sweep_orphans
 from . import records
 
 SEGMENT_BYTES = 64 << 20
 PREFIX = "taas-data-"
-SHM = "/dev/shm"
-
-
-def spill_root() -> str:
-    return os.environ.get("TAAS_SPILL_DIR") or tempfile.gettempdir()
-
-
-def ram_root() -> str:
-    return SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else tempfile.gettempdir()
 
 
 def _disk_usage(path: str) -> int:

@@ -19,7 +19,6 @@ lines) with the element it was preparing, and exits 1; one with nothing left exi
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Any
@@ -28,7 +27,7 @@ from taas_magic import wire
 from taas_magic.feed.extract import IterableSource, MapSource, make_source, seed_worker, set_worker_info
 from taas_magic.feed.plan import MAP, FeedPlan
 from taas_magic.feed.segments import CacheDirs, SegmentWriter
-from taas_magic.rank import lifeline
+from taas_magic.rank import startup
 
 EXIT_FAILED = 1
 
@@ -159,18 +158,7 @@ class Worker:
         self.channel.send("done", wire.dumps((self.worker,)))
 
 def main() -> None:
-    lifeline.start_watchdog()  # a dataset's C code may hold the GIL: see lifeline.py
-    parent = os.getppid()
-    host, port, key_hex = lifeline.read_first_line().split()
-    layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
-    write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
-    if layer and repository:  # the dataset's code may write too: it is not rank 0
-        from taas_magic.rank.main import isolate_writes
-
-        isolate_writes(repository, layer, write_mode, f"data worker {os.environ['TAAS_WORKER']}")
-    lifeline.hold_lifeline()
-    lifeline.die_with_parent(parent)
-    channel = wire.BlockingChannel.connect(host, int(port), bytes.fromhex(key_hex), int(os.environ["TAAS_PEER"]))
+    channel = startup.begin(worker=True)  # its dataset's code may write too: it gets a rank's write rule
     job = wire.loads_verified(channel.expect("job"))
     loaders_blob = channel.expect("loaders")
     sys.path[:] = job["sys_path"]
@@ -183,15 +171,8 @@ def main() -> None:
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which stops the run
         send_failure(channel, worker.current if worker else None, exc)
-        _exit(EXIT_FAILED)
-    _exit(0)
-
-
-def _exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    lifeline.end_watchdog()
-    os._exit(code)
+        startup.finish(EXIT_FAILED)
+    startup.finish(0)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ import time
 
 from .. import wire
 from ..feed.segments import CacheDirs, SegmentWriter
-from ..isolation import remove_tree
 from ..rankenv import reserve_port, visible_gpu_count
+from ..tempdirs import remove_tree
 from .base import LaunchPlan
 from .local import LocalRankGroup
 

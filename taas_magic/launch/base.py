@@ -18,7 +18,7 @@ class LaunchPlan:
     world_size: int
     envs: Sequence[Mapping[str, str]]  # one environment per rank, index = RANK
     cwd: str
-    handshake: str  # "HOST PORT KEY", written on each rank's stdin (never in its environment)
+    handshake: str  # rank/startup.py's Handshake line, written on each rank's stdin (never in its environment)
 
 
 class RankProcess(Protocol):

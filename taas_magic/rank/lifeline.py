@@ -71,6 +71,14 @@ def hold_lifeline(fd: int = 0) -> None:
 _watchdog: int | None = None
 
 
+def prctl(option: int, argument: object) -> bool:
+    """Linux's ``prctl(option, argument)``, written once; False where there is none (not Linux)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, argument, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def start_watchdog(fd: int = 0) -> None:
     """Fork the watchdog over the lifeline ``fd``. Call while the process is single-threaded."""
     global _watchdog
@@ -79,10 +87,7 @@ def start_watchdog(fd: int = 0) -> None:
         _watchdog = pid
         return
     try:  # the watchdog: nothing here may print or raise into the rank's pipes
-        try:
-            ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(WATCHDOG_NAME), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+        prctl(PR_SET_NAME, ctypes.c_char_p(WATCHDOG_NAME))
         # The stop ladder's INT and TERM are for the rank; the watchdog goes on the hang-up
         # that follows, or with the group's KILL.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -116,11 +121,7 @@ def end_watchdog() -> None:
 def die_with_parent(parent_pid: int) -> None:
     """Ask the kernel (Linux) to signal us when our parent dies; act on it."""
     signal.signal(signal.SIGTERM, kill_own_group)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the lifeline thread alone guards us
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))  # not Linux: the lifeline thread alone guards us
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         kill_own_group()
 

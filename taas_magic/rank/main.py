@@ -4,13 +4,14 @@ The kernel starts ``python -m taas_magic.rank`` with the rank's environment (RAN
 WORLD_SIZE, ...), its own pipes for stdout/stderr, and writes ``HOST PORT KEY`` on
 stdin. The rank then:
 
-1. ranks other than 0 mount their copy-on-write view of the repository (isolation.py);
-   then it guards its life (lifeline.py) and connects to the kernel, proving it holds the key;
+1. starts as every process the kernel starts does (startup.py): watchdog, handshake, the
+   write rule (ranks other than 0 get their copy-on-write view of the repository),
+   lifeline, the authenticated channel;
 2. receives the run spec and the closure (both verified before unpickling; the closure's
    tensor bytes are mapped from one shared memory file, not copied: transfer/);
 3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
 4. rank 0 sends back what the cell bound (rank/returns.py); a failing rank sends its traceback;
-5. exits with ``os._exit`` (0, or 1 when the cell raised), so no atexit hook or
+5. exits through ``startup.finish`` (0, or 1 when the cell raised), so no atexit hook or
    non-daemon thread of the cell can hang the run.
 """
 
@@ -24,7 +25,7 @@ import types
 
 from taas_magic import wire
 from taas_magic.handoff import receive_closure
-from taas_magic.rank import execute, lifeline, returns, shell, spare
+from taas_magic.rank import execute, lifeline, returns, shell, startup
 from taas_magic.rank.import_hooks import when_imported
 
 EXIT_CELL_RAISED = 1
@@ -32,67 +33,20 @@ FLUSH_SECONDS = 0.05
 STDOUT_BUFFER = 1 << 16
 
 
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-
-
 def _send_error(channel: wire.BlockingChannel, summary: str, text: str) -> None:
     # The kernel stops every rank as soon as it reads this report: an interrupt
     # arriving now must not bury the report under a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _flush()
+    startup.flush_output()
     try:
         channel.send("error", wire.dumps({"summary": summary, "traceback": text}))
     except OSError:
         pass  # the kernel already stopped listening (it is stopping us): nobody to tell
 
 
-def _exit(code: int) -> None:
-    _flush()
-    lifeline.end_watchdog()
-    os._exit(code)
-
-
-def isolate_writes(repository: str, layer: str, write_mode: str | None, who: str) -> None:
-    """Divert this process's writes under the repository (overlay, else Python-level)."""
-    from taas_magic.rank import divert
-
-    if write_mode == "overlay":
-        from taas_magic.rank.isolation import IsolationUnavailable, divert_writes
-
-        try:
-            divert_writes(repository, layer)
-            return
-        except IsolationUnavailable as exc:  # the probe passed, this repository did not
-            print(f"taas: {who} could not mount the overlay over {repository} ({exc}); "
-                  "its writes there are diverted by Python instead", file=sys.stderr, flush=True)
-    divert.install(repository, layer)
-
-
 def main() -> None:
-    lifeline.start_watchdog()  # first, while single-threaded: see lifeline.py
-    is_spare = "--spare" in sys.argv
-    if is_spare:  # imports now, then wait (single-threaded) for a cell to take us
-        spare.warm_up()
-    parent = os.getppid()
-    host, port, key_hex = lifeline.read_first_line().split()
-    if is_spare:
-        spare.adopt(lifeline.read_first_line())
-    layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
-    write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
-    if layer and repository:  # before any thread starts: unshare() needs a single-threaded process
-        isolate_writes(repository, layer, write_mode, f"rank {os.environ['RANK']}")
-    if is_spare:
-        spare.use_launch_threads()
-    lifeline.hold_lifeline()
-    lifeline.die_with_parent(parent)
+    channel = startup.begin(spare="--spare" in sys.argv)
     rank = int(os.environ["RANK"])
-
-    channel = wire.BlockingChannel.connect(host, int(port), bytes.fromhex(key_hex), rank)
     spec = wire.loads_verified(channel.expect("spec"))
     received = receive_closure(channel, keep_original=rank == 0)
 
@@ -138,7 +92,7 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
                     execute.format_cell_traceback(exc, filename))
-        _exit(EXIT_CELL_RAISED)
+        startup.finish(EXIT_CELL_RAISED)
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
 
@@ -150,10 +104,10 @@ def main() -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _send_error(channel, f"called sys.exit({exc.code!r})", execute.format_cell_traceback(exc, filename))
-            _exit(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
+            startup.finish(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
         _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, filename))
-        _exit(EXIT_CELL_RAISED)
+        startup.finish(EXIT_CELL_RAISED)
 
     if rank == 0:
         private = shell.hidden_names() | {"get_ipython", "__builtins__"}
@@ -166,8 +120,8 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
             _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
                         execute.format_cell_traceback(exc, filename))
-            _exit(EXIT_CELL_RAISED)
-        _flush()
+            startup.finish(EXIT_CELL_RAISED)
+        startup.flush_output()
         channel.send("result", wire.dumps(message))
     channel.close()
-    _exit(0)
+    startup.finish(0)

@@ -22,18 +22,16 @@ WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distri
                 "taas", "taas_magic.feed.proxy", "taas_magic.rank.devices")
 
 
-PR_SET_NAME = 15
 WAITING_NAME = b"taas-spare"  # the process name (comm) once warm and waiting; tools and tests tell spares by it
 TAKEN_NAME = b"taas-rank"
 
 
 def _set_name(name: bytes) -> None:
-    try:
-        import ctypes
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the name is only a label
+    from taas_magic.rank.lifeline import PR_SET_NAME, prctl
+
+    prctl(PR_SET_NAME, ctypes.c_char_p(name))  # not Linux: the name is only a label
 
 
 def warm_up() -> None:

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .. import tempdirs
+from ..tempdirs import SHM
 from ..wire import AuthenticationError
 from .pack import Blob
 
@@ -35,7 +37,6 @@ ALIGN = 64
 CHUNK = 8 << 20
 INLINE_BYTES = 4 << 20
 THREADS = max(1, min(4, os.cpu_count() or 1))
-SHM = "/dev/shm"
 CLOSURE_PREFIX = "taas-closure-"
 RESULT_PREFIX = "taas-result-"
 
@@ -62,17 +63,6 @@ def layout(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
         offsets.append(end)
         end = (end + size + ALIGN - 1) // ALIGN * ALIGN
     return tuple(offsets), end
-
-
-def memory_dir(size: int) -> str:
-    """``/dev/shm`` when it is writable and has room for ``size`` bytes, else the temp dir."""
-    try:
-        stats = os.statvfs(SHM)
-        if os.access(SHM, os.W_OK) and stats.f_bavail * stats.f_frsize > size + (64 << 20):
-            return SHM
-    except OSError:
-        pass
-    return tempfile.gettempdir()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -142,7 +132,7 @@ def write(blobs: Sequence[Blob], prefix: str, owner_pid: int, run_id: str, inlin
         return BlobData(offsets, sizes, size, inline=inline)
     chunks = _chunks(blobs, offsets, size)
     stem = f"{prefix}{owner_pid}-{run_id}-"
-    first, fallback = memory_dir(size), tempfile.gettempdir()
+    first, fallback = tempdirs.memory_dir(size), tempfile.gettempdir()
     if first != fallback:
         try:
             return _write_file(first, stem, chunks, offsets, sizes, size)
@@ -213,9 +203,7 @@ def remove_run(owner_pid: int, run_id: str) -> None:
 
 def sweep_all() -> None:
     """Remove the files killed kernels left (``<prefix><pid>-...`` whose pid is gone)."""
-    from ..isolation import sweep_orphans
-
     for directory in {SHM, tempfile.gettempdir()}:
         if os.path.isdir(directory):
             for prefix in (CLOSURE_PREFIX, RESULT_PREFIX):
-                sweep_orphans(directory, prefix)
+                tempdirs.sweep_orphans(directory, prefix)

@@ -288,3 +288,20 @@ def test_a_worker_dying_without_a_word_is_named(data_kernel):
     )
     ran = data_kernel.execute("#pragma taas --gpus 2 --cpus 2\nfor x in dies: pass", timeout=60)
     assert "data worker 1 on localhost exited with code 3 without reporting an error" in ran.error_text()
+
+
+def test_a_worker_ending_cleanly_before_its_share_is_named_not_waited_for(data_kernel):
+    data_kernel.execute(
+        "class Quits(Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 20\n"
+        "    def __getitem__(self, i):\n"
+        "        if i == 3:\n"
+        "            import os; os._exit(0)\n"
+        "        return torch.tensor(i)\n"
+        "quits = taas.register(DataLoader(Quits(), batch_size=None))"
+    )
+    ran = data_kernel.execute("#pragma taas --gpus 2 --cpus 2 --timeout 50\nfor x in quits: pass", timeout=60)
+    assert ran.error["ename"] == "WorkerFailed", ran.error_text()
+    assert "data worker 1 on localhost exited before preparing its share of the elements" in ran.error_text()
+    data_kernel.execute("taas.unregister(quits)")

@@ -1,0 +1,84 @@
+"""How every process the kernel starts begins and ends: a rank, a warm spare, a data worker.
+
+The kernel (or a host's agent) writes one ``wire.Handshake`` line, ``HOST PORT KEY``, on
+the process's stdin, which then stays open as its lifeline; a warm spare gets one more
+line, the settings of the launch that takes it (spare.py). :func:`begin` then, in this
+order, because each step needs the one before:
+
+1. forks the watchdog while the process is single-threaded (lifeline.py);
+2. reads the handshake (a spare first imports torch, then waits here);
+3. applies the write rule when the kernel asked for it (a private layer over the
+   repository: before any thread starts, since ``unshare`` needs a single thread);
+4. holds the lifeline and dies with its parent;
+5. connects to the kernel and proves the key (wire.py), as peer ``peer_id``.
+
+:func:`finish` flushes, reaps the watchdog and leaves with ``os._exit``, so no atexit
+hook or non-daemon thread of the cell can hang the run. The key never enters the
+environment (the cell's own subprocesses inherit that).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from taas_magic import wire
+from taas_magic.rank import lifeline
+
+
+def isolate_writes(repository: str, layer: str, write_mode: str | None, who: str) -> None:
+    """Divert this process's writes under the repository (overlay, else Python-level)."""
+    from taas_magic.rank import divert
+
+    if write_mode == "overlay":
+        from taas_magic.rank.isolation import IsolationUnavailable, divert_writes
+
+        try:
+            divert_writes(repository, layer)
+            return
+        except IsolationUnavailable as exc:  # the probe passed, this repository did not
+            print(f"taas: {who} could not mount the overlay over {repository} ({exc}); "
+                  "its writes there are diverted by Python instead", file=sys.stderr, flush=True)
+    divert.install(repository, layer)
+
+
+def _apply_write_rule(who: str) -> None:
+    layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
+    write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
+    if layer and repository:
+        isolate_writes(repository, layer, write_mode, who)
+
+
+def begin(*, worker: bool = False, spare: bool = False) -> wire.BlockingChannel:
+    """Steps 1 to 5 above; the connected, authenticated channel to the kernel."""
+    lifeline.start_watchdog()  # first, while single-threaded: see lifeline.py
+    if spare:
+        from taas_magic.rank import spare as spare_start
+
+        spare_start.warm_up()  # imports now, then waits (single-threaded) for a cell to take it
+    parent = os.getppid()
+    handshake = wire.Handshake.parse(lifeline.read_first_line())
+    if spare:
+        spare_start.adopt(lifeline.read_first_line())
+    _apply_write_rule(f"data worker {os.environ['TAAS_WORKER']}" if worker else f"rank {os.environ['RANK']}")
+    if spare:
+        spare_start.use_launch_threads()
+    lifeline.hold_lifeline()
+    lifeline.die_with_parent(parent)
+    peer_id = int(os.environ["TAAS_PEER"] if worker else os.environ["RANK"])
+    return wire.BlockingChannel.connect(handshake.host, handshake.port, handshake.key, peer_id)
+
+
+def flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def finish(code: int) -> None:
+    """Flush, reap the watchdog, and exit now with ``code``."""
+    flush_output()
+    lifeline.end_watchdog()
+    os._exit(code)
