@@ -6,10 +6,12 @@ Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import sys
 import time
+from dataclasses import dataclass
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -18,31 +20,44 @@ from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
 from . import wire
 from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
-from .cellcode import earlier_cells, translate
+from .cellcode import CellCode, earlier_cells, translate
 from .closure import select_closure, serialise_closure
 from .cluster import Cluster, address_from_environment
 from .errors import ClusterError
 from .feed.run import DataPlane, DataRun, default_cache_ram, describe_registered
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
-from .launch.base import LaunchPlan, RankGroup
-from .launch.local import LocalRankGroup
-from .launch.placement import RankSlot, plan_hosts
+from .launch.backend import Backend, ClusterBackend, LocalBackend, rank_environments
+from .launch.base import LaunchPlan
+from .launch.placement import plan_hosts
 from .launch.ray import ClusterLaunch
 from .launch.spares import SparePool
-from .pragma import parse_cell, parse_size
-from .rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port, visible_gpu_count
+from .pragma import PragmaOptions, parse_cell, parse_size
+from .rankenv import visible_gpu_count
 from .relay import OutputRelay
 from .results import apply_results
+from .runspec import RunSpec
 from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
-from .supervisor import run_ranks
+from .supervisor import RunOutcome, run_ranks
 from .transfer import memfile
 from .transfer.pack import Packing
 
-# A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster).
-CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
-INLINE_ALWAYS = 1 << 62
+INLINE_ALWAYS = 1 << 62  # a threshold no closure reaches: its bytes travel in the frames
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One cell's run, planned: what the ranks receive and where they run."""
+
+    options: PragmaOptions
+    spec: RunSpec
+    packing: Packing  # the closure as shipped: rank 0's results refer to its untouched tensors
+    registered: list  # the registered loaders, by index
+    data: DataRun | None
+    backend: Backend
+    rule: WriteRule
+    timeout: float | None
 
 
 @magics_class
@@ -115,8 +130,6 @@ class TaasMagics(Magics):
         """Run this cell as N DDP ranks: ``%%taas --gpus N [...]`` (see ``%taas help``)."""
         parsed = parse_cell(cell, line)
         options = parsed.options
-        output = options.output or self.output
-        timeout = options.timeout if options.timeout is not None else self.timeout
         code = translate(self._shell, parsed.source)
         closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
         import taas
@@ -125,152 +138,106 @@ class TaasMagics(Magics):
         packing = serialise_closure(closure, registered)
         used = sorted(packing.externals_used)
         data = self._data_run({index: registered[index] for index in used}, options) if used else None
-        cluster = self._cluster_launch(options) if self.cluster is not None else None
+        backend = self._backend(options)  # the one place that asks which: placement held from here on
         try:
-            return self._launch(options, code, closure, packing, registered, data, cluster, output, timeout)
+            run = self._plan(options, code, closure, packing, registered, data, backend)
+            return self._run(run)
         finally:
-            if cluster is not None:
-                cluster.release()  # whatever happened: agents killed, GPUs given back
+            backend.release()  # whatever happened: ports, agents and GPUs given back, spares refilled
 
-    def _launch(self, options, code, closure, packing: Packing, registered: list, data: DataRun | None,
-                cluster: ClusterLaunch | None, output: str, timeout: float | None):
-        """Build every rank's environment, start ranks (and data workers), supervise, render."""
-        world_size = options.gpus
-        workers = data.workers if data is not None else 0
-        if cluster is not None:
-            devices = DevicePlan("cuda", world_size, "nccl") if cluster.has_cuda else CLUSTER_CPU
-            slots = cluster.slots
-        else:
-            devices = plan_devices(options.gpus)
-            slots = [RankSlot(rank, rank, world_size, 0) for rank in range(world_size)]
+    def _backend(self, options: PragmaOptions) -> Backend:
+        if self.cluster is None:
+            spares = self.spares if self.warm != "off" else None
+            return LocalBackend(options.gpus, spares, lambda: int(self.warm) if self.warm.isdigit() else options.gpus)
+        shares = plan_hosts(self.cluster.nodes(), options.gpus, options.per_host)
+        wait = options.place_timeout if options.place_timeout is not None else self.place_timeout
+        return ClusterBackend(ClusterLaunch(self.cluster.ray, shares, wait, self.cluster.nodes))
 
+    def _plan(self, options: PragmaOptions, code: CellCode, closure: dict, packing: Packing, registered: list,
+              data: DataRun | None, backend: Backend) -> _Run:
+        """Everything the run needs, decided before anything starts; prints the header."""
         run_id = secrets.token_hex(6)
         memfile.sweep_all()  # what a killed kernel left in /dev/shm
-        key = wire.new_key()
-        # A memory file only reaches processes on this host: the cluster mode sends every byte in the frames.
-        file_bytes = self.closure_file_bytes if cluster is None else INLINE_ALWAYS
-        spec = {
-            "run_id": run_id,
-            "sys_path": list(sys.path),
-            "source": code.source,
-            "display_source": code.display_source,
-            "filename": code.filename,
-            "device": devices.device,
-            "output": output,
-            "suppress_final": code.suppress_final,
-            "feeds": data.rank_feeds() if data is not None else [],
-            "cells": earlier_cells(self._shell, packing.skeleton),
-            "kernel_pid": os.getpid(),
-            "result_file_bytes": file_bytes,
-        }
-        rule = self._write_rule()
+        file_bytes = self.closure_file_bytes if backend.memory_files else INLINE_ALWAYS
+        spec = RunSpec(
+            run_id=run_id, sys_path=tuple(sys.path), source=code.source, display_source=code.display_source,
+            filename=code.filename, device=backend.devices.device, output=options.output or self.output,
+            suppress_final=code.suppress_final, kernel_pid=os.getpid(), result_file_bytes=file_bytes,
+            feeds=tuple(data.rank_feeds()) if data is not None else (), cells=earlier_cells(self._shell, packing.skeleton),
+        )
+        run = _Run(options, spec, packing, registered, data, backend, self._write_rule(),
+                   options.timeout if options.timeout is not None else self.timeout)
         tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
-        header = header_line(options, devices, run_id, len(packing.skeleton) + tensor_bytes, tensor_bytes >= file_bytes)
-        header += "\ntaas: " + rule.header()
-        if cluster is not None:
-            header += "\ntaas: cluster: " + cluster.layout()
-        if data is not None:
-            header += "\ntaas: " + data.header()
-        print(header, flush=True)
+        lines = [header_line(options, backend.devices, run_id, len(packing.skeleton) + tensor_bytes,
+                             tensor_bytes >= file_bytes), run.rule.header(), backend.layout(),
+                 data.header() if data is not None else None]
+        print("\ntaas: ".join(line for line in lines if line), flush=True)
+        self.last_run = LastRun(options=options, devices=backend.devices, run_id=run_id, closure_names=tuple(closure))
+        return run
 
-        record = LastRun(options=options, devices=devices, run_id=run_id, closure_names=tuple(closure))
-        self.last_run = record
-        port_reservation = reserve_port() if cluster is None else None
-        if cluster is None:
-            assert port_reservation is not None
-            master_addr, master_port = LOOPBACK, port_reservation.getsockname()[1]
-        else:
-            master_addr, master_port = cluster.master_addr, cluster.master_port
-        server = RankServer(key, world_size + workers, LOOPBACK if cluster is None else cluster.kernel_address)
+    def _run(self, run: _Run):
+        """Start, supervise and always clean up; then bind rank 0's results."""
+        record = self.last_run
+        assert record is not None
+        world_size = len(run.backend.slots)
+        workers = run.data.workers if run.data is not None else 0
+        server = RankServer(wire.new_key(), world_size + workers, run.backend.listen_host)
         layers = ScratchLayers(world_size, workers)
         handoff: ClosureHandoff | None = None
-        finished = False
+        outcome = None
         started = time.monotonic()
         try:
-            handoff = ClosureHandoff(packing, run_id, file_bytes)
-            bodies = [wire.encode_body("spec", wire.dumps(spec)), handoff.body]
-            envs = [
-                rank_environment(
-                    dict(os.environ),
-                    rank=slot.rank,
-                    local_rank=slot.local_rank,
-                    world_size=world_size,
-                    local_world_size=slot.local_world_size,
-                    group_rank=slot.group_rank,
-                    master_addr=master_addr,
-                    master_port=master_port,
-                    run_id=run_id,
-                    loopback_only=cluster is None,
-                )
-                for slot in slots
-            ]
-            if cluster is not None and devices.device == "cuda":
-                for rank, env in enumerate(envs):  # LOCAL_RANK indexes the GPUs Ray gave that host's agent
-                    env["CUDA_VISIBLE_DEVICES"] = cluster.host_gpu_ids(rank)
-            for rank, layer in layers.dirs.items():
-                envs[rank].update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=rule.mode)
-            handshake = wire.Handshake(server.address[0], server.address[1], key).line()
-            plan = LaunchPlan(world_size, envs, os.getcwd(), handshake)
-            budget = OutputBudget(run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
-            relay = OutputRelay(output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr}, workers=workers, budget=budget)
-
-            def greeting(peer: int) -> list[bytes]:
-                if peer < world_size:
-                    return bodies
-                assert data is not None  # only data workers have peer ids past the ranks
-                return data.greeting(peer - world_size)
-
-            def start_data() -> DataPlane:
-                assert data is not None
-                if cluster is None:
-                    return data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish)
-                plane = data.start(run_id, handshake, world_size, layers.worker_dirs, rule, self._publish,
-                                   launch=lambda plan, dirs: cluster.start_workers(plan, key, dirs),
-                                   courier=lambda: cluster.courier(data.cache_ram))
-                print(f"taas: data {cluster.worker_layout}", flush=True)
-                return plane
-
-            spares = self.spares if self.warm != "off" else None
-
-            def start_ranks() -> RankGroup:
-                if cluster is not None:
-                    return cluster.start(envs, os.getcwd(), handshake, key)
-                return LocalRankGroup.start(plan, spares=spares)
-
-            outcome = run_ranks(start_ranks, server, greeting, relay, self._publish, timeout,
-                                start_data if data is not None else None)
+            handoff = ClosureHandoff(run.packing, run.spec.run_id, run.spec.result_file_bytes)
+            outcome = self._supervise(run, server, layers, [wire.encode_body("spec", wire.dumps(run.spec)), handoff.body])
             record.outcome = "ok"
-            finished = True
         except BaseException as exc:
             record.outcome = f"{type(exc).__name__}: {exc}".splitlines()[0]
             raise
         finally:
             record.seconds = time.monotonic() - started
-            if port_reservation is not None:
-                port_reservation.close()
             server.close()
-            for line in layers.report(rule.repository):
+            for line in layers.report(run.rule.repository):
                 print(line, file=sys.stderr)
             layers.remove()
             if handoff is not None:
                 handoff.remove()
-            if self.warm != "off" and cluster is None:  # for the next cell, now that this one no longer needs the CPU
-                self.spares.fill(int(self.warm) if self.warm.isdigit() else world_size)
-            if data is not None:
-                data.close()
-            if not finished:  # rank 0 may have written its results before the run failed
-                memfile.remove_run(os.getpid(), run_id)
+            if run.data is not None:
+                run.data.close()
+            if outcome is None:  # rank 0 may have written its results before the run failed
+                memfile.remove_run(os.getpid(), run.spec.run_id)
         try:
-            return apply_results(self._shell.user_ns, outcome.result, packing, registered)
+            return apply_results(self._shell.user_ns, outcome.result, run.packing, run.registered)
         finally:
-            memfile.remove_run(os.getpid(), run_id)
+            memfile.remove_run(os.getpid(), run.spec.run_id)
 
-    def _cluster_launch(self, options) -> ClusterLaunch:
-        """Plan the hosts and hold their GPUs; raises (nothing started) if the cluster cannot."""
-        assert self.cluster is not None
-        shares = plan_hosts(self.cluster.nodes(), options.gpus, options.per_host)
-        wait = options.place_timeout if options.place_timeout is not None else self.place_timeout
-        return ClusterLaunch(self.cluster.ray, shares, wait, self.cluster.nodes)
+    def _supervise(self, run: _Run, server: RankServer, layers: ScratchLayers, bodies: list[bytes]) -> RunOutcome:
+        """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
+        world_size = len(run.backend.slots)
+        envs = rank_environments(run.backend, dict(os.environ), run.spec.run_id)
+        for rank, layer in layers.dirs.items():
+            envs[rank].update(TAAS_REPOSITORY=run.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=run.rule.mode)
+        handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
+        plan = LaunchPlan(world_size, envs, os.getcwd(), handshake)
+        budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
+        workers = run.data.workers if run.data is not None else 0
+        relay = OutputRelay(run.spec.output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr},
+                            workers=workers, budget=budget)
+        data = run.data
+
+        def greeting(peer: int) -> list[bytes]:
+            if peer < world_size:
+                return bodies
+            assert data is not None  # only data workers have peer ids past the ranks
+            return data.greeting(peer - world_size)
+
+        def start_data() -> DataPlane:
+            assert data is not None
+            start = functools.partial(data.start, run.spec.run_id, handshake, world_size, layers.worker_dirs,
+                                      run.rule, self._publish)
+            return run.backend.start_data(data, start, server.key)
+
+        return run_ranks(lambda: run.backend.start_ranks(plan, server.key), server, greeting, relay, self._publish,
+                         run.timeout, start_data if data is not None else None)
 
     def _registered_lines(self) -> list[str]:
         import taas

@@ -349,13 +349,7 @@ def supervise(
                 assert timeout is not None  # a deadline exists only with a timeout
                 raise RunTimeout(timeout, running)
         if loop.failure is not None:
-            failure, peer = loop.failure, loop.failure_peer
-            loop.drain_pipes(peer)  # what it printed before it reported the failure
-            relay.flush(force=True)
-            failure.last_lines = relay.last_lines(peer)
-            relay.mute()
-            _stop(group, data)
-            raise failure
+            _raise_failure(loop, group, relay, data)
         loop.publish_leftovers()
         if loop.result is None and loop.exit_codes.get(0) == 0:
             return RunOutcome(None, dict(loop.exit_codes))
@@ -367,6 +361,18 @@ def supervise(
             data.workers.close()  # before measuring the cache: nothing writes to it any more
             data.progress.show(force=True, usage=data.usage())
         loop.close()
+
+
+def _raise_failure(loop: _Loop, group: RankGroup, relay: OutputRelay, data: DataPlane | None) -> None:
+    """The first failure, with the failing process's last lines, once every rank is stopped."""
+    assert loop.failure is not None
+    failure, peer = loop.failure, loop.failure_peer
+    loop.drain_pipes(peer)  # what it printed before it reported the failure
+    relay.flush(force=True)
+    failure.last_lines = relay.last_lines(peer)
+    relay.mute()
+    _stop(group, data)
+    raise failure
 
 
 def _stop(group: RankGroup, data: DataPlane | None) -> None:

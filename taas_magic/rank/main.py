@@ -24,9 +24,10 @@ import sys
 import types
 
 from taas_magic import wire
-from taas_magic.handoff import receive_closure
+from taas_magic.handoff import ReceivedClosure, receive_closure
 from taas_magic.rank import execute, lifeline, returns, shell, startup
 from taas_magic.rank.import_hooks import when_imported
+from taas_magic.runspec import RunSpec
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
@@ -44,17 +45,10 @@ def _send_error(channel: wire.BlockingChannel, summary: str, text: str) -> None:
         pass  # the kernel already stopped listening (it is stopping us): nobody to tell
 
 
-def main() -> None:
-    channel = startup.begin(spare="--spare" in sys.argv)
-    rank = int(os.environ["RANK"])
-    spec = wire.loads_verified(channel.expect("spec"))
-    received = receive_closure(channel, keep_original=rank == 0)
-
-    sys.path[:] = spec["sys_path"]
-    sys.argv = ["taas-rank"]
-    # stdout gets a 64 kB buffer, as a file is buffered (even under PYTHONUNBUFFERED, which the
-    # kernel's environment may carry), so a print loop costs what printing to a file does;
-    # a daemon thread flushes it every 50 ms, so output still arrives live.
+def _own_output() -> None:
+    """stdout gets a 64 kB buffer, as a file is buffered (even under PYTHONUNBUFFERED, which the
+    kernel's environment may carry), so a print loop costs what printing to a file does; a
+    daemon thread flushes it every 50 ms, so output still arrives live."""
     sys.stdout = io.TextIOWrapper(
         io.BufferedWriter(io.FileIO(1, "w", closefd=False), STDOUT_BUFFER),
         encoding=sys.stdout.encoding, errors=sys.stdout.errors,
@@ -62,17 +56,20 @@ def main() -> None:
     if isinstance(sys.stderr, io.TextIOWrapper):  # it is, unless something replaced it before we ran
         sys.stderr.reconfigure(line_buffering=True)
     lifeline.flush_periodically(sys.stdout, FLUSH_SECONDS)
+
+
+def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> types.ModuleType:
+    """A fresh ``__main__`` for the cell, IPython's stand-ins, the rank's device, its sources."""
     import taas
 
     taas._IN_RANK = True
-
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
-    forwards_display = rank == 0 or spec["output"] == "all"
+    forwards_display = rank == 0 or spec.output == "all"
     shell.configure(module, (lambda kind, msg: channel.send(kind, wire.dumps(msg))) if forwards_display else None)
     when_imported("IPython", shell.on_ipython_import)
-    if spec["device"] == "cuda":
+    if spec.device == "cuda":
         from taas_magic.rank.devices import bind_gpu
 
         bind_gpu()
@@ -80,48 +77,73 @@ def main() -> None:
         from taas_magic.rank.devices import serve_nccl_with_gloo
 
         when_imported("torch.distributed", serve_nccl_with_gloo)
+    execute.register_source(spec.filename, spec.display_source)
+    execute.register_cells(spec.cells)
+    return module
 
-    filename = spec["filename"]
-    execute.register_source(filename, spec["display_source"])
-    execute.register_cells(spec["cells"])
+
+def _load_closure(spec: RunSpec, channel: wire.BlockingChannel, received: ReceivedClosure) -> tuple[dict, dict]:
+    """The closure's values, and the prepared loaders by feed index; reports and exits if they cannot load."""
     try:
         from taas_magic.feed.proxy import prepared_loaders
 
-        loaders = prepared_loaders(spec["feeds"], channel)
-        closure = received.load(loaders.__getitem__)
+        loaders = prepared_loaders(list(spec.feeds), channel)
+        return received.load(loaders.__getitem__), loaders
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
-                    execute.format_cell_traceback(exc, filename))
+                    execute.format_cell_traceback(exc, spec.filename))
         startup.finish(EXIT_CELL_RAISED)
-    module.__dict__.update(closure)
-    module.__dict__.setdefault("get_ipython", shell.get_ipython)
 
-    before = returns.snapshot(module.__dict__) if rank == 0 else {}
-    final = execute.NO_VALUE
+
+def _run(spec: RunSpec, channel: wire.BlockingChannel, module: types.ModuleType) -> object:
+    """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
     try:
-        final = execute.run_cell(spec["source"], filename, module)
+        final = execute.run_cell(spec.source, spec.filename, module)
         shell.after_cell()
+        return final
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            _send_error(channel, f"called sys.exit({exc.code!r})", execute.format_cell_traceback(exc, filename))
+            _send_error(channel, f"called sys.exit({exc.code!r})", execute.format_cell_traceback(exc, spec.filename))
             startup.finish(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
+        return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
-        _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, filename))
+        _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, spec.filename))
         startup.finish(EXIT_CELL_RAISED)
 
+
+def _send_results(spec: RunSpec, channel: wire.BlockingChannel, namespace: dict, before: dict[str, int],
+                  closure: dict, received: ReceivedClosure, loaders: dict, final: object) -> None:
+    """Rank 0: what the cell bound or changed, and its final value (rank/returns.py)."""
+    private = shell.hidden_names() | {"get_ipython", "__builtins__"}
+    names, deleted = returns.changed_names(namespace, before, private)
+    has_final = final is not execute.NO_VALUE and not spec.suppress_final
+    externals = [loaders.get(index) for index in range(max(loaders, default=-1) + 1)]
+    try:
+        message = returns.pack_returns(namespace, closure, received, names, deleted, final, has_final,
+                                       externals, spec.kernel_pid, spec.run_id, spec.result_file_bytes)
+    except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
+        _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
+                    execute.format_cell_traceback(exc, spec.filename))
+        startup.finish(EXIT_CELL_RAISED)
+    startup.flush_output()
+    channel.send("result", wire.dumps(message))
+
+
+def main() -> None:
+    channel = startup.begin(spare="--spare" in sys.argv)
+    rank = int(os.environ["RANK"])
+    spec: RunSpec = wire.loads_verified(channel.expect("spec"))
+    received = receive_closure(channel, keep_original=rank == 0)
+    sys.path[:] = spec.sys_path
+    sys.argv = ["taas-rank"]
+    _own_output()
+    module = _cell_module(spec, channel, rank)
+    closure, loaders = _load_closure(spec, channel, received)
+    module.__dict__.update(closure)
+    module.__dict__.setdefault("get_ipython", shell.get_ipython)
+    before = returns.snapshot(module.__dict__) if rank == 0 else {}
+    final = _run(spec, channel, module)
     if rank == 0:
-        private = shell.hidden_names() | {"get_ipython", "__builtins__"}
-        names, deleted = returns.changed_names(module.__dict__, before, private)
-        has_final = final is not execute.NO_VALUE and not spec["suppress_final"]
-        externals = [loaders.get(index) for index in range(max(loaders, default=-1) + 1)]
-        try:
-            message = returns.pack_returns(module.__dict__, closure, received, names, deleted, final, has_final,
-                                           externals, spec["kernel_pid"], spec["run_id"], spec["result_file_bytes"])
-        except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
-            _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
-                        execute.format_cell_traceback(exc, filename))
-            startup.finish(EXIT_CELL_RAISED)
-        startup.flush_output()
-        channel.send("result", wire.dumps(message))
+        _send_results(spec, channel, module.__dict__, before, closure, received, loaders, final)
     channel.close()
     startup.finish(0)

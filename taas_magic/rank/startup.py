@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 from taas_magic import wire
 from taas_magic.rank import lifeline
@@ -77,7 +78,7 @@ def flush_output() -> None:
             pass
 
 
-def finish(code: int) -> None:
+def finish(code: int) -> NoReturn:
     """Flush, reap the watchdog, and exit now with ``code``."""
     flush_output()
     lifeline.end_watchdog()

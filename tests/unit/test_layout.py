@@ -52,3 +52,23 @@ def test_ranks_and_data_workers_start_through_one_module():
         source = (PACKAGE.parent / path).read_text()
         for step in ("start_watchdog", "read_first_line", "BlockingChannel.connect", "os._exit"):
             assert step not in source, f"{path} does {step} itself: rank/startup.py does it"
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    long = []
+    for path, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+
+
+def test_the_magic_and_the_supervisor_never_ask_which_backend():
+    concrete = {"LocalRankGroup", "RayRankGroup", "LocalBackend", "ClusterBackend", "ClusterLaunch"}
+    supervisor = _modules()["taas_magic/supervisor.py"]
+    assert not {node.id for node in ast.walk(supervisor) if isinstance(node, ast.Name)} & concrete
+    assert not _imported("taas_magic/supervisor.py", supervisor) & {"taas_magic.launch.local", "taas_magic.launch.ray"}
+    magics = _modules()["taas_magic/magics.py"]
+    naming = [node.name for node in ast.walk(magics) if isinstance(node, ast.FunctionDef)
+              and any(isinstance(n, ast.Name) and n.id in concrete for n in ast.walk(node))]
+    assert naming == ["_backend"], naming  # the one place that chooses

@@ -1,0 +1,141 @@
+"""Where a run's processes live: this host (:class:`LocalBackend`) or a Ray cluster (:class:`ClusterBackend`).
+
+The magic picks one backend per cell and from then on asks only this contract; nothing
+above it (magics.py, supervisor.py) asks which one is in use. A backend answers:
+
+- the placement: the device plan and one :class:`RankSlot` per rank (decided when the
+  backend is made: a cluster's GPUs are held from then on, or it raises and holds none);
+- where the kernel listens and where rank 0's rendezvous is (``master``);
+- whether the ranks share this host's ``/dev/shm`` (memory files), and the environment
+  a rank needs beyond torchrun's (a cluster host's ``CUDA_VISIBLE_DEVICES``);
+- starting the ranks and the data workers (the cluster mode carries elements between
+  hosts with a courier);
+- releasing everything when the cell ends (the reserved port, the agents and the
+  placement group; a local backend refills the warm spares).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from ..rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port
+from .base import LaunchPlan, RankGroup
+from .local import LocalRankGroup
+from .placement import RankSlot
+from .spares import SparePool
+
+# A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster).
+CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
+
+
+class Backend(Protocol):
+    devices: DevicePlan
+    slots: list[RankSlot]
+    listen_host: str  # where the kernel's rank server listens
+    memory_files: bool  # the ranks share this host's /dev/shm
+    loopback_only: bool  # every rank runs on this host
+
+    def layout(self) -> str | None:
+        """A header line saying where the ranks run, or None when that is this host."""
+
+    def master(self) -> tuple[str, int]:
+        """MASTER_ADDR and MASTER_PORT for the ranks' rendezvous."""
+
+    def rank_extra_env(self, rank: int) -> dict[str, str]:
+        """Environment rank ``rank`` needs beyond torchrun's."""
+
+    def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
+        """Start the ranks of ``plan``."""
+
+    def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
+        """Start the data workers through ``start`` (DataRun.start with the run's arguments bound)."""
+
+    def release(self) -> None:
+        """Whatever happened: give back what the run held."""
+
+
+class LocalBackend:
+    """Ranks are processes on this host (from warm spares when there are enough)."""
+
+    listen_host = LOOPBACK
+    memory_files = True
+    loopback_only = True
+
+    def __init__(self, gpus: int, spares: SparePool | None, refill: Callable[[], int] | None):
+        self.devices = plan_devices(gpus)  # raises LaunchError (nothing held) with too few GPUs
+        self.slots = [RankSlot(rank, rank, gpus, 0) for rank in range(gpus)]
+        self._spares, self._refill = spares, refill
+        self._port = reserve_port()  # held until the run ends, so two notebooks cannot clash
+
+    def layout(self) -> str | None:
+        return None
+
+    def master(self) -> tuple[str, int]:
+        return LOOPBACK, self._port.getsockname()[1]
+
+    def rank_extra_env(self, rank: int) -> dict[str, str]:
+        return {}
+
+    def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
+        return LocalRankGroup.start(plan, spares=self._spares)
+
+    def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
+        return start()
+
+    def release(self) -> None:
+        self._port.close()
+        if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
+            self._spares.fill(self._refill())
+
+
+class ClusterBackend:
+    """Ranks are processes under one agent per host of a Ray cluster (launch/ray.py)."""
+
+    memory_files = False  # a file in this host's /dev/shm reaches no other host: bytes go in the frames
+    loopback_only = False
+
+    def __init__(self, launch: Any):
+        self._launch = launch  # a ClusterLaunch: the cluster's GPUs are held
+        self.devices = DevicePlan("cuda", len(launch.slots), "nccl") if launch.has_cuda else CLUSTER_CPU
+        self.slots = launch.slots
+        self.listen_host = launch.kernel_address
+
+    def layout(self) -> str | None:
+        return "cluster: " + self._launch.layout()
+
+    def master(self) -> tuple[str, int]:
+        return self._launch.master_addr, self._launch.master_port
+
+    def rank_extra_env(self, rank: int) -> dict[str, str]:
+        if self.devices.device != "cuda":
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": self._launch.host_gpu_ids(rank)}  # LOCAL_RANK indexes the host's GPUs
+
+    def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
+        return self._launch.start(plan.envs, plan.cwd, plan.handshake, key)
+
+    def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
+        launch = self._launch
+        plane = start(launch=lambda plan, dirs: launch.start_workers(plan, key, dirs),
+                      courier=lambda: launch.courier(data.cache_ram))
+        print(f"taas: data {launch.worker_layout}", flush=True)
+        return plane
+
+    def release(self) -> None:
+        self._launch.release()  # agents killed, GPUs given back
+
+
+def rank_environments(backend: Backend, base: dict[str, str], run_id: str) -> list[dict[str, str]]:
+    """Every rank's environment: torchrun's variables for its slot, and what the backend adds."""
+    master_addr, master_port = backend.master()
+    world_size = len(backend.slots)
+    envs = []
+    for slot in backend.slots:
+        env = rank_environment(
+            dict(base), rank=slot.rank, local_rank=slot.local_rank, world_size=world_size,
+            local_world_size=slot.local_world_size, group_rank=slot.group_rank, master_addr=master_addr,
+            master_port=master_port, run_id=run_id, loopback_only=backend.loopback_only,
+        )
+        env.update(backend.rank_extra_env(slot.rank))
+        envs.append(env)
+    return envs
