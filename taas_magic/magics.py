@@ -32,6 +32,7 @@ from .launch.base import LaunchPlan
 from .launch.placement import plan_hosts
 from .launch.ray import ClusterLaunch
 from .launch.spares import SparePool
+from .peers import Peer, PeerIds
 from .pragma import PragmaOptions, parse_cell, parse_size
 from .rankenv import visible_gpu_count
 from .relay import OutputRelay
@@ -179,16 +180,16 @@ class TaasMagics(Magics):
         """Start, supervise and always clean up; then bind rank 0's results."""
         record = self.last_run
         assert record is not None
-        world_size = len(run.backend.slots)
-        workers = run.data.workers if run.data is not None else 0
-        server = RankServer(wire.new_key(), world_size + workers, run.backend.listen_host)
-        layers = ScratchLayers(world_size, workers)
+        peers = PeerIds(len(run.backend.slots), run.data.workers if run.data is not None else 0)
+        server = RankServer(wire.new_key(), len(peers), run.backend.listen_host)
+        layers = ScratchLayers(peers.ranks, peers.workers)
         handoff: ClosureHandoff | None = None
         outcome = None
         started = time.monotonic()
         try:
             handoff = ClosureHandoff(run.packing, run.spec.run_id, run.spec.result_file_bytes)
-            outcome = self._supervise(run, server, layers, [wire.encode_body("spec", wire.dumps(run.spec)), handoff.body])
+            bodies = [wire.encode_body("spec", wire.dumps(run.spec)), handoff.body]
+            outcome = self._supervise(run, peers, server, layers, bodies)
             record.outcome = "ok"
         except BaseException as exc:
             record.outcome = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -210,29 +211,27 @@ class TaasMagics(Magics):
         finally:
             memfile.remove_run(os.getpid(), run.spec.run_id)
 
-    def _supervise(self, run: _Run, server: RankServer, layers: ScratchLayers, bodies: list[bytes]) -> RunOutcome:
+    def _supervise(self, run: _Run, peers: PeerIds, server: RankServer, layers: ScratchLayers,
+                   bodies: list[bytes]) -> RunOutcome:
         """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
-        world_size = len(run.backend.slots)
         envs = rank_environments(run.backend, dict(os.environ), run.spec.run_id)
         for rank, layer in layers.dirs.items():
             envs[rank].update(TAAS_REPOSITORY=run.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=run.rule.mode)
         handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
-        plan = LaunchPlan(world_size, envs, os.getcwd(), handshake)
+        plan = LaunchPlan(peers.ranks, envs, os.getcwd(), handshake)
         budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
-        workers = run.data.workers if run.data is not None else 0
-        relay = OutputRelay(run.spec.output, world_size, {"stdout": sys.stdout, "stderr": sys.stderr},
-                            workers=workers, budget=budget)
+        relay = OutputRelay(run.spec.output, peers, {"stdout": sys.stdout, "stderr": sys.stderr}, budget=budget)
         data = run.data
 
-        def greeting(peer: int) -> list[bytes]:
-            if peer < world_size:
+        def greeting(peer: Peer) -> list[bytes]:
+            if peer.is_rank:
                 return bodies
-            assert data is not None  # only data workers have peer ids past the ranks
-            return data.greeting(peer - world_size)
+            assert data is not None  # a data worker exists only with a data plan
+            return data.greeting(peer.index)
 
         def start_data() -> DataPlane:
             assert data is not None
-            start = functools.partial(data.start, run.spec.run_id, handshake, world_size, layers.worker_dirs,
+            start = functools.partial(data.start, run.spec.run_id, handshake, peers, layers.worker_dirs,
                                       run.rule, self._publish)
             return run.backend.start_data(data, start, server.key)
 

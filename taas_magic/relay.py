@@ -27,6 +27,9 @@ import time
 from typing import IO, Callable
 
 from .budget import OutputBudget
+from .peers import RANK, Peer, PeerIds
+
+RANK_0 = Peer(RANK, 0)
 
 # A display message for the cell (display_data, update_display_data, clear_output), by kind.
 Publish = Callable[[str, dict], None]
@@ -88,21 +91,19 @@ class OutputRelay:
     def __init__(
         self,
         mode: str,
-        world_size: int,
+        peers: PeerIds,
         streams: dict[str, IO[str]],
         *,
-        workers: int = 0,
         budget: OutputBudget | None = None,
         keep_lines: int = 20,
         flush_interval: float = 0.02,
-        on_marker: Callable[[int, int], None] | None = None,
+        on_marker: Callable[[Peer, int], None] | None = None,
     ):
         self.mode = mode
         self.streams = streams
         self.flush_interval = flush_interval
-        # Slots 0..N-1 are the ranks, N..N+M-1 the data workers (shown only with --output all).
-        self.ranks = [_RankText(keep_lines) for _ in range(world_size + workers)]
-        self.labels = [f"rank {k}" for k in range(world_size)] + [f"worker {w}" for w in range(workers)]
+        # Every rank and data worker (a worker's output is shown only with --output all).
+        self.texts = {peer: _RankText(keep_lines) for peer in peers.all()}
         self.pending: dict[str, list[str]] = {name: [] for name in streams}
         self.last_flush = 0.0
         self.muted = False
@@ -115,13 +116,13 @@ class OutputRelay:
         for chunks in self.pending.values():
             chunks.clear()
 
-    def shows(self, rank: int) -> bool:
-        return rank == 0 or self.mode == "all"
+    def shows(self, peer: Peer) -> bool:
+        return peer == RANK_0 or self.mode == "all"
 
-    def feed(self, rank: int, stream: str, data: bytes, final: bool = False) -> None:
+    def feed(self, peer: Peer, stream: str, data: bytes, final: bool = False) -> None:
         if self.muted:
             return
-        state = self.ranks[rank]
+        state = self.texts[peer]
         text = state.decoders[stream].decode(data, final=final)
         if stream == "stdout" and self.on_marker is not None:
             text = state.marker_hold + text
@@ -130,37 +131,36 @@ class OutputRelay:
             pieces = _MARKER.split(text)  # text, number, text, number, ..., text
             for index, piece in enumerate(pieces):
                 if index % 2:
-                    self.on_marker(rank, int(piece))
+                    self.on_marker(peer, int(piece))
                 else:
-                    self._emit(rank, stream, piece)
+                    self._emit(peer, stream, piece)
             return
-        self._emit(rank, stream, text)
+        self._emit(peer, stream, text)
 
-    def _emit(self, rank: int, stream: str, text: str) -> None:
+    def _emit(self, peer: Peer, stream: str, text: str) -> None:
         if not text:  # feed() has already dropped everything while muted
             return
-        state = self.ranks[rank]
+        state = self.texts[peer]
         state.remember(text)
-        if not self.shows(rank):
+        if not self.shows(peer):
             return
         if self.mode != "all":
             self.pending[stream].append(text)
             return
         pieces = _LINE_END.split(state.partial[stream] + text)
         state.partial[stream] = "" if pieces[-1].endswith(("\n", "\r")) else pieces.pop()
-        label = self.labels[rank]
-        self.pending[stream].extend(f"[{label}] {piece}" for piece in pieces if piece)
+        self.pending[stream].extend(f"[{peer}] {piece}" for piece in pieces if piece)
 
-    def end_of_stream(self, rank: int, stream: str) -> None:
-        """The rank closed this pipe: emit its undecoded bytes and unfinished line."""
-        self.feed(rank, stream, b"", final=True)
-        state = self.ranks[rank]
+    def end_of_stream(self, peer: Peer, stream: str) -> None:
+        """The process closed this pipe: emit its undecoded bytes and unfinished line."""
+        self.feed(peer, stream, b"", final=True)
+        state = self.texts[peer]
         if self.mode == "all" and state.partial[stream]:
-            self.pending[stream].append(f"[{self.labels[rank]}] {state.partial[stream]}\n")
+            self.pending[stream].append(f"[{peer}] {state.partial[stream]}\n")
             state.partial[stream] = ""
 
-    def last_lines(self, rank: int) -> tuple[str, ...]:
-        return self.ranks[rank].last_lines()
+    def last_lines(self, peer: Peer) -> tuple[str, ...]:
+        return self.texts[peer].last_lines()
 
     def has_pending(self) -> bool:
         return any(self.pending.values())

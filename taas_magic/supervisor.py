@@ -13,10 +13,10 @@ the rank produced them.
 The first failure (an error frame, or a non-zero exit) stops every rank; the cell's
 error names that rank. ``--timeout`` stops every rank and names those still running.
 
-With registered loaders in use, the data workers are peers on the same channel (ids
-N..N+M-1 after the ranks' 0..N-1) and their pipes go through the same relay; what they
-and the ranks say about data goes to the :class:`DataPlane`'s coordinator, and what it
-answers goes back out. A worker's failure stops the run like a rank's. The run ends
+With registered loaders in use, the data workers are peers on the same channel (peers.py
+numbers them after the ranks; here every process is a typed ``Peer``) and their pipes go
+through the same relay; what they and the ranks say about data goes to the
+:class:`DataPlane`'s coordinator, and what it answers goes back out. A worker's failure stops the run like a rank's. The run ends
 when the ranks end: workers still extracting then are stopped.
 """
 
@@ -35,6 +35,7 @@ from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exi
 from .feed.coordinator import Send
 from .feed.run import DataPlane
 from .launch.base import RankGroup
+from .peers import RANK, WORKER, Peer, PeerIds
 from .relay import OutputRelay, Publish
 from .server import PendingPeer, RankConnection, RankServer
 
@@ -42,7 +43,7 @@ POLL_SECONDS = 0.05
 COURIER_POLL_SECONDS = 0.005
 PIPE_GRACE_SECONDS = 2.0  # after every rank exited, how long to wait for pipes to close
 
-Greeting = Callable[[int], list[bytes]]  # peer id -> the frames it gets once connected
+Greeting = Callable[[Peer], list[bytes]]  # the frames a peer gets once connected
 
 
 @dataclass
@@ -67,24 +68,28 @@ class _Loop:
         self.relay = relay
         self.publish = publish
         self.data = data
-        self.world_size = len(group.ranks)
+        self.ids = PeerIds(len(group.ranks), len(data.workers.ranks) if data is not None else 0)
         self.selector = selectors.DefaultSelector()
-        self.pipes: dict[int, tuple[int, str]] = {}  # fd -> (peer, stream)
-        self.connections: dict[int, RankConnection] = {}  # peer -> connection
-        self.queued: dict[int, list[bytes]] = {}  # frames for peers not connected yet
-        self.exit_codes: dict[int, int] = {}  # rank -> code
-        self.worker_exits: dict[int, int] = {}  # worker -> code
+        self.pipes: dict[int, tuple[Peer, str]] = {}  # fd -> (peer, stream)
+        self.connections: dict[Peer, RankConnection] = {}
+        self.queued: dict[Peer, list[bytes]] = {}  # frames for peers not connected yet
+        self.exits: dict[Peer, int] = {}  # the exit code of every process that ended
         self.failure: RunError | None = None
-        self.failure_peer = 0
+        self.failure_peer = Peer(RANK, 0)
         self.result: dict | None = None
-        self.displays: dict[tuple[int, int], tuple[str, dict]] = {}
+        self.displays: dict[tuple[Peer, int], tuple[str, dict]] = {}
         relay.on_marker = self.on_marker
 
+    @property
+    def exit_codes(self) -> dict[int, int]:
+        """Each rank's exit code, by RANK (what the run's outcome reports)."""
+        return {peer.index: code for peer, code in self.exits.items() if peer.is_rank}
+
     def _processes(self):
-        """(peer id, process) of every rank and data worker."""
-        yield from ((rank.rank, rank) for rank in self.group.ranks)
+        """(peer, process) of every rank and data worker."""
+        yield from ((Peer(RANK, rank.rank), rank) for rank in self.group.ranks)
         if self.data is not None:
-            yield from ((self.world_size + worker.rank, worker) for worker in self.data.workers.ranks)
+            yield from ((Peer(WORKER, worker.rank), worker) for worker in self.data.workers.ranks)
 
     # -- registration -----------------------------------------------------------------
     def open(self) -> None:
@@ -110,9 +115,9 @@ class _Loop:
         for key, _ in self.selector.select(timeout):
             tag, item = key.data
             if tag == "listen":
-                peer = self.server.accept()
-                if peer is not None:
-                    self.selector.register(peer.sock, selectors.EVENT_READ, ("hello", peer))
+                pending = self.server.accept()
+                if pending is not None:
+                    self.selector.register(pending.sock, selectors.EVENT_READ, ("hello", pending))
             elif tag == "hello":
                 self._on_hello(item)
             elif tag == "pipe":
@@ -122,37 +127,38 @@ class _Loop:
             elif tag == "exit":  # a process ended: poll_exits (after this step) reads its code
                 self.selector.unregister(item)
 
-    def _on_hello(self, peer: PendingPeer) -> None:
-        outcome = self.server.read_hello(peer)
+    def _on_hello(self, pending: PendingPeer) -> None:
+        outcome = self.server.read_hello(pending)
         if outcome is None:
             return
-        self.selector.unregister(peer.sock)
+        self.selector.unregister(pending.sock)
         if outcome is False:
-            self.server.drop(peer)
+            self.server.drop(pending)
             return
         assert isinstance(outcome, RankConnection)
         connection = outcome
-        self.connections[connection.rank] = connection
-        for body in self.greeting(connection.rank) + self.queued.pop(connection.rank, []):
+        peer = self.ids.peer(connection.rank)  # the number it proved in its hello
+        self.connections[peer] = connection
+        for body in self.greeting(peer) + self.queued.pop(peer, []):
             connection.send(body)
         self.selector.register(connection.sock, selectors.EVENT_READ, ("conn", connection))
 
     def _read_pipe(self, fd: int) -> None:
-        rank, name = self.pipes[fd]
+        peer, name = self.pipes[fd]
         try:
             data = os.read(fd, 1 << 16)
         except BlockingIOError:
             return
         if data:
-            self.relay.feed(rank, name, data)
+            self.relay.feed(peer, name, data)
             return
-        self.relay.end_of_stream(rank, name)
+        self.relay.end_of_stream(peer, name)
         self.selector.unregister(fd)
         del self.pipes[fd]
 
-    def drain_pipes(self, rank: int) -> None:
+    def drain_pipes(self, peer: Peer) -> None:
         for fd, (owner, _) in list(self.pipes.items()):
-            if owner == rank:
+            if owner == peer:
                 while fd in self.pipes and self._pipe_has_data(fd):
                     self._read_pipe(fd)
 
@@ -171,19 +177,20 @@ class _Loop:
         if not data:
             self._close_connection(connection)
             return
+        peer = self.ids.peer(connection.rank)
         try:
             frames = connection.reader.feed(data)
         except wire.AuthenticationError as exc:
             self._close_connection(connection)
-            self._fail(self._failed(connection.rank, f"sent a frame that failed authentication ({exc})"), connection.rank)
+            self._fail(self._failed(peer, f"sent a frame that failed authentication ({exc})"), peer)
             return
         for kind, body in frames:
-            self._on_frame(connection.rank, kind, body)
+            self._on_frame(peer, kind, body)
 
-    def drain_connection(self, rank: int) -> None:
-        """Read every frame a rank sent before it exited (its error report, say)."""
-        connection = self.connections.get(rank)
-        while connection is not None and rank in self.connections:
+    def drain_connection(self, peer: Peer) -> None:
+        """Read every frame a process sent before it exited (its error report, say)."""
+        connection = self.connections.get(peer)
+        while connection is not None and peer in self.connections:
             try:
                 connection.sock.recv(1, socket.MSG_PEEK)
             except BlockingIOError:
@@ -195,29 +202,28 @@ class _Loop:
     def _close_connection(self, connection: RankConnection) -> None:
         self.selector.unregister(connection.sock)
         connection.sock.close()
-        self.connections.pop(connection.rank, None)
+        self.connections.pop(self.ids.peer(connection.rank), None)
 
-    def _on_frame(self, peer: int, kind: str, body: memoryview) -> None:
+    def _on_frame(self, peer: Peer, kind: str, body: memoryview) -> None:
         message = wire.loads_verified(body)
-        if peer >= self.world_size:
-            self._on_worker_frame(peer - self.world_size, kind, message)
+        if not peer.is_rank:
+            self._on_worker_frame(peer, kind, message)
         elif kind in ("display", "clear_output"):
             self.displays[(peer, message["number"])] = (kind, message)
         elif kind == "error":
-            self._fail(RankFailed(peer, self._host(peer), message["summary"], message["traceback"]), peer)
-        elif kind == "result" and peer == 0:
+            self._fail(RankFailed(peer.index, self._host(peer), message["summary"], message["traceback"]), peer)
+        elif kind == "result" and peer.index == 0:
             self.result = message
         elif kind == "want" and self.data is not None:
-            self._send_all(self.data.coordinator.on_rank(peer, message))
+            self._send_all(self.data.coordinator.on_rank(peer.index, message))
 
-    def _on_worker_frame(self, worker: int, kind: str, message) -> None:
+    def _on_worker_frame(self, peer: Peer, kind: str, message) -> None:
         assert self.data is not None
         if kind == "failed":
-            host = self.data.workers.ranks[worker].host
             name = self.data.coordinator.name_of(message["feed"])
-            self._fail(WorkerFailed.from_report(worker, host, name, message), self.world_size + worker)
+            self._fail(WorkerFailed.from_report(peer.index, self._host(peer), name, message), peer)
             return
-        self._send_all(self.data.coordinator.on_worker(worker, kind, message))
+        self._send_all(self.data.coordinator.on_worker(peer.index, kind, message))
 
     def deliver_ready(self) -> None:
         """Cluster mode: pass on the deliveries whose elements reached their rank's host."""
@@ -227,7 +233,7 @@ class _Loop:
         if self.data is not None and self.data.courier is not None:
             sends = self.data.courier.route(sends)
         for send in sends:
-            peer = send.index if send.role == "rank" else self.world_size + send.index
+            peer = Peer(RANK if send.role == "rank" else WORKER, send.index)
             body = wire.encode_body(send.kind, wire.dumps(send.message))
             connection = self.connections.get(peer)
             if connection is not None:
@@ -235,71 +241,71 @@ class _Loop:
                     connection.send(body)
                 except OSError:
                     pass  # it has exited; its exit code tells the rest
-            elif peer not in self.exit_codes and (peer - self.world_size) not in self.worker_exits:
+            elif peer not in self.exits:
                 self.queued.setdefault(peer, []).append(body)
 
-    def on_marker(self, rank: int, number: int) -> None:
+    def on_marker(self, peer: Peer, number: int) -> None:
         """A rank's display ``number`` belongs here in its text: publish it now."""
-        if (rank, number) not in self.displays:
-            self.drain_connection(rank)  # sent before the marker was written: it is buffered
-        shown = self.displays.pop((rank, number), None)
-        if shown is not None and self.relay.shows(rank):
+        if (peer, number) not in self.displays:
+            self.drain_connection(peer)  # sent before the marker was written: it is buffered
+        shown = self.displays.pop((peer, number), None)
+        if shown is not None and self.relay.shows(peer):
             self.relay.flush(force=True)
             self.publish(*shown)
 
     def publish_leftovers(self) -> None:
         """Displays whose marker never came (the cell closed fd 1): show them last."""
-        for key in sorted(self.displays):
+        for key in sorted(self.displays, key=lambda key: (self.ids.wire_id(key[0]), key[1])):
             if self.relay.shows(key[0]):
                 self.relay.flush(force=True)
                 self.publish(*self.displays[key])
         self.displays.clear()
 
-    def _fail(self, failure: RunError, peer: int) -> None:
+    def _fail(self, failure: RunError, peer: Peer) -> None:
         if self.failure is None:  # the root cause is the first failure
             self.failure, self.failure_peer = failure, peer
 
-    def _host(self, rank: int) -> str:
-        return self.group.ranks[rank].host
-
-    def _failed(self, peer: int, summary: str) -> RunError:
-        if peer < self.world_size:
-            return RankFailed(peer, self._host(peer), summary)
+    def _host(self, peer: Peer) -> str:
+        if peer.is_rank:
+            return self.group.ranks[peer.index].host
         assert self.data is not None
-        worker = peer - self.world_size
-        return WorkerFailed(worker, self.data.workers.ranks[worker].host, summary)
+        return self.data.workers.ranks[peer.index].host
+
+    def _failed(self, peer: Peer, summary: str) -> RunError:
+        if peer.is_rank:
+            return RankFailed(peer.index, self._host(peer), summary)
+        return WorkerFailed(peer.index, self._host(peer), summary)
 
     def poll_exits(self) -> None:
         for peer, process in self._processes():
-            exits = self.exit_codes if peer < self.world_size else self.worker_exits
-            if process.rank in exits:
+            if peer in self.exits:
                 continue
             code = process.poll()
             if code is None:
                 continue
-            exits[process.rank] = code
+            self.exits[peer] = code
             if code != 0:
                 self.drain_connection(peer)  # its error frame may still be unread
                 self._fail(self._failed(peer, describe_exit(code) + " without reporting an error"), peer)
-            elif peer >= self.world_size and not self._worker_done(process.rank):
+            elif not peer.is_rank and not self._worker_done(peer):
                 # A worker that ends cleanly before it said "done" leaves its share unprepared:
                 # the ranks would wait for it forever.
                 self.drain_connection(peer)
-                if not self._worker_done(process.rank):
+                if not self._worker_done(peer):
                     self._fail(self._failed(peer, "exited before preparing its share of the elements"), peer)
 
-    def _worker_done(self, worker: int) -> bool:
-        return self.data is not None and worker in self.data.coordinator.workers_done
+    def _worker_done(self, peer: Peer) -> bool:
+        return self.data is not None and peer.index in self.data.coordinator.workers_done
 
     def ranks_exited(self) -> bool:
-        return len(self.exit_codes) == self.world_size
+        return sum(peer.is_rank for peer in self.exits) == self.ids.ranks
 
     def finished(self) -> bool:
         """Every rank exited and its pipes and channel are closed (workers do not count)."""
         return (
             self.ranks_exited()
-            and not any(peer < self.world_size for peer, _ in self.pipes.values())
-            and not any(peer < self.world_size for peer in self.connections)
+            and not any(peer.is_rank for peer, _ in self.pipes.values())
+            and not any(peer.is_rank for peer in self.connections)
         )
 
 

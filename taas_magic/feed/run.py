@@ -21,6 +21,7 @@ from .. import wire
 from ..isolation import WriteRule
 from ..launch.base import LaunchPlan, RankGroup
 from ..launch.local import WORKER_COMMAND, LocalRankGroup
+from ..peers import WORKER, Peer, PeerIds
 from ..relay import Publish
 from ..tempdirs import ram_root
 from .coordinator import FeedCoordinator
@@ -119,10 +120,10 @@ class DataRun:
         return [wire.encode_body("job", wire.dumps(job)), wire.encode_body("loaders", loaders)]
 
     def start(
-        self, run_id: str, handshake: str, first_peer: int, layers: Mapping[int, str], rule: WriteRule, publish: Publish,
+        self, run_id: str, handshake: str, peers: PeerIds, layers: Mapping[int, str], rule: WriteRule, publish: Publish,
         launch: Callable[[LaunchPlan, tuple[str, ...]], RankGroup] | None = None, courier: Callable[[], Any] | None = None,
     ) -> DataPlane:
-        """Make the cache directories and start the workers, peers ``first_peer + w``.
+        """Make the cache directories and start the workers (``peers`` numbers them on the wire).
 
         ``launch`` starts them elsewhere (the cluster mode: on CPU hosts, given the plan and
         the cache directories to make there); ``courier()`` then makes what carries their
@@ -133,7 +134,7 @@ class DataRun:
         for worker in range(self.workers):
             env = dict(os.environ)
             env.update(
-                TAAS_PEER=str(first_peer + worker),
+                TAAS_PEER=str(peers.wire_id(Peer(WORKER, worker))),
                 TAAS_WORKER=str(worker),
                 CUDA_VISIBLE_DEVICES="",  # data workers prepare on CPU; GPUs belong to the ranks
                 OMP_NUM_THREADS="1",  # as torch sets in DataLoader workers

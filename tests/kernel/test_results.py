@@ -103,6 +103,7 @@ assert {out} == 10_000
         "#pragma taas --gpus 1\nimport torch\nbig = torch.ones(100 * 2**20)\nbig[-1] = 7\nbig.shape\n",
         """
 assert big.shape == (100 * 2**20,) and float(big[-1]) == 7.0 and float(big[:5].sum()) == 5.0
+assert tuple({out}) == (100 * 2**20,)
 big.add_(1)  # the kernel's tensor is writable, and its own
 assert float(big[0]) == 2.0
 del big

@@ -1,0 +1,50 @@
+"""Who is on the other end of a channel: a rank or a data worker, by index.
+
+The kernel talks to both kinds of process over one listener. On the wire each proves a
+number in its hello (wire.py); :class:`PeerIds` is the one place that says what those
+numbers mean: ranks ``0..N-1``, then data workers ``N..N+M-1``. Everything above the
+wire (supervisor, relay, the data plane) speaks in :class:`Peer` values and never does
+arithmetic on the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RANK = "rank"
+WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class Peer:
+    kind: str  # RANK or WORKER
+    index: int  # the rank's RANK, or the worker's number
+
+    @property
+    def is_rank(self) -> bool:
+        return self.kind == RANK
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.index}"
+
+
+@dataclass(frozen=True)
+class PeerIds:
+    """The numbering of one run's peers on the wire."""
+
+    ranks: int
+    workers: int = 0
+
+    def __len__(self) -> int:
+        return self.ranks + self.workers
+
+    def peer(self, wire_id: int) -> Peer:
+        if not 0 <= wire_id < len(self):
+            raise ValueError(f"no peer {wire_id} in a run of {self.ranks} ranks and {self.workers} workers")
+        return Peer(RANK, wire_id) if wire_id < self.ranks else Peer(WORKER, wire_id - self.ranks)
+
+    def wire_id(self, peer: Peer) -> int:
+        return peer.index if peer.is_rank else self.ranks + peer.index
+
+    def all(self) -> list[Peer]:
+        return [self.peer(wire_id) for wire_id in range(len(self))]
