@@ -29,8 +29,6 @@ from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 from .launch.backend import Backend, ClusterBackend, LocalBackend, rank_environments
 from .launch.base import LaunchPlan
-from .launch.placement import plan_hosts
-from .launch.ray import ClusterLaunch
 from .launch.spares import SparePool
 from .peers import Peer, PeerIds
 from .pragma import PragmaOptions, parse_cell, parse_size
@@ -150,9 +148,8 @@ class TaasMagics(Magics):
         if self.cluster is None:
             spares = self.spares if self.warm != "off" else None
             return LocalBackend(options.gpus, spares, lambda: int(self.warm) if self.warm.isdigit() else options.gpus)
-        shares = plan_hosts(self.cluster.nodes(), options.gpus, options.per_host)
         wait = options.place_timeout if options.place_timeout is not None else self.place_timeout
-        return ClusterBackend(ClusterLaunch(self.cluster.ray, shares, wait, self.cluster.nodes))
+        return ClusterBackend.place(self.cluster, options.gpus, options.per_host, wait)
 
     def _plan(self, options: PragmaOptions, code: CellCode, closure: dict, packing: Packing, registered: list,
               data: DataRun | None, backend: Backend) -> _Run:

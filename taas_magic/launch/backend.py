@@ -94,6 +94,16 @@ class ClusterBackend:
     memory_files = False  # a file in this host's /dev/shm reaches no other host: bytes go in the frames
     loopback_only = False
 
+    @classmethod
+    def place(cls, cluster: Any, gpus: int, per_host: int | None, wait: float) -> "ClusterBackend":
+        """Plan which hosts run which ranks and hold their GPUs (within ``wait`` seconds);
+        raises, holding nothing, when the cluster cannot (launch/placement.py, launch/ray.py)."""
+        from .placement import plan_hosts
+        from .ray import ClusterLaunch
+
+        shares = plan_hosts(cluster.nodes(), gpus, per_host)
+        return cls(ClusterLaunch(cluster.ray, shares, wait, cluster.nodes))
+
     def __init__(self, launch: Any):
         self._launch = launch  # a ClusterLaunch: the cluster's GPUs are held
         self.devices = DevicePlan("cuda", len(launch.slots), "nccl") if launch.has_cuda else CLUSTER_CPU
