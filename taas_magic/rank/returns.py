@@ -28,13 +28,12 @@ from __future__ import annotations
 import array
 import ctypes
 import dataclasses
-import hashlib
 import mmap
 import sys
 import warnings
 from typing import Any, Sequence
 
-from taas_magic.handoff import ReceivedClosure
+from taas_magic.handoff import ReceivedClosure, segment_digests
 from taas_magic.transfer import memfile
 from taas_magic.transfer.pack import Packing, Segment, pack
 from taas_magic.transfer.unpack import FINAL
@@ -133,15 +132,15 @@ class _Shipped:
 def _decide(packing: Packing, received: ReceivedClosure, shipped: _Shipped) -> list[bool | None]:
     """Per segment, whether the kernel binds it; None for a segment it need not even load."""
     digests = received.message["digests"]
-    bind, start = [], 0
+    now = segment_digests(packing)
+    bind = []
     for segment in packing.segments:
         digest = digests.get(segment.name)
         if digest is None:  # new, rebound, the final value, or a shipped object no name holds now
             bind.append(not segment.name.startswith("<shipped "))
         else:
-            same_pickle = hashlib.sha256(packing.skeleton[start:segment.end]).digest() == digest
+            same_pickle = now[segment.name] == digest
             bind.append(not (same_pickle and all(shipped.untouched(i) == i for i in segment.blobs)))
-        start = segment.end
     needed: list[bool | None] = [True if each else None for each in bind]
     for k in range(len(packing.segments) - 1, -1, -1):
         if needed[k] is None:

@@ -52,10 +52,6 @@ class BlobData:
     path: str | None = None
     digests: tuple[bytes, ...] = ()
 
-    def describe(self) -> str:
-        where = "one shared memory file" if self.path is not None else "in the frame"
-        return f"{self.size / 1e6:.1f} MB of tensor data ({where})"
-
 
 def layout(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
     offsets, end = [], 0

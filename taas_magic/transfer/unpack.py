@@ -48,37 +48,37 @@ class Blobs:
         self._storages: dict[int, Any] = {}
         self._arrays: dict[int, Any] = {}
 
+    def _once(self, cache: dict[int, Any], index: int, build: Callable[[int, int], Any]) -> Any:
+        """Blob ``index`` made once (so views of one storage stay views): the receiver's own
+        source when kept, else ``build(offset, nbytes)`` on the buffer."""
+        made = cache.get(index)
+        if made is None:
+            place = self._places[index]
+            made = cache[index] = self._kept[place[1]].source if place[0] == "kept" else build(place[1], place[2])
+        return made
+
     def storage(self, index: int, dtype: Any, device: str) -> Any:
         import torch
 
-        untyped = self._storages.get(index)
-        if untyped is None:
-            place = self._places[index]
-            if place[0] == "kept":
-                untyped = self._kept[place[1]].source
-            else:
-                _, offset, nbytes = place
-                flat = (torch.frombuffer(self._buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-                        if nbytes else torch.empty(0, dtype=torch.uint8))
-                target = _device_here(device)
-                untyped = (flat.to(target) if target != "cpu" else flat).untyped_storage()
-            self._storages[index] = untyped
+        def build(offset: int, nbytes: int) -> Any:
+            flat = (torch.frombuffer(self._buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+                    if nbytes else torch.empty(0, dtype=torch.uint8))
+            target = _device_here(device)
+            return (flat.to(target) if target != "cpu" else flat).untyped_storage()
+
+        untyped = self._once(self._storages, index, build)
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
     def array(self, index: int, dtype: str, shape: tuple) -> Any:
         import numpy
 
-        array = self._arrays.get(index)
-        if array is None:
-            place = self._places[index]
-            if place[0] == "kept":
-                array = self._kept[place[1]].source
-            else:
-                _, offset, nbytes = place
-                array = (numpy.frombuffer(self._buffer, dtype=numpy.uint8, count=nbytes, offset=offset)
-                         .view(numpy.dtype(dtype)).reshape(shape) if nbytes else numpy.empty(shape, dtype))
-            self._arrays[index] = array
-        return array
+        def build(offset: int, nbytes: int) -> Any:
+            if not nbytes:
+                return numpy.empty(shape, dtype)
+            flat = numpy.frombuffer(self._buffer, dtype=numpy.uint8, count=nbytes, offset=offset)
+            return flat.view(numpy.dtype(dtype)).reshape(shape)
+
+        return self._once(self._arrays, index, build)
 
 
 def resolver(blobs: Blobs, externals: Callable[[int], Any] | None = None) -> Resolve:
