@@ -9,6 +9,8 @@ by :func:`get_worker_info`, inside a rank, where it is already loaded.
   taas data workers prepare for the ranks (``--cpus``/``--units``).
 - :func:`get_worker_info`: inside a rank, torch's ``WorkerInfo`` with
   ``id=RANK`` and ``num_workers=WORLD_SIZE``; outside a rank, ``None``.
+- :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
+  restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank"]
+__all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",
+           "save_checkpoint", "load_checkpoint", "checkpoint_path"]
 
 _registered: list[Any] = []
 
 # Set by the rank bootstrap (taas_magic.rank) in the rank processes it starts; a
 # subprocess the cell starts inherits the environment but is not a rank.
 _IN_RANK = False
+_DEVICE = "cpu"  # in a rank: "cuda" when it has its own GPU (set by the rank bootstrap)
 
 
 def in_rank() -> bool:
@@ -85,3 +89,52 @@ def get_worker_info() -> Any:
         seed=int(os.environ.get("TAAS_SEED", "0")) + rank,
         dataset=None,  # type: ignore[arg-type]  # a rank has no dataset of its own
     )
+
+
+def save_checkpoint(obj: Any) -> str | None:
+    """Save ``obj`` (anything ``torch.save`` takes) as this run's newest checkpoint.
+
+    Every rank may call it; only rank 0's lands, written atomically (temporary file, fsync,
+    rename), so a rank killed mid-save never leaves a torn checkpoint. Returns the file's
+    path on rank 0 and None on the others.
+
+    Raises:
+        RuntimeError: outside a taas cell (use ``torch.save`` there).
+    """
+    if not _IN_RANK:
+        raise RuntimeError("taas.save_checkpoint works inside a taas cell; in the notebook, use torch.save")
+    if os.environ.get("RANK") != "0":
+        return None
+    from taas_magic import checkpoints
+
+    folder = checkpoints.run_folder()
+    assert folder is not None  # the kernel names it in every rank's environment
+    return checkpoints.save(obj, folder, int(os.environ.get("TAAS_KEEP_CHECKPOINTS", "2")))
+
+
+def load_checkpoint(map_location: Any = None) -> Any:
+    """The newest object rank 0 saved with :func:`save_checkpoint` in this run, or None before the first.
+
+    In a rank its tensors land on the rank's own device (``map_location`` overrides that);
+    in the notebook, after a cell, it is the last run's newest checkpoint, on the CPU.
+    """
+    from taas_magic import checkpoints
+
+    if map_location is None:
+        map_location = _own_device() if _IN_RANK else "cpu"
+    return checkpoints.load(checkpoints.run_folder(), map_location)
+
+
+def checkpoint_path() -> str | None:
+    """The file :func:`load_checkpoint` would read now (this run's newest; the last run's in the notebook)."""
+    from taas_magic import checkpoints
+
+    return checkpoints.newest(checkpoints.run_folder())
+
+
+def _own_device() -> Any:
+    import torch
+
+    if _DEVICE == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

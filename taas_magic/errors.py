@@ -74,6 +74,10 @@ class RunError(TaasError):
     """The ranks started but the run did not succeed; every rank has been stopped."""
 
     last_lines: tuple[str, ...] = ()  # the failing process's last lines of output, when it printed any
+    notes: tuple[str, ...] = ()  # shown after the error: why it was not restarted, where the ranks were
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}", *self.notes]
 
 
 def describe_exit(code: int | None) -> str:
@@ -90,10 +94,11 @@ def describe_exit(code: int | None) -> str:
 
 
 def _failure_report(
-    who: str, host: str, summary: str, stopped: str, traceback_text: str, last_lines: tuple[str, ...]
+    who: str, host: str, summary: str, stopped: str, traceback_text: str, last_lines: tuple[str, ...],
+    notes: tuple[str, ...] = (),
 ) -> list[str]:
     """The cell's error lines for a failed process: what happened, its traceback, its last output."""
-    lines = [f"taas: {who} on {host} {summary}; {stopped}."]
+    lines = [f"taas: {who} on {host} {summary}; {stopped}.", *notes]
     if traceback_text:
         lines.append(f"--- traceback of {who} ---")
         lines.extend(traceback_text.rstrip("\n").splitlines())
@@ -113,17 +118,19 @@ class RankFailed(RunError):
         summary: str,
         traceback_text: str = "",
         last_lines: tuple[str, ...] = (),
+        signature: tuple[str, str, int] | None = None,
     ):
         super().__init__(f"rank {rank} on {host} {summary}")
         self.rank, self.host, self.summary = rank, host, summary
         self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
+        self.signature = signature  # a Python exception's (type, innermost notebook file, line): restarts.py
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines))
+        return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines, self.signature))
 
     def _render_traceback_(self) -> list[str]:
         return _failure_report(f"rank {self.rank}", self.host, self.summary, "every rank was stopped",
-                               self.traceback_text, self.last_lines)
+                               self.traceback_text, self.last_lines, self.notes)
 
 
 class WorkerFailed(RunError):
@@ -167,7 +174,7 @@ class WorkerFailed(RunError):
 
     def _render_traceback_(self) -> list[str]:
         return _failure_report(f"data worker {self.worker}", self.host, self.summary,
-                               "every rank and worker was stopped", self.traceback_text, self.last_lines)
+                               "every rank and worker was stopped", self.traceback_text, self.last_lines, self.notes)
 
 
 class RunTimeout(RunError):

@@ -18,7 +18,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
-from . import wire
+from . import checkpoints, stacks, wire
 from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from .cellcode import CellCode, earlier_cells, translate
 from .closure import select_closure, serialise_closure
@@ -28,17 +28,20 @@ from .feed.run import DataPlane, DataRun, default_cache_ram, describe_registered
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 from .launch.backend import Backend, ClusterBackend, LocalBackend, rank_environments
-from .launch.base import LaunchPlan
+from .launch.base import LaunchPlan, RankGroup
 from .launch.spares import SparePool
 from .peers import Peer, PeerIds
-from .pragma import PragmaOptions, parse_cell, parse_size
+from .pragma import MAX_RESTARTS, PragmaOptions, parse_cell, parse_size
+from .procs import OWNER_VARIABLE, kill_tagged
 from .rankenv import visible_gpu_count
 from .relay import OutputRelay
+from .restarts import Attempts
 from .results import apply_results
 from .runspec import RunSpec
 from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
 from .supervisor import RunOutcome, run_ranks
+from .tempdirs import remove_tree
 from .transfer import memfile
 from .transfer.pack import Packing
 
@@ -57,6 +60,15 @@ class _Run:
     backend: Backend
     rule: WriteRule
     timeout: float | None
+    restarts: int  # --restarts K
+    checkpoints: str  # this run's checkpoint folder (checkpoints.py)
+
+
+def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
+    """The cell's lines and earlier cells' (the autopsy shows frames there at their cell lines)."""
+    sources = {name: (f"Cell In[{number}]", lines) for name, (number, lines) in spec.cells.items()}
+    sources[spec.filename] = ("Cell", spec.display_source.splitlines())
+    return sources
 
 
 @magics_class
@@ -71,6 +83,10 @@ class TaasMagics(Magics):
     warm = Unicode("auto", config=True, help="Warm spares: 'auto' (as many as the last cell's --gpus), 'off', or a number.")
     ahead = Int(16, config=True, help="Default for --ahead: elements per rank that may wait before workers pause.")
     place_timeout = Float(60.0, config=True, help="Default for --place-timeout: seconds to wait for a cluster's GPUs.")
+    restarts = Int(0, config=True, help="Default for --restarts: times a failed run starts again within its cell.")
+    checkpoint_dir = Unicode("", config=True, help="Where taas.save_checkpoint writes, a folder per run; "
+                             "empty: <repository>/.taas/checkpoints.")
+    keep_checkpoints = Int(2, config=True, help="Checkpoints kept per run, the newest; older ones go as new ones land.")
 
     @validate("warm")
     def _valid_warm(self, proposal):
@@ -93,11 +109,19 @@ class TaasMagics(Magics):
             raise TraitError(f"TaasMagics.{proposal['trait'].name} must be a positive number of seconds, got {value!r}")
         return value
 
-    @validate("ahead", "max_output_lines", "max_output_bytes", "tail_output_lines", "closure_file_bytes")
+    @validate("ahead", "max_output_lines", "max_output_bytes", "tail_output_lines", "closure_file_bytes",
+              "keep_checkpoints")
     def _valid_count(self, proposal):
-        least = {"ahead": 2, "max_output_lines": 1, "max_output_bytes": 1}.get(proposal["trait"].name, 0)
+        least = {"ahead": 2, "max_output_lines": 1, "max_output_bytes": 1, "keep_checkpoints": 1}.get(
+            proposal["trait"].name, 0)
         if proposal["value"] < least:
             raise TraitError(f"TaasMagics.{proposal['trait'].name} must be at least {least}, got {proposal['value']!r}")
+        return proposal["value"]
+
+    @validate("restarts")
+    def _valid_restarts(self, proposal):
+        if not 0 <= proposal["value"] <= MAX_RESTARTS:
+            raise TraitError(f"TaasMagics.restarts must be 0..{MAX_RESTARTS}, got {proposal['value']!r}")
         return proposal["value"]
 
     def __init__(self, shell=None, **kwargs):
@@ -163,11 +187,15 @@ class TaasMagics(Magics):
             suppress_final=code.suppress_final, kernel_pid=os.getpid(), result_file_bytes=file_bytes,
             feeds=tuple(data.rank_feeds()) if data is not None else (), cells=earlier_cells(self._shell, packing.skeleton),
         )
-        run = _Run(options, spec, packing, registered, data, backend, self._write_rule(),
-                   options.timeout if options.timeout is not None else self.timeout)
+        rule = self._write_rule()
+        root = self.checkpoint_dir or os.path.join(rule.repository, ".taas", "checkpoints")
+        run = _Run(options, spec, packing, registered, data, backend, rule,
+                   options.timeout if options.timeout is not None else self.timeout,
+                   options.restarts if options.restarts is not None else self.restarts,
+                   os.path.join(os.path.realpath(os.path.expanduser(root)), run_id))
         tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
         lines = [header_line(options, backend.devices, run_id, len(packing.skeleton) + tensor_bytes,
-                             tensor_bytes >= file_bytes), run.rule.header(), backend.layout(),
+                             tensor_bytes >= file_bytes, run.restarts), run.rule.header(), backend.layout(),
                  data.header() if data is not None else None]
         print("\ntaas: ".join(line for line in lines if line), flush=True)
         self.last_run = LastRun(options=options, devices=backend.devices, run_id=run_id, closure_names=tuple(closure))
@@ -180,13 +208,14 @@ class TaasMagics(Magics):
         peers = PeerIds(len(run.backend.slots), run.data.workers if run.data is not None else 0)
         server = RankServer(wire.new_key(), len(peers), run.backend.listen_host)
         layers = ScratchLayers(peers.ranks, peers.workers)
+        stacks_dir = stacks.make_dir(run.spec.run_id)
         handoff: ClosureHandoff | None = None
         outcome = None
         started = time.monotonic()
         try:
             handoff = ClosureHandoff(run.packing, run.spec.run_id, run.spec.result_file_bytes)
             bodies = [wire.encode_body("spec", wire.dumps(run.spec)), handoff.body]
-            outcome = self._supervise(run, peers, server, layers, bodies)
+            outcome = self._supervise(run, peers, server, layers, stacks_dir, bodies)
             record.outcome = "ok"
         except BaseException as exc:
             record.outcome = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -194,6 +223,9 @@ class TaasMagics(Magics):
         finally:
             record.seconds = time.monotonic() - started
             server.close()
+            kill_tagged(f"{os.getpid()}-{run.spec.run_id}-")  # what the ranks and workers started and left
+            remove_tree(stacks_dir)
+            checkpoints.finished_run(run.checkpoints)
             for line in layers.report(run.rule.repository):
                 print(line, file=sys.stderr)
             layers.remove()
@@ -208,14 +240,11 @@ class TaasMagics(Magics):
         finally:
             memfile.remove_run(os.getpid(), run.spec.run_id)
 
-    def _supervise(self, run: _Run, peers: PeerIds, server: RankServer, layers: ScratchLayers,
+    def _supervise(self, run: _Run, peers: PeerIds, server: RankServer, layers: ScratchLayers, stacks_dir: str,
                    bodies: list[bytes]) -> RunOutcome:
         """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
-        envs = rank_environments(run.backend, dict(os.environ), run.spec.run_id)
-        for rank, layer in layers.dirs.items():
-            envs[rank].update(TAAS_REPOSITORY=run.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=run.rule.mode)
+        envs = self._rank_envs(run, layers, stacks_dir)
         handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
-        plan = LaunchPlan(peers.ranks, envs, os.getcwd(), handshake)
         budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
         relay = OutputRelay(run.spec.output, peers, {"stdout": sys.stdout, "stderr": sys.stderr}, budget=budget)
         data = run.data
@@ -232,8 +261,30 @@ class TaasMagics(Magics):
                                       run.rule, self._publish)
             return run.backend.start_data(data, start, server.key)
 
-        return run_ranks(lambda: run.backend.start_ranks(plan, server.key), server, greeting, relay, self._publish,
-                         run.timeout, start_data if data is not None else None)
+        def start_ranks(attempt: int) -> RankGroup:
+            attempt_envs = [{**env, "TORCHELASTIC_RESTART_COUNT": str(attempt)} for env in envs]
+            return run.backend.start_ranks(LaunchPlan(peers.ranks, attempt_envs, os.getcwd(), handshake), server.key)
+
+        def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
+            kill_tagged(envs[0][OWNER_VARIABLE])
+            memfile.remove_run(os.getpid(), run.spec.run_id)
+
+        explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
+        return run_ranks(start_ranks, server, peers, greeting, relay, self._publish, run.timeout,
+                         start_data if data is not None else None,
+                         Attempts(run.restarts, between, run.backend.standby), explain)
+
+    def _rank_envs(self, run: _Run, layers: ScratchLayers, stacks_dir: str) -> list[dict[str, str]]:
+        """torchrun's variables, the write rule, and what restarts, checkpoints and the autopsy need."""
+        envs = rank_environments(run.backend, dict(os.environ), run.spec.run_id)
+        for rank, env in enumerate(envs):
+            env.update(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS=str(run.restarts),
+                       TAAS_CHECKPOINTS=run.checkpoints, TAAS_KEEP_CHECKPOINTS=str(self.keep_checkpoints),
+                       TAAS_STACKS_FILE=os.path.join(stacks_dir, f"rank-{rank}"))
+            env[OWNER_VARIABLE] = f"{os.getpid()}-{run.spec.run_id}-ranks"
+        for rank, layer in layers.dirs.items():
+            envs[rank].update(TAAS_REPOSITORY=run.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=run.rule.mode)
+        return envs
 
     def _registered_lines(self) -> list[str]:
         import taas

@@ -30,6 +30,7 @@ CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
 
 OUTPUT_MODES = ("rank0", "all")
 MAX_CPUS = 8
+MAX_RESTARTS = 100
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(i?b)?$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -61,6 +62,7 @@ class PragmaOptions:
     ahead: int | None = None  # None: the session default
     per_host: int | None = None  # None: as many as each host has free
     place_timeout: float | None = None  # None: the session default
+    restarts: int | None = None  # None: the session default (0)
     configs: tuple[str, ...] = field(default=())
 
 
@@ -148,6 +150,8 @@ OPTIONS: tuple[Option, ...] = (
            "E >= 2, default 16: elements per rank that may wait before the data workers pause"),
     Option("--timeout", "SECONDS", "timeout", _timeout_value,
            "stop every rank after this long and name the ranks still running"),
+    Option("--restarts", "K", "restarts", lambda opt, tok: _int_value(opt, tok, 0, MAX_RESTARTS),
+           f"0..{MAX_RESTARTS}, default 0: when the run fails, start every rank again up to K times in this cell"),
     Option("--per-host", "G", "per_host", lambda opt, tok: _int_value(opt, tok, 1),
            "cluster mode: at most G ranks on any host"),
     Option("--place-timeout", "SECONDS", "place_timeout", _timeout_value,

@@ -23,6 +23,13 @@ LADDER: tuple[tuple[signal.Signals, float], ...] = (
     (signal.SIGKILL, 2.0),
 )
 
+# Between attempts of --restarts: no SIGINT, whose handlers (the cell's ``finally``) a restart
+# does not wait for, as torchrun's agent sends SIGTERM. A rank's SIGTERM kills its group at once.
+RESTART_LADDER: tuple[tuple[signal.Signals, float], ...] = (
+    (signal.SIGTERM, 1.0),
+    (signal.SIGKILL, 2.0),
+)
+
 
 @dataclass
 class StopReport:
@@ -72,3 +79,41 @@ def stop_groups(procs: Sequence[subprocess.Popen], ladder=LADDER) -> StopReport:
             report.still_running.append(proc.pid)
         kill_leftovers(proc)
     return report
+
+
+OWNER_VARIABLE = "TAAS_OWNER"  # in every rank's and data worker's environment; their children inherit it
+
+
+def kill_tagged(prefix: str) -> list[int]:
+    """SIGKILL every process of this user whose environment says ``TAAS_OWNER=<prefix>...``.
+
+    What a rank or a data worker started and that left its session or process group
+    (``start_new_session=True``, ``setsid``, a double fork) is beyond the group's signals, but
+    it still carries the environment it was started with: /proc says whose it is. A process
+    that cleared its environment escapes this; the rank's own sweep (rank/startup.py) covers
+    it while the rank lives. Returns the pids killed.
+    """
+    needle = f"{OWNER_VARIABLE}={prefix}".encode()
+    me, uid = os.getpid(), os.getuid()
+    killed: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return killed  # not Linux: the process groups are all we have
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                variables = environ.read().split(b"\0")
+        except OSError:
+            continue  # gone, or not ours to read
+        if any(variable.startswith(needle) for variable in variables):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except OSError:
+                pass
+    return killed

@@ -159,6 +159,12 @@ class OutputRelay:
             self.pending[stream].append(f"[{peer}] {state.partial[stream]}\n")
             state.partial[stream] = ""
 
+    def notice(self, line: str) -> None:
+        """taas's own line in the cell (a restart, where the ranks were), after what is pending."""
+        self.flush(force=True)
+        self.streams["stderr"].write(line + "\n")
+        self.streams["stderr"].flush()
+
     def last_lines(self, peer: Peer) -> tuple[str, ...]:
         return self.texts[peer].last_lines()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from . import wire
 from .rankenv import LOOPBACK
@@ -88,6 +89,10 @@ class RankServer:
         peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = wire.FrameCodec(self.key, peer.nonce, outgoing=wire.KERNEL_TO_RANK, incoming=wire.RANK_TO_KERNEL)
         return RankConnection(rank, peer.sock, codec, wire.FrameReader(codec))
+
+    def readmit(self, ids: Iterable[int]) -> None:
+        """Those peers were restarted: their new processes may connect (and prove the key) again."""
+        self._connected.difference_update(ids)
 
     def drop(self, peer: PendingPeer) -> None:
         self.rejected += 1

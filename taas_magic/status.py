@@ -59,11 +59,14 @@ def _devices_text(devices: DevicePlan, ranks: int) -> str:
     return "CPU, backend gloo"
 
 
-def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closure_bytes: int, shared_file: bool = False) -> str:
+def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closure_bytes: int, shared_file: bool = False,
+                restarts: int = 0) -> str:
     parts = [f"taas: {options.gpus} rank(s)", _devices_text(devices, options.gpus)]
     if options.configs:
         parts.append("config " + ", ".join(options.configs))
     parts.append(f"run {run_id}")
+    if restarts:
+        parts.append(f"restarts up to {restarts}")
     parts.append(f"closure {closure_bytes / 1e6:.1f} MB" if closure_bytes >= 1e5 else f"closure {closure_bytes} B")
     if shared_file:
         parts[-1] += " (one shared file)"

@@ -28,7 +28,7 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 from . import wire
 from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
@@ -37,11 +37,14 @@ from .feed.run import DataPlane
 from .launch.base import RankGroup
 from .peers import RANK, WORKER, Peer, PeerIds
 from .relay import OutputRelay, Publish
+from .restarts import Attempts, refusal, restart_line
 from .server import PendingPeer, RankConnection, RankServer
 
 POLL_SECONDS = 0.05
 COURIER_POLL_SECONDS = 0.005
 PIPE_GRACE_SECONDS = 2.0  # after every rank exited, how long to wait for pipes to close
+SETTLE_SECONDS = 0.25  # after a rank's error, how long a silent death may still claim to be the cause
+DRAIN_READS = 256  # at most this many reads of a stopped rank's pipe (a leftover child may still write)
 
 Greeting = Callable[[Peer], list[bytes]]  # the frames a peer gets once connected
 
@@ -53,31 +56,37 @@ class RunOutcome:
 
 
 class _Loop:
+    """One cell's selector over the listener, the data workers and the current attempt's ranks."""
+
     def __init__(
         self,
-        group: RankGroup,
+        ids: PeerIds,
         server: RankServer,
         greeting: Greeting,
         relay: OutputRelay,
         publish: Publish,
         data: DataPlane | None = None,
     ):
-        self.group = group
+        self.group: RankGroup | None = None  # the current attempt's ranks (attach / detach)
         self.server = server
         self.greeting = greeting
         self.relay = relay
         self.publish = publish
         self.data = data
-        self.ids = PeerIds(len(group.ranks), len(data.workers.ranks) if data is not None else 0)
+        self.ids = ids
         self.selector = selectors.DefaultSelector()
         self.pipes: dict[int, tuple[Peer, str]] = {}  # fd -> (peer, stream)
+        self.exit_fds: set[int] = set()
         self.connections: dict[Peer, RankConnection] = {}
         self.queued: dict[Peer, list[bytes]] = {}  # frames for peers not connected yet
         self.exits: dict[Peer, int] = {}  # the exit code of every process that ended
         self.failure: RunError | None = None
         self.failure_peer = Peer(RANK, 0)
+        self.failure_silent = False  # the failing process died without reporting an error
+        self.reported: set[Peer] = set()  # ranks that sent an error report
         self.result: dict | None = None
         self.displays: dict[tuple[Peer, int], tuple[str, dict]] = {}
+        self.on_all_connected: Callable[[], None] | None = None  # once per attempt
         relay.on_marker = self.on_marker
 
     @property
@@ -87,7 +96,8 @@ class _Loop:
 
     def _processes(self):
         """(peer, process) of every rank and data worker."""
-        yield from ((Peer(RANK, rank.rank), rank) for rank in self.group.ranks)
+        if self.group is not None:
+            yield from ((Peer(RANK, rank.rank), rank) for rank in self.group.ranks)
         if self.data is not None:
             yield from ((Peer(WORKER, worker.rank), worker) for worker in self.data.workers.ranks)
 
@@ -95,12 +105,54 @@ class _Loop:
     def open(self) -> None:
         self.selector.register(self.server.listener, selectors.EVENT_READ, ("listen", None))
         for peer, process in self._processes():
-            for name, fd in (("stdout", process.stdout_fd), ("stderr", process.stderr_fd)):
-                os.set_blocking(fd, False)
-                self.pipes[fd] = (peer, name)
-                self.selector.register(fd, selectors.EVENT_READ, ("pipe", fd))
-            if process.exit_fd is not None:
-                self.selector.register(process.exit_fd, selectors.EVENT_READ, ("exit", process.exit_fd))
+            self._watch_process(peer, process)
+
+    def _watch_process(self, peer: Peer, process) -> None:
+        for name, fd in (("stdout", process.stdout_fd), ("stderr", process.stderr_fd)):
+            os.set_blocking(fd, False)
+            self.pipes[fd] = (peer, name)
+            self.selector.register(fd, selectors.EVENT_READ, ("pipe", fd))
+        if process.exit_fd is not None:
+            self.exit_fds.add(process.exit_fd)
+            self.selector.register(process.exit_fd, selectors.EVENT_READ, ("exit", process.exit_fd))
+
+    def attach(self, group: RankGroup) -> None:
+        """Watch an attempt's ranks."""
+        self.group = group
+        for rank in group.ranks:
+            self._watch_process(Peer(RANK, rank.rank), rank)
+
+    def detach(self) -> None:
+        """After an attempt's ranks were stopped: forget them (the workers and their frames stay),
+        so the next attempt's ranks connect, print and exit as new processes."""
+        for fd, (peer, stream) in list(self.pipes.items()):
+            if peer.is_rank:
+                for _ in range(DRAIN_READS):  # what it printed before it was stopped
+                    if fd not in self.pipes or not self._pipe_has_data(fd):
+                        break
+                    self._read_pipe(fd)
+                if fd in self.pipes:
+                    self.relay.end_of_stream(peer, stream)
+                    self.selector.unregister(fd)
+                    del self.pipes[fd]
+        if self.group is not None:
+            for rank in self.group.ranks:
+                if rank.exit_fd in self.exit_fds:
+                    self.selector.unregister(rank.exit_fd)
+                    self.exit_fds.discard(rank.exit_fd)
+        for peer, connection in list(self.connections.items()):
+            if peer.is_rank:
+                self._close_connection(connection)
+        self.server.readmit(range(self.ids.ranks))
+        self.reported.clear()
+        for table in (self.exits, self.queued):
+            for peer in [peer for peer in table if peer.is_rank]:
+                del table[peer]
+        self.displays = {key: shown for key, shown in self.displays.items() if not key[0].is_rank}
+        self.failure, self.failure_peer, self.failure_silent = None, Peer(RANK, 0), False
+        self.result, self.group = None, None
+        if self.data is not None:
+            self.data.restart_ranks()
 
     def close(self) -> None:
         for connection in self.connections.values():
@@ -126,6 +178,7 @@ class _Loop:
                 self._read_connection(item)
             elif tag == "exit":  # a process ended: poll_exits (after this step) reads its code
                 self.selector.unregister(item)
+                self.exit_fds.discard(item)
 
     def _on_hello(self, pending: PendingPeer) -> None:
         outcome = self.server.read_hello(pending)
@@ -142,6 +195,9 @@ class _Loop:
         for body in self.greeting(peer) + self.queued.pop(peer, []):
             connection.send(body)
         self.selector.register(connection.sock, selectors.EVENT_READ, ("conn", connection))
+        if self.on_all_connected is not None and sum(peer.is_rank for peer in self.connections) == self.ids.ranks:
+            self.on_all_connected()
+            self.on_all_connected = None
 
     def _read_pipe(self, fd: int) -> None:
         peer, name = self.pipes[fd]
@@ -211,7 +267,10 @@ class _Loop:
         elif kind in ("display", "clear_output"):
             self.displays[(peer, message["number"])] = (kind, message)
         elif kind == "error":
-            self._fail(RankFailed(peer.index, self._host(peer), message["summary"], message["traceback"]), peer)
+            self.reported.add(peer)
+            signature = message.get("signature")
+            self._fail(RankFailed(peer.index, self._host(peer), message["summary"], message["traceback"],
+                                  signature=tuple(signature) if signature else None), peer)
         elif kind == "result" and peer.index == 0:
             self.result = message
         elif kind == "want" and self.data is not None:
@@ -261,12 +320,24 @@ class _Loop:
                 self.publish(*self.displays[key])
         self.displays.clear()
 
-    def _fail(self, failure: RunError, peer: Peer) -> None:
+    def _fail(self, failure: RunError, peer: Peer, silent: bool = False) -> None:
+        if silent and self.failure is not None and not self.failure_silent and self.failure_peer != peer:
+            # A rank that died without a word (a signal, the OOM killer) is the root cause of the
+            # errors its peers' collectives raise at the same moment, whichever the kernel read first.
+            self.failure = None
         if self.failure is None:  # the root cause is the first failure
-            self.failure, self.failure_peer = failure, peer
+            self.failure, self.failure_peer, self.failure_silent = failure, peer, silent
+
+    def settle(self) -> None:
+        """After a failure: a moment for a silent death that caused it to be seen (see _fail)."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while not self.failure_silent and not self.ranks_exited() and time.monotonic() < deadline:
+            self.step(0.01)
+            self.poll_exits()
 
     def _host(self, peer: Peer) -> str:
         if peer.is_rank:
+            assert self.group is not None  # a rank's frames and exits arrive only while its attempt is attached
             return self.group.ranks[peer.index].host
         assert self.data is not None
         return self.data.workers.ranks[peer.index].host
@@ -286,7 +357,8 @@ class _Loop:
             self.exits[peer] = code
             if code != 0:
                 self.drain_connection(peer)  # its error frame may still be unread
-                self._fail(self._failed(peer, describe_exit(code) + " without reporting an error"), peer)
+                if peer not in self.reported:
+                    self._fail(self._failed(peer, describe_exit(code) + " without reporting an error"), peer, True)
             elif not peer.is_rank and not self._worker_done(peer):
                 # A worker that ends cleanly before it said "done" leaves its share unprepared:
                 # the ranks would wait for it forever.
@@ -309,20 +381,23 @@ class _Loop:
         )
 
 
-def supervise(
-    group: RankGroup,
-    server: RankServer,
-    greeting: Greeting,
-    relay: OutputRelay,
-    publish: Publish,
-    timeout: float | None,
-    data: DataPlane | None = None,
-) -> RunOutcome:
-    """Watch the ranks until all finish, one fails, or the timeout passes."""
-    loop = _Loop(group, server, greeting, relay, publish, data)
-    loop.open()
-    if data is not None:
-        data.progress.show(force=True)
+
+
+Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps, running ranks -> the autopsy's lines
+
+
+def _autopsy(loop: _Loop, explain: Explain | None) -> tuple[tuple[int, ...], list[str]]:
+    """The ranks still running, and where each of them is (stacks.py): one summary line, then the stacks."""
+    assert loop.group is not None
+    running = tuple(rank.rank for rank in loop.group.ranks if Peer(RANK, rank.rank) not in loop.exits)
+    if explain is None or not running:
+        return running, []
+    return running, explain(loop.group.stacks(running), running)
+
+
+def _watch(loop: _Loop, timeout: float | None, explain: Explain | None) -> RunOutcome | None:
+    """One attempt, until every rank finished (its outcome) or it failed (None; ``loop.failure`` says how)."""
+    relay, data = loop.relay, loop.data
     deadline = None if timeout is None else time.monotonic() + timeout
     all_exited_at: float | None = None
     try:
@@ -341,70 +416,103 @@ def supervise(
             if data is not None:
                 data.progress.show()
             if loop.failure is not None:
-                break
+                loop.settle()
+                return None
             if loop.finished():
                 break
             now = time.monotonic()
             if loop.ranks_exited():
                 all_exited_at = all_exited_at or now
                 if now - all_exited_at > PIPE_GRACE_SECONDS:
-                    break  # something the cell started still holds a pipe open: group.close() ends it
+                    break  # something the cell started still holds a pipe open: the group's close ends it
             if deadline is not None and now >= deadline:
-                running = tuple(r.rank for r in group.ranks if r.rank not in loop.exit_codes)
-                _stop(group, data)
                 assert timeout is not None  # a deadline exists only with a timeout
-                raise RunTimeout(timeout, running)
-        if loop.failure is not None:
-            _raise_failure(loop, group, relay, data)
-        loop.publish_leftovers()
-        if loop.result is None and loop.exit_codes.get(0) == 0:
-            return RunOutcome(None, dict(loop.exit_codes))
-        return RunOutcome(loop.result, dict(loop.exit_codes))
-    finally:
+                running, lines = _autopsy(loop, explain)
+                failure = RunTimeout(timeout, running)
+                failure.notes = tuple(lines)
+                loop._fail(failure, Peer(RANK, running[0] if running else 0))
+                return None
+    except KeyboardInterrupt:
         relay.flush(force=True)
-        relay.finish()
-        if data is not None:
-            data.workers.close()  # before measuring the cache: nothing writes to it any more
-            data.progress.show(force=True, usage=data.usage())
-        loop.close()
+        for line in _autopsy(loop, explain)[1]:
+            relay.notice(line)
+        raise
+    loop.publish_leftovers()
+    if loop.result is None and loop.exit_codes.get(0) == 0:
+        return RunOutcome(None, dict(loop.exit_codes))
+    return RunOutcome(loop.result, dict(loop.exit_codes))
 
 
-def _raise_failure(loop: _Loop, group: RankGroup, relay: OutputRelay, data: DataPlane | None) -> None:
-    """The first failure, with the failing process's last lines, once every rank is stopped."""
-    assert loop.failure is not None
-    failure, peer = loop.failure, loop.failure_peer
-    loop.drain_pipes(peer)  # what it printed before it reported the failure
-    relay.flush(force=True)
-    failure.last_lines = relay.last_lines(peer)
+def _raise_failure(loop: _Loop, group: RankGroup, relay: OutputRelay, data: DataPlane | None) -> NoReturn:
+    """The first failure, with the failing process's last lines, once every rank and worker is stopped."""
+    failure = _last_words(loop)
     relay.mute()
-    _stop(group, data)
-    raise failure
-
-
-def _stop(group: RankGroup, data: DataPlane | None) -> None:
     group.stop()
     if data is not None:
         data.workers.stop()
+    raise failure
+
+
+def _last_words(loop: _Loop) -> RunError:
+    """The failure, with what the failing process printed before it reported it."""
+    assert loop.failure is not None
+    loop.drain_pipes(loop.failure_peer)
+    loop.relay.flush(force=True)
+    loop.failure.last_lines = loop.relay.last_lines(loop.failure_peer)
+    return loop.failure
 
 
 def run_ranks(
-    start: Callable[[], RankGroup],
+    start: Callable[[int], RankGroup],
     server: RankServer,
+    ids: PeerIds,
     greeting: Greeting,
     relay: OutputRelay,
     publish: Publish,
     timeout: float | None,
     data: Callable[[], DataPlane] | None = None,
+    attempts: Attempts | None = None,
+    explain: Explain | None = None,
 ) -> RunOutcome:
-    """Start the data workers (if any), then the ranks, and supervise them; whatever
-    happens, no rank or worker outlives the call."""
+    """Start the data workers (if any), then the ranks (``start(attempt)``), and supervise them;
+    a failed attempt starts again as ``attempts`` allows (restarts.py). Whatever happens, no rank
+    or worker outlives the call."""
+    attempts = attempts or Attempts()
     plane = data() if data is not None else None
+    loop = _Loop(ids, server, greeting, relay, publish, plane)
     try:
-        group = start()
-        try:
-            return supervise(group, server, greeting, relay, publish, timeout, plane)
-        finally:
-            group.close()
-    finally:
+        loop.open()
         if plane is not None:
-            plane.workers.close()
+            plane.progress.show(force=True)
+        previous: RunError | None = None
+        for attempt in range(attempts.restarts + 1):
+            group = start(attempt)
+            try:
+                loop.attach(group)
+                loop.on_all_connected = attempts.running if attempt < attempts.restarts else None
+                outcome = _watch(loop, timeout, explain)
+                if outcome is not None:
+                    return outcome
+                assert loop.failure is not None
+                reason = refusal(attempt, attempts.restarts, loop.failure, previous)
+                if reason is not None:
+                    if reason:
+                        loop.failure.notes = (*loop.failure.notes, f"taas: {reason}")
+                    _raise_failure(loop, group, relay, plane)
+                previous = _last_words(loop)
+                group.stop(graceful=False)  # the next attempt starts from the checkpoint, not from their finally
+            finally:
+                loop.detach()
+                group.close()
+                attempts.between(attempt)
+            for line in previous.notes:
+                relay.notice(line)  # a timed-out attempt: where its ranks were
+            relay.notice(restart_line(attempt, attempts.restarts, previous))
+        raise AssertionError("unreachable: the last attempt returns or raises")
+    finally:
+        relay.flush(force=True)
+        relay.finish()
+        if plane is not None:
+            plane.workers.close()  # before measuring the cache: nothing writes to it any more
+            plane.progress.show(force=True, usage=plane.usage())
+        loop.close()

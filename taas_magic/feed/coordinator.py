@@ -161,6 +161,7 @@ class FeedCoordinator:
         self.feeds = {plan.feed: _Feed(plan) for plan in plans}
         self.started = time.monotonic()
         self.workers_done: set[int] = set()
+        self.restarts = 0  # times the ranks started again
 
     @property
     def workers(self) -> int:
@@ -220,6 +221,14 @@ class FeedCoordinator:
         feed.fresh_count = fresh_count
         del feed.passes[fresh_count:]
         return [Send("worker", w, "stop", (feed.plan.feed,)) for w in range(feed.plan.workers)]
+
+    def restart_ranks(self) -> None:
+        """New rank processes (--restarts) read every feed from its first element again: each is
+        delivered from where the workers stored it, so nothing is prepared twice."""
+        self.restarts += 1
+        for feed in self.feeds.values():
+            feed.cursors = [_Cursor() for _ in range(feed.plan.ranks)]
+            feed.delivered_fresh = 0  # "waiting" counts what these ranks have not had yet
 
     # -- from ranks -----------------------------------------------------------------------
     def on_rank(self, rank: int, message: Any) -> list[Send]:

@@ -22,6 +22,7 @@ from ..isolation import WriteRule
 from ..launch.base import LaunchPlan, RankGroup
 from ..launch.local import WORKER_COMMAND, LocalRankGroup
 from ..peers import WORKER, Peer, PeerIds
+from ..procs import OWNER_VARIABLE
 from ..relay import Publish
 from ..tempdirs import ram_root
 from .coordinator import FeedCoordinator
@@ -42,6 +43,13 @@ class DataPlane:
     progress: ProgressLine
     usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
     courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/ray.py Courier)
+
+    def restart_ranks(self) -> None:
+        """The ranks start again (--restarts): they read from the beginning, served from the cache;
+        what the workers prepared stays, and they go on from where they were."""
+        self.coordinator.restart_ranks()
+        if self.courier is not None:
+            self.courier.restart_ranks()
 
 
 def default_cache_ram() -> int:
@@ -139,6 +147,7 @@ class DataRun:
                 CUDA_VISIBLE_DEVICES="",  # data workers prepare on CPU; GPUs belong to the ranks
                 OMP_NUM_THREADS="1",  # as torch sets in DataLoader workers
             )
+            env[OWNER_VARIABLE] = f"{os.getpid()}-{run_id}-data"  # what it starts is found and ended with the run
             if worker in layers and not self._cache_inside(rule.repository):
                 env.update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layers[worker], TAAS_WRITE_MODE=rule.mode)
             envs.append(env)

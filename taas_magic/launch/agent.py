@@ -31,6 +31,7 @@ import time
 
 from .. import wire
 from ..feed.segments import CacheDirs, SegmentWriter
+from ..procs import OWNER_VARIABLE, kill_tagged
 from ..rankenv import reserve_port, visible_gpu_count
 from ..tempdirs import remove_tree
 from .base import LaunchPlan
@@ -68,6 +69,8 @@ class HostAgent:
         self._sockets: list[socket.socket] = []
         self._made_dirs: list[str] = []
         self._mirror: tuple[CacheDirs, SegmentWriter] | None = None  # records copied to this host
+        self._owners: set[str] = set()  # the TAAS_OWNER tags of what this agent started
+        self._first_rank = 0
 
     def describe(self) -> dict:
         import ray
@@ -93,7 +96,10 @@ class HostAgent:
         """
         cwd = plan.cwd if os.path.isdir(plan.cwd) else tempfile.gettempdir()
         layers = [env["TAAS_WRITE_LAYER"] for env in plan.envs if env.get("TAAS_WRITE_LAYER")]
-        for path in [*layers, *dirs]:
+        stacks = {os.path.dirname(env["TAAS_STACKS_FILE"]) for env in plan.envs if env.get("TAAS_STACKS_FILE")}
+        self._owners = {env[OWNER_VARIABLE] for env in plan.envs if env.get(OWNER_VARIABLE)}
+        self._first_rank = first_rank
+        for path in [*layers, *stacks, *dirs]:
             if not os.path.isdir(path):  # another host: its scratch layer or cache lives here
                 os.makedirs(path, mode=0o700)
                 self._made_dirs.append(path)
@@ -155,18 +161,34 @@ class HostAgent:
             self._mirror = (dirs, SegmentWriter(dirs, 0, ram_budget))
         return [self._mirror[1].append_raw(record) for record in records]
 
-    def stop(self) -> list[str]:
-        return self.group.stop() if self.group is not None else []
+    def stop(self, graceful: bool = True) -> list[str]:
+        return self.group.stop(graceful) if self.group is not None else []
 
-    def close(self) -> None:
+    def stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The autopsy of these (global) ranks of this host (stacks.py), read here and sent back."""
+        if self.group is None:
+            return {}
+        local = [rank - self._first_rank for rank in ranks if 0 <= rank - self._first_rank < len(self.group.ranks)]
+        return {rank + self._first_rank: dump for rank, dump in self.group.stacks(local).items()}
+
+    def end_ranks(self) -> None:
+        """This attempt's processes are stopped and reaped, with what they left (a restart follows, or
+        :meth:`close`); the master port, the element copies and the made folders stay."""
         if self.group is not None:
             self.group.stop()  # the pumps see end of file before their pipes are closed
         for thread in self._threads:
             thread.join(timeout=5)
         if self.group is not None:
             self.group.close()
+            self.group = None
+        for owner in self._owners:
+            kill_tagged(owner)  # what they started and left, on this host
         for sock in self._sockets:
             sock.close()
+        self._threads, self._sockets = [], []
+
+    def close(self) -> None:
+        self.end_ranks()
         if self._port is not None:
             self._port.close()
         if self._mirror is not None:

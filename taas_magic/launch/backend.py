@@ -50,6 +50,9 @@ class Backend(Protocol):
     def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
         """Start the data workers through ``start`` (DataRun.start with the run's arguments bound)."""
 
+    def standby(self) -> None:
+        """An attempt is running and may fail (--restarts): have its restart's processes ready."""
+
     def release(self) -> None:
         """Whatever happened: give back what the run held."""
 
@@ -81,6 +84,10 @@ class LocalBackend:
 
     def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
         return start()
+
+    def standby(self) -> None:
+        if self._spares is not None:  # a restart then starts from warm spares too
+            self._spares.fill(len(self.slots))
 
     def release(self) -> None:
         self._port.close()
@@ -130,6 +137,9 @@ class ClusterBackend:
                       courier=lambda: launch.courier(data.cache_ram))
         print(f"taas: data {launch.worker_layout}", flush=True)
         return plane
+
+    def standby(self) -> None:
+        pass  # each host's agent starts its ranks again; the placement is held for the whole cell
 
     def release(self) -> None:
         self._launch.release()  # agents killed, GPUs given back

@@ -37,8 +37,11 @@ class RankGroup(Protocol):
     def ranks(self) -> Sequence[RankProcess]:
         """The ranks, index = RANK."""
 
-    def stop(self) -> list[str]:
-        """Stop every rank (INT -> TERM -> KILL); return the signals it took."""
+    def stop(self, graceful: bool = True) -> list[str]:
+        """Stop every rank (INT -> TERM -> KILL; TERM -> KILL unless ``graceful``); return the signals it took."""
+
+    def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Each of those ranks' thread stacks, as stacks.take reads them (the hang autopsy)."""
 
     def close(self) -> None:
         """Idempotent: stop what still runs, reap everything, release every fd."""

@@ -42,6 +42,11 @@ class Courier:
         self.in_flight: dict[Any, list[tuple[int, str, int]]] = {}  # mirror result -> its keys
         self.waiting: dict[int, list] = {}  # rank -> its held-back messages, in order
 
+    def restart_ranks(self) -> None:
+        """The ranks start again: deliveries held back for the old processes are dropped (the
+        coordinator delivers from the beginning again); copies already on a host are kept."""
+        self.waiting.clear()
+
     @property
     def busy(self) -> bool:
         return bool(self.in_flight)

@@ -17,9 +17,10 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..errors import LaunchError
-from ..procs import kill_leftovers, reap, stop_groups
+from ..procs import LADDER, RESTART_LADDER, kill_leftovers, reap, stop_groups
 from .base import LaunchPlan
 from .spares import SparePool
 
@@ -80,8 +81,9 @@ class LocalRank:
 class LocalRankGroup:
     """N rank processes (or M data worker processes) on this host."""
 
-    def __init__(self, ranks: list[LocalRank]):
+    def __init__(self, ranks: list[LocalRank], stack_files: Sequence[str | None] = ()):
         self.ranks = ranks
+        self.stack_files = list(stack_files)  # where each rank's autopsy lands (rank/stacks.py)
         self._closed = False
 
     @classmethod
@@ -122,10 +124,16 @@ class LocalRankGroup:
             if warm is not None:
                 cls([LocalRank(k, p) for k, p in enumerate(warm[len(ranks):], start=len(ranks))]).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
-        return cls(ranks)
+        return cls(ranks, [env.get("TAAS_STACKS_FILE") for env in plan.envs])
 
-    def stop(self) -> list[str]:
-        return stop_groups([rank.process for rank in self.ranks]).signals
+    def stop(self, graceful: bool = True) -> list[str]:
+        return stop_groups([rank.process for rank in self.ranks], LADDER if graceful else RESTART_LADDER).signals
+
+    def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+        from ..stacks import take
+
+        files = dict(enumerate(self.stack_files))
+        return take({rank: (self.ranks[rank].process.pid, path) for rank in ranks if (path := files.get(rank))})
 
     def close(self) -> None:
         if self._closed:

@@ -8,9 +8,10 @@ their output back to the kernel's :class:`OutputHub`; the ranks connect to the k
 rank server themselves. The supervisor then sees a :class:`RayRankGroup` exactly as it
 sees a local one: output fds (sockets here), exit codes, ``stop`` and ``close``.
 
-Nothing outlives the run: ``close`` has every agent stop and reap its ranks, kills the
-agents, and removes the placement group. If the kernel dies, Ray kills the actors it
-owns, and every rank's lifeline to its agent breaks.
+Nothing outlives the run: a group's ``close`` has every agent stop and reap its ranks (and
+what they left), so a restart (``--restarts``) starts the next attempt through the same
+agents; ``ClusterLaunch.release`` then kills the agents and removes the placement group. If
+the kernel dies, Ray kills the actors it owns, and every rank's lifeline to its agent breaks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .courier import Courier
 from .placement import HostShare, Node, RankSlot, describe_free, worker_blocks
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
+AUTOPSY_PATIENCE = 1.5  # seconds for the agents to return their ranks' stacks (each takes at most 1 s)
 
 
 class Reservation:
@@ -177,23 +179,22 @@ class RayRank:
 class RayRankGroup:
     """The ranks (or data workers) of one run across hosts, one agent per host."""
 
-    def __init__(self, ray: Any, reservation: Reservation | None, agents: list, hub: OutputHub, ranks: list[RayRank]):
+    def __init__(self, ray: Any, agents: list, hub: OutputHub, ranks: list[RayRank]):
         self._ray = ray
-        self._reservation = reservation
         self._agents = agents
         self._hub = hub
         self.ranks = ranks
         self._closed = False
 
     @classmethod
-    def start(cls, ray: Any, reservation: Reservation | None, hosts: list[tuple[Any, LaunchPlan, str]],
+    def start(cls, ray: Any, hosts: list[tuple[Any, LaunchPlan, str]],
               hub_address: str, key: bytes, timeout: float = 120.0, **start_options: Any) -> "RayRankGroup":
         """Start each host's processes through its agent (``hosts``: agent, plan, label), numbered
         host by host from 0; return once all their output channels are connected."""
         world = sum(plan.world_size for _, plan, _ in hosts)
         agents = [agent for agent, _, _ in hosts]
         hub = OutputHub(hub_address, key, 2 * world + len(hosts))
-        group = cls(ray, reservation, agents, hub, [])
+        group = cls(ray, agents, hub, [])
         try:
             starting, first = [], 0
             for index, (agent, plan, _) in enumerate(hosts):
@@ -217,28 +218,45 @@ class RayRankGroup:
             raise
         return group
 
-    def stop(self) -> list[str]:
+    def stop(self, graceful: bool = True) -> list[str]:
         signals: list[str] = []
         try:
-            for taken in self._ray.get([agent.stop.remote() for agent in self._agents], timeout=SHUTDOWN_PATIENCE):
+            stopping = [agent.stop.remote(graceful) for agent in self._agents]
+            for taken in self._ray.get(stopping, timeout=SHUTDOWN_PATIENCE):
                 signals += [name for name in taken if name not in signals]
         except Exception:  # noqa: BLE001 - an agent (or its host) is gone: its ranks' lifelines broke with it,
             pass  # and close() kills what is left; the run's own error is what the person must see
         return signals
 
+    def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Each host's agent signals its ranks and reads their dumps there (stacks.py)."""
+        dumps: dict[int, str] = {}
+        try:
+            for found in self._ray.get([agent.stacks.remote(list(ranks)) for agent in self._agents],
+                                       timeout=AUTOPSY_PATIENCE):
+                dumps.update(found)
+        except Exception:  # noqa: BLE001 - a host that does not answer: its ranks show as not answering
+            pass
+        return dumps
+
     def close(self) -> None:
+        """This attempt's processes are stopped and reaped on every host. The agents stay for a
+        restart (ClusterLaunch.release ends them); one that does not answer is killed now."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._ray.wait([agent.close.remote() for agent in self._agents], num_returns=len(self._agents),
-                           timeout=SHUTDOWN_PATIENCE)
+            ending = [agent.end_ranks.remote() for agent in self._agents]
+            done, _ = self._ray.wait(ending, num_returns=len(ending), timeout=SHUTDOWN_PATIENCE)
+            for agent, ref in zip(self._agents, ending):
+                try:
+                    if ref not in done:
+                        raise TimeoutError
+                    self._ray.get(ref)
+                except Exception:  # noqa: BLE001 - its host is gone, or it hangs: its ranks' lifelines break with it
+                    self._ray.kill(agent)
         finally:
-            for agent in self._agents:
-                self._ray.kill(agent)
             self._hub.close()
-            if self._reservation is not None:
-                self._reservation.release()
 
 
 def start_agents(ray: Any, reservation: Reservation) -> tuple[list, list[dict]]:
@@ -323,7 +341,7 @@ class ClusterLaunch:
             )
             for agent, share in zip(self.agents, self.shares)
         ]
-        return RayRankGroup.start(self.ray, self.reservation, hosts, self.kernel_address, key)
+        return RayRankGroup.start(self.ray, hosts, self.kernel_address, key)
 
     def start_workers(self, plan: LaunchPlan, key: bytes, dirs: tuple[str, ...]) -> RayRankGroup:
         """The data workers, on CPU-only hosts when the cluster has any, each host's started by
@@ -347,7 +365,7 @@ class ClusterLaunch:
         self.worker_layout = ", ".join(
             (f"workers {ws[0]}-{ws[-1]}" if len(ws) > 1 else f"worker {ws[0]}") + f" on {node.label}" for node, ws in blocks
         )
-        return RayRankGroup.start(self.ray, None, hosts, self.kernel_address, key, command=WORKER_COMMAND, dirs=dirs)
+        return RayRankGroup.start(self.ray, hosts, self.kernel_address, key, command=WORKER_COMMAND, dirs=dirs)
 
     def courier(self, ram_budget: int) -> Courier:
         rank_agents = [agent for agent, share in zip(self.agents, self.shares) for _ in range(share.ranks)]

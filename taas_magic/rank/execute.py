@@ -56,3 +56,18 @@ def format_cell_traceback(exc: BaseException, filename: str) -> str:
     for cell_file, label in _CELL_LABELS.items():
         text = text.replace(f'File "{cell_file}", line ', f"{label}, line ")
     return text
+
+
+def signature(exc: BaseException, filename: str) -> tuple[str, str, int] | None:
+    """The exception's type and its innermost frame in the notebook's code (this cell, or an
+    earlier cell's function): the same in two attempts means a deterministic bug (restarts.py)."""
+    notebook = {filename, *_CELL_LABELS}
+    where = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename in notebook:
+            where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if where is None:
+        return None
+    return (type(exc).__qualname__, *where)

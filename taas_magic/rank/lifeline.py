@@ -26,6 +26,7 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
 WATCHDOG_NAME = b"taas-watchdog"
 
@@ -138,3 +139,39 @@ def flush_periodically(stream, interval: float) -> None:
                 return  # closed, or the pipe is gone: the rank is ending
 
     threading.Thread(target=flush, name="taas-flush", daemon=True).start()
+
+
+def adopt_orphans() -> None:
+    """Become a child subreaper (Linux): what the cell starts and then leaves (a double fork, a
+    daemon) is re-parented to this process instead of init, so it stays a descendant we can end."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc's children lists (parents before their children)."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as children:
+                    kids = [int(kid) for kid in children.read().split()]
+            except (OSError, ValueError):
+                continue
+            found.extend(kids)
+            frontier.extend(kids)
+    return found
+
+
+def kill_descendants() -> None:
+    """SIGKILL everything this process started, directly or not (it is ending: so do they)."""
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

@@ -25,7 +25,7 @@ import types
 
 from taas_magic import wire
 from taas_magic.handoff import ReceivedClosure, receive_closure
-from taas_magic.rank import execute, lifeline, returns, shell, startup
+from taas_magic.rank import execute, lifeline, returns, shell, stacks, startup
 from taas_magic.rank.import_hooks import when_imported
 from taas_magic.runspec import RunSpec
 
@@ -34,13 +34,14 @@ FLUSH_SECONDS = 0.05
 STDOUT_BUFFER = 1 << 16
 
 
-def _send_error(channel: wire.BlockingChannel, summary: str, text: str) -> None:
+def _send_error(channel: wire.BlockingChannel, summary: str, text: str,
+                signature: tuple[str, str, int] | None = None) -> None:
     # The kernel stops every rank as soon as it reads this report: an interrupt
     # arriving now must not bury the report under a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     startup.flush_output()
     try:
-        channel.send("error", wire.dumps({"summary": summary, "traceback": text}))
+        channel.send("error", wire.dumps({"summary": summary, "traceback": text, "signature": signature}))
     except OSError:
         pass  # the kernel already stopped listening (it is stopping us): nobody to tell
 
@@ -63,6 +64,7 @@ def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> typ
     import taas
 
     taas._IN_RANK = True
+    taas._DEVICE = spec.device
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
@@ -107,7 +109,8 @@ def _run(spec: RunSpec, channel: wire.BlockingChannel, module: types.ModuleType)
             startup.finish(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
         return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
-        _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, spec.filename))
+        _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, spec.filename),
+                    execute.signature(exc, spec.filename))
         startup.finish(EXIT_CELL_RAISED)
 
 
@@ -131,6 +134,7 @@ def _send_results(spec: RunSpec, channel: wire.BlockingChannel, namespace: dict,
 
 def main() -> None:
     channel = startup.begin(spare="--spare" in sys.argv)
+    stacks.arm()  # from here on the kernel can read where this rank is (the hang autopsy)
     rank = int(os.environ["RANK"])
     spec: RunSpec = wire.loads_verified(channel.expect("spec"))
     received = receive_closure(channel, keep_original=rank == 0)

@@ -9,7 +9,8 @@ order, because each step needs the one before:
 2. reads the handshake (a spare first imports torch, then waits here);
 3. applies the write rule when the kernel asked for it (a private layer over the
    repository: before any thread starts, since ``unshare`` needs a single thread);
-4. holds the lifeline and dies with its parent;
+4. holds the lifeline and dies with its parent (and, as a child subreaper, keeps what
+   the cell starts among its descendants even when it leaves the session: finish ends them);
 5. connects to the kernel and proves the key (wire.py), as peer ``peer_id``.
 
 :func:`finish` flushes, reaps the watchdog and leaves with ``os._exit``, so no atexit
@@ -53,6 +54,7 @@ def _apply_write_rule(who: str) -> None:
 def begin(*, worker: bool = False, spare: bool = False) -> wire.BlockingChannel:
     """Steps 1 to 5 above; the connected, authenticated channel to the kernel."""
     lifeline.start_watchdog()  # first, while single-threaded: see lifeline.py
+    lifeline.adopt_orphans()
     if spare:
         from taas_magic.rank import spare as spare_start
 
@@ -79,7 +81,8 @@ def flush_output() -> None:
 
 
 def finish(code: int) -> NoReturn:
-    """Flush, reap the watchdog, and exit now with ``code``."""
+    """Flush, reap the watchdog, end what the cell started, and exit now with ``code``."""
     flush_output()
     lifeline.end_watchdog()
+    lifeline.kill_descendants()
     os._exit(code)

@@ -37,11 +37,11 @@ def test_every_line_command_is_in_help_and_in_the_readme():
 
 def test_every_option_parses_and_sets_its_own_field():
     samples = {"--gpus": "2", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
-               "--per-host": "1", "--place-timeout": "7", "--output": "all"}
+               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all"}
     assert set(samples) == {option.flag for option in OPTIONS}
     parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items()))
-    assert (parsed.gpus, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.per_host,
-            parsed.place_timeout, parsed.output) == (2, 3, 9, 1 << 30, 4, 5.0, 1, 7.0, "all")
+    assert (parsed.gpus, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.restarts,
+            parsed.per_host, parsed.place_timeout, parsed.output) == (2, 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all")
     with pytest.raises(PragmaError, match="--gpus N is required"):
         parse_options("--cpus 2")
 
@@ -54,6 +54,8 @@ def test_every_option_parses_and_sets_its_own_field():
         ("timeout", -1.0, "a positive number of seconds"),
         ("place_timeout", 0.0, "a positive number of seconds"),
         ("ahead", 1, "at least 2"),
+        ("restarts", 101, "0..100"),
+        ("restarts", -1, "0..100"),
         ("max_output_lines", 0, "at least 1"),
     ],
 )

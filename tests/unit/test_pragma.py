@@ -9,6 +9,8 @@ VALID = [
     ("--gpus 8 --cpus 1 --units 20480000", PragmaOptions(gpus=8, cpus=1, units=20480000)),
     ("--gpus 1 --cpus 8", PragmaOptions(gpus=1, cpus=8)),
     ("--gpus 2 --timeout 2.5", PragmaOptions(gpus=2, timeout=2.5)),
+    ("--gpus 2 --restarts 3", PragmaOptions(gpus=2, restarts=3)),
+    ("--gpus 2 --restarts=0", PragmaOptions(gpus=2, restarts=0)),
     ("--output all --gpus 3", PragmaOptions(gpus=3, output="all")),
     ("  --gpus   4   --output=rank0 ", PragmaOptions(gpus=4, output="rank0")),
 ]
@@ -42,6 +44,9 @@ MALFORMED_CELLS = [
     ("#pragma taas --gpus 2 --units 1e6", "'1e6'"),
     ("#pragma taas --gpus 2 --units", "--units needs a value"),
     ("#pragma taas --gpus 2 --timeout 0", "'0'"),
+    ("#pragma taas --gpus 2 --restarts -1", "'-1'"),
+    ("#pragma taas --gpus 2 --restarts 101", "'101'"),
+    ("#pragma taas --gpus 2 --restarts two", "'two'"),
     ("#pragma taas --gpus 2 --timeout -1", "'-1'"),
     ("#pragma taas --gpus 2 --timeout soon", "'soon'"),
     ("#pragma taas --gpus 2 --timeout nan", "'nan'"),

@@ -1,0 +1,116 @@
+"""``taas.save_checkpoint`` / ``taas.load_checkpoint``: what a restarted run resumes from.
+
+A run's checkpoints live in one folder, ``<root>/<run id>/checkpoint-000001.pt``, ... where
+the root is ``TaasMagics.checkpoint_dir`` or, by default, ``<repository>/.taas/checkpoints``
+(rank 0 may write in the repository; the folder holds a ``.gitignore`` of ``*`` so git
+leaves it alone). Every rank may call :func:`save`; only rank 0's lands. It is written
+as torch.save writes it, to a temporary file in the same folder, flushed to disk
+(``fsync``), then renamed over its final name and the folder synced: a rank killed in the
+middle of a save leaves the previous checkpoint whole and a temporary file that nothing
+reads. The newest ``TaasMagics.keep_checkpoints`` of a run are kept; other runs' folders
+are never touched (remove ``.taas/checkpoints`` yourself when you no longer want them).
+
+:func:`load` returns the newest checkpoint rank 0 saved in this run (None before the
+first), mapped to the rank's own device; in the notebook, after the cell, the newest of
+the kernel's last run. The cluster mode needs the root on a file system every host sees,
+as Ray Train's ``storage_path`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+PREFIX, SUFFIX = "checkpoint-", ".pt"
+_NAME = re.compile(rf"^{PREFIX}(\d+){re.escape(SUFFIX)}$")
+
+_last_run: str | None = None  # in the kernel: the last run's folder
+
+
+def finished_run(folder: str) -> None:
+    """The kernel, after a run: :func:`newest` outside a rank reads this run's folder."""
+    global _last_run
+    _last_run = folder
+
+
+def run_folder() -> str | None:
+    """This run's folder in a rank (its environment says); the last run's in the kernel."""
+    return os.environ.get("TAAS_CHECKPOINTS") or _last_run
+
+
+def _numbered(folder: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = [(int(match.group(1)), os.path.join(folder, name)) for name in names if (match := _NAME.match(name))]
+    return sorted(found)
+
+
+def newest(folder: str | None) -> str | None:
+    """The path of the folder's newest whole checkpoint, or None."""
+    found = _numbered(folder) if folder else []
+    return found[-1][1] if found else None
+
+
+def save(obj: Any, folder: str, keep: int) -> str:
+    """Write ``obj`` atomically as the folder's next checkpoint; keep the newest ``keep``. Returns its path."""
+    import torch
+
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    ignore = os.path.join(folder, ".gitignore")
+    if not os.path.exists(ignore):
+        with open(ignore, "w") as file:
+            file.write("*\n")
+    found = _numbered(folder)
+    final = os.path.join(folder, f"{PREFIX}{(found[-1][0] + 1 if found else 1):06d}{SUFFIX}")
+    temporary = os.path.join(folder, f".{os.path.basename(final)}.tmp-{os.getpid()}")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, final)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    _sync_folder(folder)
+    for _, old in (found + [(0, final)])[:-keep]:
+        _remove(old)
+    for name in os.listdir(folder):  # what a rank killed mid-save left
+        if name.startswith(".") and ".tmp-" in name and not name.endswith(f".tmp-{os.getpid()}"):
+            _remove(os.path.join(folder, name))
+    return final
+
+
+def _sync_folder(folder: str) -> None:
+    """The rename itself reaches the disk (a crash now cannot bring the old name back)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def load(folder: str | None, map_location: Any) -> Any:
+    """The newest checkpoint in ``folder`` (None if there is none), tensors on ``map_location``."""
+    path = newest(folder)
+    if path is None:
+        return None
+    import torch
+
+    # weights_only=False: a checkpoint is any object the cell saved (a model, an optimizer, a
+    # dataclass), and this file is the run's own, written by its rank 0 into an owner-only folder.
+    return torch.load(path, map_location=map_location, weights_only=False)

@@ -1,0 +1,34 @@
+"""The rank's half of the hang autopsy: Python's faulthandler, armed on a signal.
+
+``faulthandler`` answers a signal from C, in the signal handler itself, without taking the
+GIL: it walks every thread's frames and writes them to a file descriptor. So a rank blocked
+in C code that holds the GIL (a collective, a C extension) still answers, where anything
+written in Python (a thread, a signal handler) would wait forever. The kernel's half is
+``taas_magic/stacks.py``; the file is owner-only, named by the kernel in the rank's
+environment (``TAAS_STACKS_FILE``). A ``main 0x...`` line names the main thread, written
+once the handler is armed, so the kernel signals only a rank that will answer.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import threading
+
+STACK_SIGNAL = signal.SIGRTMIN + 5  # a real-time signal nothing else here uses (not SIGUSR1/2: SLURM, Lightning)
+MAIN_PREFIX = "main "
+
+
+def arm() -> None:
+    """Answer STACK_SIGNAL with every thread's stack, appended to ``$TAAS_STACKS_FILE``."""
+    path = os.environ.pop("TAAS_STACKS_FILE", None)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return  # no autopsy for this rank; the run goes on
+    os.set_inheritable(fd, False)
+    faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
+    os.write(fd, f"{MAIN_PREFIX}0x{threading.main_thread().ident:016x}\n".encode())
