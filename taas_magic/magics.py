@@ -243,7 +243,7 @@ class TaasMagics(Magics):
     def _supervise(self, run: _Run, peers: PeerIds, server: RankServer, layers: ScratchLayers, stacks_dir: str,
                    bodies: list[bytes]) -> RunOutcome:
         """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
-        envs = self._rank_envs(run, layers, stacks_dir)
+        owner = f"{os.getpid()}-{run.spec.run_id}-ranks"
         handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
         budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
         relay = OutputRelay(run.spec.output, peers, {"stdout": sys.stdout, "stderr": sys.stderr}, budget=budget)
@@ -262,11 +262,13 @@ class TaasMagics(Magics):
             return run.backend.start_data(data, start, server.key)
 
         def start_ranks(attempt: int) -> RankGroup:
-            attempt_envs = [{**env, "TORCHELASTIC_RESTART_COUNT": str(attempt)} for env in envs]
-            return run.backend.start_ranks(LaunchPlan(peers.ranks, attempt_envs, os.getcwd(), handshake), server.key)
+            if attempt:
+                run.backend.recover()  # a host that went away: its ranks are placed elsewhere
+            envs = self._rank_envs(run, layers, stacks_dir, owner, attempt)
+            return run.backend.start_ranks(LaunchPlan(peers.ranks, envs, os.getcwd(), handshake), server.key)
 
         def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
-            kill_tagged(envs[0][OWNER_VARIABLE])
+            kill_tagged(owner)
             memfile.remove_run(os.getpid(), run.spec.run_id)
 
         explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
@@ -274,14 +276,15 @@ class TaasMagics(Magics):
                          start_data if data is not None else None,
                          Attempts(run.restarts, between, run.backend.standby), explain)
 
-    def _rank_envs(self, run: _Run, layers: ScratchLayers, stacks_dir: str) -> list[dict[str, str]]:
+    def _rank_envs(self, run: _Run, layers: ScratchLayers, stacks_dir: str, owner: str,
+                   attempt: int) -> list[dict[str, str]]:
         """torchrun's variables, the write rule, and what restarts, checkpoints and the autopsy need."""
         envs = rank_environments(run.backend, dict(os.environ), run.spec.run_id)
         for rank, env in enumerate(envs):
-            env.update(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS=str(run.restarts),
+            env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(run.restarts),
                        TAAS_CHECKPOINTS=run.checkpoints, TAAS_KEEP_CHECKPOINTS=str(self.keep_checkpoints),
                        TAAS_STACKS_FILE=os.path.join(stacks_dir, f"rank-{rank}"))
-            env[OWNER_VARIABLE] = f"{os.getpid()}-{run.spec.run_id}-ranks"
+            env[OWNER_VARIABLE] = owner
         for rank, layer in layers.dirs.items():
             envs[rank].update(TAAS_REPOSITORY=run.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=run.rule.mode)
         return envs

@@ -190,7 +190,8 @@ def describe(rank: int, dump: str, sources: Sources, cell: str) -> list[str]:
             continue
         name = "main thread" if thread.main else f"thread {thread.ident}"
         lines.append(f"--- rank {rank}, {name} (most recent call last) ---")
-        for frame in thread.frames:
+        first = next((i for i, frame in enumerate(thread.frames) if frame.filename in sources), 0)
+        for frame in thread.frames[first:]:  # from the cell down, as a cell's traceback reads (not taas's bootstrap)
             if frame.filename in sources:
                 text = _source_line(frame, sources)
                 lines.append(f"  {'Cell' if frame.filename == cell else sources[frame.filename][0]}, "

@@ -16,6 +16,7 @@ above it (magics.py, supervisor.py) asks which one is in use. A backend answers:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Protocol
 
 from ..rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port
@@ -53,6 +54,10 @@ class Backend(Protocol):
     def standby(self) -> None:
         """An attempt is running and may fail (--restarts): have its restart's processes ready."""
 
+    def recover(self) -> None:
+        """Before a restart: where a host of the run went away, place its ranks elsewhere
+        (then ``master`` and ``slots`` may have changed: environments are made again)."""
+
     def release(self) -> None:
         """Whatever happened: give back what the run held."""
 
@@ -89,6 +94,9 @@ class LocalBackend:
         if self._spares is not None:  # a restart then starts from warm spares too
             self._spares.fill(len(self.slots))
 
+    def recover(self) -> None:
+        pass  # this host is the kernel's: if it is gone, so is the run
+
     def release(self) -> None:
         self._port.close()
         if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
@@ -109,10 +117,11 @@ class ClusterBackend:
         from .ray import ClusterLaunch
 
         shares = plan_hosts(cluster.nodes(), gpus, per_host)
-        return cls(ClusterLaunch(cluster.ray, shares, wait, cluster.nodes))
+        return cls(ClusterLaunch(cluster.ray, shares, wait, cluster.nodes), (cluster, gpus, per_host, wait))
 
-    def __init__(self, launch: Any):
+    def __init__(self, launch: Any, request: tuple[Any, int, int | None, float]):
         self._launch = launch  # a ClusterLaunch: the cluster's GPUs are held
+        self._request = request  # (cluster, gpus, per_host, wait): to place again when a host is lost
         self.devices = DevicePlan("cuda", len(launch.slots), "nccl") if launch.has_cuda else CLUSTER_CPU
         self.slots = launch.slots
         self.listen_host = launch.kernel_address
@@ -140,6 +149,19 @@ class ClusterBackend:
 
     def standby(self) -> None:
         pass  # each host's agent starts its ranks again; the placement is held for the whole cell
+
+    def recover(self) -> None:
+        from .placement import plan_hosts
+
+        lost = self._launch.lost_hosts()
+        if not lost:
+            return
+        cluster, gpus, per_host, wait = self._request
+        print(f"taas: {', '.join(lost)} went away; placing the ranks on the cluster's free GPUs again "
+              f"(waiting up to {wait:g} s, --place-timeout)", file=sys.stderr, flush=True)
+        self._launch.replace(plan_hosts(cluster.nodes(), gpus, per_host), wait)  # raises LaunchError when it cannot
+        self.slots = self._launch.slots
+        print("taas: cluster: " + self._launch.layout(), file=sys.stderr, flush=True)
 
     def release(self) -> None:
         self._launch.release()  # agents killed, GPUs given back

@@ -9,7 +9,7 @@ so the kernel's deliveries pass through a :class:`Courier` first.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import RunError
 
@@ -27,25 +27,32 @@ class Courier:
     same host reuse them. A rank's messages leave in the order the coordinator made them.
     """
 
-    def __init__(self, ray: Any, rank_agents: list, worker_agents: list, ram_budget: int):
+    def __init__(self, ray: Any, rank_agents: Callable[[], list], worker_agents: list, ram_budget: int):
         self.ray = ray
-        self.rank_agents = rank_agents
+        self._rank_agents = rank_agents
         self.worker_agents = worker_agents
         self.ram_budget = ram_budget
+        self.waiting: dict[int, list] = {}  # rank -> its held-back messages, in order
+        self._find_hosts()
+
+    def _find_hosts(self) -> None:
+        self.rank_agents = self._rank_agents()
         self.host_agents: list = []  # one per rank host, in rank order
         self.hosts: dict[int, int] = {}  # id(agent) -> its index in host_agents
-        for agent in rank_agents:
+        for agent in self.rank_agents:
             if id(agent) not in self.hosts:
                 self.hosts[id(agent)] = len(self.host_agents)
                 self.host_agents.append(agent)
         self.copies: dict[tuple[int, str, int], tuple[str, int]] = {}  # (host, path, offset) -> there
         self.in_flight: dict[Any, list[tuple[int, str, int]]] = {}  # mirror result -> its keys
-        self.waiting: dict[int, list] = {}  # rank -> its held-back messages, in order
 
     def restart_ranks(self) -> None:
         """The ranks start again: deliveries held back for the old processes are dropped (the
-        coordinator delivers from the beginning again); copies already on a host are kept."""
+        coordinator delivers from the beginning again); copies already on a host are kept,
+        unless the ranks moved to other hosts (a host went away)."""
         self.waiting.clear()
+        if [id(agent) for agent in self._rank_agents()] != [id(agent) for agent in self.rank_agents]:
+            self._find_hosts()
 
     @property
     def busy(self) -> bool:

@@ -30,6 +30,7 @@ from .courier import Courier
 from .placement import HostShare, Node, RankSlot, describe_free, worker_blocks
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
+LOST_HOST_PATIENCE = 10.0  # seconds an agent may take to answer before its host counts as gone
 AUTOPSY_PATIENCE = 1.5  # seconds for the agents to return their ranks' stacks (each takes at most 1 s)
 
 
@@ -292,21 +293,45 @@ class ClusterLaunch:
 
     def __init__(self, ray: Any, shares: Sequence[HostShare], placement_timeout: float, nodes: Callable[[], list[Node]]):
         self.ray = ray
-        self.shares = list(shares)
         self.nodes = nodes
         self.worker_agents: list = []
         self.worker_agent_of: list = []  # data worker w's agent
         self.worker_layout = ""
-        self.reservation = Reservation(ray, shares, placement_timeout, nodes)
         self.agents: list = []
+        self.kernel_address = ray.util.get_node_ip_address()
+        self._hold(shares, placement_timeout)
+
+    def _hold(self, shares: Sequence[HostShare], placement_timeout: float) -> None:
+        """Reserve the planned hosts' GPUs and start an agent on each; raises holding nothing."""
+        self.shares = list(shares)
+        self.reservation = Reservation(self.ray, shares, placement_timeout, self.nodes)
         try:
-            self.agents, self.hosts = start_agents(ray, self.reservation)
+            self.agents, self.hosts = start_agents(self.ray, self.reservation)
             self.master_addr = self.hosts[0]["address"]
-            self.master_port = ray.get(self.agents[0].reserve_master_port.remote(self.master_addr), timeout=60)
-            self.kernel_address = ray.util.get_node_ip_address()
+            self.master_port = self.ray.get(self.agents[0].reserve_master_port.remote(self.master_addr), timeout=60)
         except BaseException:
             self.release()
             raise
+
+    def lost_hosts(self) -> list[str]:
+        """The planned hosts whose agent no longer answers (the host, or its raylet, went away)."""
+        asked = [agent.describe.remote() for agent in self.agents]
+        lost = []
+        for share, ref in zip(self.shares, asked):
+            try:
+                self.ray.get(ref, timeout=LOST_HOST_PATIENCE)
+            except Exception:  # noqa: BLE001 - whatever Ray says, that host cannot run its ranks now
+                lost.append(share.node.label)
+        return lost
+
+    def replace(self, shares: Sequence[HostShare], placement_timeout: float) -> None:
+        """Let go of the ranks' hosts (not the data workers') and hold ``shares`` instead."""
+        self._release_ranks()
+        self._hold(shares, placement_timeout)
+
+    def rank_agents(self) -> list:
+        """Rank r's agent, by r (the courier's view of where the ranks are now)."""
+        return [agent for agent, share in zip(self.agents, self.shares) for _ in range(share.ranks)]
 
     @property
     def slots(self) -> list[RankSlot]:
@@ -368,8 +393,7 @@ class ClusterLaunch:
         return RayRankGroup.start(self.ray, hosts, self.kernel_address, key, command=WORKER_COMMAND, dirs=dirs)
 
     def courier(self, ram_budget: int) -> Courier:
-        rank_agents = [agent for agent, share in zip(self.agents, self.shares) for _ in range(share.ranks)]
-        return Courier(self.ray, rank_agents, self.worker_agent_of, ram_budget)
+        return Courier(self.ray, self.rank_agents, self.worker_agent_of, ram_budget)
 
     def release(self) -> None:
         for agent in self.worker_agents:
@@ -377,9 +401,13 @@ class ClusterLaunch:
                 self.ray.kill(agent)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        self._release_ranks()
+
+    def _release_ranks(self) -> None:
         for agent in self.agents:
             try:
                 self.ray.kill(agent)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        self.agents = []
         self.reservation.release()

@@ -266,3 +266,40 @@ def test_a_failing_data_worker_on_the_cpu_host_stops_the_run(attached):
     text = ran.error_text()
     assert "element 13" in text and "OSError: unreadable shard" in text, text
     assert re.search(r"data worker \d on .+ \(node \w+\)", text), text
+
+
+RESTARTED = """\
+#pragma taas --gpus 4 --restarts 1
+import os, signal, torch.distributed as dist, taas
+dist.init_process_group("gloo", init_method="env://")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+state = taas.load_checkpoint() or {"step": 0}
+if attempt == 0:
+    taas.save_checkpoint({"step": 5})
+dist.barrier()
+if attempt == 0 and dist.get_rank() == 3:
+    open(os.path.join(PIDS, "attempt0"), "w").write(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL)
+if dist.get_rank() == 3:
+    open(os.path.join(PIDS, "attempt1"), "w").write(str(os.getpid()))
+dist.barrier()
+resumed, seen_attempt = state["step"], attempt
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_killed_on_the_second_host_is_restarted_there(attached, tmp_path):
+    ran = attached.execute(f"%config TaasMagics.checkpoint_dir = {str(tmp_path / 'checkpoints')!r}\n"
+                           f"PIDS = {str(tmp_path)!r}")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    try:
+        ran = attached.execute(RESTARTED, timeout=180)
+        assert ran.reply["status"] == "ok", ran.error_text()
+        host = re.search(r"ranks 2-3 on (.+? \(node \w+\))", ran.stream("stdout")).group(1)
+        assert "taas: attempt 1 of 2 failed: rank 3 was killed by SIGKILL; restarting every rank" in ran.stream("stderr")
+        assert attached.execute("resumed, seen_attempt").result["text/plain"] == "(5, 1)"
+        first, second = (int((tmp_path / name).read_text()) for name in ("attempt0", "attempt1"))
+        assert first != second and not psutil.pid_exists(first)
+        assert host in ran.stream("stdout")
+    finally:
+        attached.execute("%config TaasMagics.checkpoint_dir = ''")
