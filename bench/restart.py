@@ -74,18 +74,37 @@ def taas_no_restart(kernel: Kernel, death: Path) -> float:
     return replied - float(death.read_text())
 
 
-def torchrun_restart(folder: Path, settle: float) -> float:
+def torchrun_restart(folder: Path, settle: float) -> float | None:
+    """Death to the restarted rank 0's first line under torchrun; None if its restart hung (stopped after 60 s)."""
     script, death = folder / "dying.py", folder / "death-torchrun"
     death.unlink(missing_ok=True)
     script.write_text(DYING.format(death=str(death), settle=settle))
-    ran = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-         "--master-addr", "127.0.0.1", "--master-port", "0", str(script)],
-        capture_output=True, text=True, timeout=300, cwd=folder,
-    )
+    try:
+        ran = _torchrun(script, folder)
+    except subprocess.TimeoutExpired:
+        return None
     lines = [line.split() for line in ran.stdout.splitlines() if line.startswith("first-line 1 ")]
     assert lines, ran.stdout + ran.stderr
     return float(lines[0][2]) - float(death.read_text())
+
+
+def _torchrun(script: Path, folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        # --standalone: the c10d rendezvous (torchrun's static one, --master-port, does not restart
+        # gloo here: the restarted ranks find the old attempt's addresses in the store)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "1", str(script)],
+        capture_output=True, text=True, timeout=60, cwd=folder,
+    )
+
+
+def _sweep_torchrun_ranks(folder: Path) -> None:
+    """A hung torchrun was killed (subprocess.run's timeout); its ranks go too."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline"]):
+        if str(folder / "dying.py") in " ".join(process.info["cmdline"] or []):
+            process.kill()
 
 
 def checkpoint_costs(megabytes: int, repeats: int) -> dict[str, list[float]]:
@@ -158,16 +177,22 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=100)
     parser.add_argument("--settle", type=float, default=5.0, help="seconds attempt 0 runs before the death")
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="taas-bench-restart-"))
-    warm, cold, floor, torchrun = [], [], [], []
-    kernel = Kernel(cwd=str(folder))
+    folder = Path(tempfile.mkdtemp(prefix="taas-bench-restart-"))  # the death notes: outside the repository,
+    warm, cold, floor, torchrun = [], [], [], []  # where rank 1's writes would be diverted (the write rule)
+    hung = 0  # torchrun restarts that never reached their first line
+    kernel = Kernel(cwd=str(ROOT))
     try:
         kernel.execute(f"%config TaasMagics.checkpoint_dir = {str(folder / 'checkpoints')!r}")
         kernel.execute("#pragma taas --gpus 2\npass")  # the first cell pays the imports; spares follow it
         for _ in range(args.repeats):
             warm.append(taas_restart(kernel, folder / "death-warm", args.settle))
             floor.append(taas_no_restart(kernel, folder / "death-floor"))
-            torchrun.append(torchrun_restart(folder, args.settle))
+            torchrun_seconds = torchrun_restart(folder, args.settle)
+            if torchrun_seconds is None:
+                hung += 1
+                _sweep_torchrun_ranks(folder)
+            else:
+                torchrun.append(torchrun_seconds)
         kernel.execute("%taas warm off")
         for _ in range(args.repeats):
             cold.append(taas_restart(kernel, folder / "death-cold", args.settle))
@@ -176,14 +201,16 @@ def main() -> None:
     saves = checkpoint_costs(args.megabytes, args.repeats)
     autopsies = autopsy_seconds(args.repeats)
     m = statistics.median
+    tr = m(torchrun) if torchrun else float("nan")
     print(f"bench/restart.py: {args.repeats} runs each, medians (min, max); 2 ranks, gloo, {os.cpu_count()} cores")
     print(f"{'figure':<38} {'median':>10} {'min':>8} {'max':>8}  {'floor / target':<26} beside")
     print(row("restart, warm spares: death->line", warm, "target <= 1 s",
-              f"torchrun {m(torchrun):.3f} s: {m(warm) / m(torchrun):.2f}x"))
+              f"torchrun {tr:.3f} s: {m(warm) / tr:.2f}x"))
     print(row("restart, fresh processes: death->line", cold, "",
-              f"torchrun {m(torchrun):.3f} s: {m(cold) / m(torchrun):.2f}x"))
+              f"torchrun {tr:.3f} s: {m(cold) / tr:.2f}x"))
     print(row("no restart: death->error reply", floor, "(the floor of noticing)", ""))
-    print(row("torchrun --max-restarts 1: death->line", torchrun, "", "1.00x torchrun"))
+    print(row("torchrun --max-restarts 1: death->line", torchrun or [float("nan")], "",
+              f"{hung} of {args.repeats} torchrun restarts hung (stopped after 60 s)"))
     plain, durable = m(saves["torch.save"]), m(saves["torch.save + fsync"])
     print(row(f"save_checkpoint {args.megabytes} MB", saves["save_checkpoint"],
               f"floor fsync'd {durable:.3f} s: {m(saves['save_checkpoint']) / durable:.2f}x",

@@ -29,8 +29,7 @@ QUIET_SECONDS = 0.05  # a dump that has not grown for this long is complete
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
 _FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_OWN_FILES = (_PACKAGE, os.sep + "threading.py", os.sep + "selectors.py")
+_OWN_FILES = (os.sep + "taas_magic" + os.sep, os.sep + "threading.py", os.sep + "selectors.py")
 _DIST = os.sep + os.path.join("torch", "distributed") + os.sep
 
 Sources = Mapping[str, tuple[str, list[str]]]  # notebook file name -> (label, its lines): the cell, earlier cells
@@ -65,36 +64,37 @@ def make_dir(run_id: str) -> str:
 def take(targets: Mapping[int, tuple[int, str]], wait: float = ANSWER_SECONDS) -> dict[int, str]:
     """Signal every armed rank (``rank -> (pid, stack file)``); its dump, ``main`` line first.
 
-    A rank that never armed (still starting) is not signalled: the signal would kill it.
+    A rank that never armed (still starting) is not signalled: the signal would kill it. The
+    file only grows (the rank appends), so a rank can be asked again: each dump is read from
+    where the file ended when it was asked.
     """
-    mains: dict[int, str] = {}
+    asked: dict[int, tuple[str, int]] = {}  # rank -> (its main line, the file's size when asked)
     for rank, (pid, path) in targets.items():
+        text = _read(path)
+        head = [line for line in text.splitlines() if line.startswith(MAIN_PREFIX)]
+        if not head:
+            continue
         try:
-            with open(path) as file:
-                head = [line for line in file.read().splitlines() if line.startswith(MAIN_PREFIX)]
-            if not head:
-                continue
-            os.truncate(path, 0)
             os.kill(pid, STACK_SIGNAL)
         except OSError:
             continue
-        mains[rank] = head[-1]
+        asked[rank] = (head[-1], len(text.encode()))
     dumps: dict[int, str] = {}
     sizes: dict[int, tuple[int, float]] = {}
     deadline = time.monotonic() + wait
-    while len(dumps) < len(mains) and time.monotonic() < deadline:
+    while len(dumps) < len(asked) and time.monotonic() < deadline:
         time.sleep(0.01)
         now = time.monotonic()
-        for rank in mains.keys() - dumps.keys():
+        for rank in asked.keys() - dumps.keys():
             size = _size(targets[rank][1])
             before, since = sizes.get(rank, (-1, now))
             if size != before:
                 sizes[rank] = (size, now)
-            elif size > 0 and now - since >= QUIET_SECONDS:
-                dumps[rank] = _read(targets[rank][1])
-    for rank in mains.keys() - dumps.keys():
-        dumps[rank] = _read(targets[rank][1])  # what it wrote by the deadline
-    return {rank: f"{mains[rank]}\n{dumps[rank]}" for rank in mains}
+            elif size > asked[rank][1] and now - since >= QUIET_SECONDS:
+                dumps[rank] = _read(targets[rank][1], asked[rank][1])
+    for rank in asked.keys() - dumps.keys():
+        dumps[rank] = _read(targets[rank][1], asked[rank][1])  # what it wrote by the deadline
+    return {rank: f"{asked[rank][0]}\n{dumps[rank]}" for rank in asked}
 
 
 def _size(path: str) -> int:
@@ -104,10 +104,11 @@ def _size(path: str) -> int:
         return 0
 
 
-def _read(path: str) -> str:
+def _read(path: str, offset: int = 0) -> str:
     try:
-        with open(path, errors="replace") as file:
-            return file.read()
+        with open(path, "rb") as file:
+            file.seek(offset)
+            return file.read().decode(errors="replace")
     except OSError:
         return ""
 

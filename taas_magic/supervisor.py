@@ -504,7 +504,7 @@ def run_ranks(
             finally:
                 loop.detach()
                 group.close()
-                attempts.between(attempt)
+            attempts.between(attempt)  # only after a failed attempt (the last one returned or raised)
             for line in previous.notes:
                 relay.notice(line)  # a timed-out attempt: where its ranks were
             relay.notice(restart_line(attempt, attempts.restarts, previous))

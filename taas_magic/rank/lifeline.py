@@ -13,7 +13,8 @@ Three independent guards, as ipykernel's parent poller and torch's spawn do, and
   GIL (a collective whose peer is gone, a C extension) runs neither, and the rank would
   outlive its kernel. A tiny forked process, started first thing, waits in ``poll()`` for
   the lifeline pipe to hang up (it never reads it, so the handshake still reaches the
-  rank) and then SIGKILLs the rank's whole process group, itself included.
+  rank) and then SIGKILLs the rank's descendants (the rank is their subreaper, so those
+  that left its session are among them) and the rank's whole process group, itself included.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def prctl(option: int, argument: object) -> bool:
 def start_watchdog(fd: int = 0) -> None:
     """Fork the watchdog over the lifeline ``fd``. Call while the process is single-threaded."""
     global _watchdog
+    rank = os.getpid()
     pid = os.fork()
     if pid != 0:
         _watchdog = pid
@@ -101,6 +103,13 @@ def start_watchdog(fd: int = 0) -> None:
         poller.register(fd, 0)  # no events asked: only hang-up and errors wake us, never data
         while not any(events & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, events in poller.poll()):
             pass
+        if os.getppid() == rank:  # the rank lives (else we were re-parented: its tree is not ours to walk)
+            for pid in descendants(rank):  # what left the group: the rank is their subreaper
+                if pid != os.getpid():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
         os.killpg(os.getpgid(0), signal.SIGKILL)
     finally:
         os._exit(0)
@@ -148,7 +157,10 @@ def adopt_orphans() -> None:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc's children lists (parents before their children)."""
+    """Every process below ``pid``, from /proc's children lists (parents before their children).
+    Never below init: that would be every process of the machine."""
+    if pid <= 1:
+        return []
     found: list[int] = []
     frontier = [pid]
     while frontier:

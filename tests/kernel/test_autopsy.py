@@ -41,8 +41,8 @@ def test_a_timeout_shows_where_every_running_rank_is(kernel, stuck, where):
     assert took < 6 + 2 + 5, took  # the autopsy's 1 s at most, and the stop ladder's 5 s
 
 
-def test_an_interrupt_shows_where_every_running_rank_is(kernel):
-    msg_id, _ = kernel.submit(HUNG.format(timeout=60, stuck="time.sleep(100)"))
+def test_an_interrupt_shows_where_every_running_rank_is_and_never_restarts(kernel):
+    msg_id, _ = kernel.submit(HUNG.format(timeout="60 --restarts 2", stuck="time.sleep(100)"))
     kernel.wait_for_stream(msg_id, "both ranks in")
     time.sleep(1.0)
     kernel.manager.interrupt_kernel()
@@ -51,3 +51,4 @@ def test_an_interrupt_shows_where_every_running_rank_is(kernel):
     err = ran.stream("stderr")
     assert "where the running ranks were: rank 0 waits in all_reduce (line 8); rank 1 is at line 6 in time.sleep" in err
     assert "Cell, line 6, in <module>" in err
+    assert "restarting" not in err  # an interrupt is the person's: it stops everything

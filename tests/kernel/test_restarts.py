@@ -39,6 +39,8 @@ for step in range(resumed_from, 6):
         os.kill(os.getpid(), signal.SIGKILL)
 print(f"rank {{rank}} attempt {{attempt}} resumed from step {{resumed_from}}", flush=True)
 max_restarts = os.environ["TORCHELASTIC_MAX_RESTARTS"]
+shipped_sum = float(shipped.sum())  # a captured 8 MB tensor: its shared file serves every attempt
+big = torch.full((3_000_000,), float(attempt))  # 12 MB back through rank 0's results file
 dist.destroy_process_group()
 """
 
@@ -46,6 +48,7 @@ dist.destroy_process_group()
 def test_a_killed_rank_is_restarted_and_the_run_resumes_from_rank_0s_checkpoint(kernel, checkpoints, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
+    kernel.execute("import torch\nshipped = torch.ones(2_000_000)")
     ran = kernel.execute(RESUMING.format(pids=str(pids)))
     assert ran.reply["status"] == "ok", ran.error_text()
     out, err = ran.stream("stdout"), ran.stream("stderr")
@@ -57,6 +60,9 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes_from_rank_0s_checkpoint(
     attempt, resumed_from, final, step, max_restarts = eval(values.result["text/plain"])  # noqa: S307 - our own repr
     assert attempt == 1 and resumed_from in (2, 3) and step == 6 and max_restarts == "2"
     assert final == [12.0, 12.0, 12.0]  # every step counted once, from the checkpoint on
+    # rank 0's names come from the attempt that succeeded, the large ones too
+    assert kernel.execute("(shipped_sum, float(big.sum()), big.numel())").result["text/plain"] == (
+        "(2000000.0, 3000000.0, 3000000)")
     # the restarted rank 1 is a new process, and the one that was killed is gone
     first, second = (int((pids / f"rank1-attempt{n}").read_text()) for n in (0, 1))
     assert first != second and not psutil.pid_exists(first)
