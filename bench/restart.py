@@ -13,9 +13,9 @@ Measured in one run, side by side:
   torchrun: no pipe, no notebook). Floor: the kernel noticing the death and starting
   nothing (a ``--restarts 0`` cell's death to its error reply).
 - checkpoint: ``taas.save_checkpoint`` of a state of --megabytes (temporary file, fsync,
-  rename, folder fsync) beside a plain ``torch.save`` to the same disk (not durable: the
-  bytes may still be in the page cache) and, as the floor of a durable save, ``torch.save``
-  then ``fsync``.
+  rename, folder fsync, the oldest removed) beside a plain ``torch.save`` to the same disk
+  (not durable: the bytes may still be in the page cache) and, as the floor of a durable
+  save, ``torch.save`` then ``fsync``; in ABC/CBA order, each after an ``os.sync()``.
 - autopsy: reading two hung ranks' stacks (stacks.take, the signal and the dumps), which
   is what the autopsy adds to a stop.
 
@@ -115,19 +115,24 @@ def checkpoint_costs(megabytes: int, repeats: int) -> dict[str, list[float]]:
     state = {"weights": torch.randn(megabytes * (1 << 20) // 4), "step": 7}
     times: dict[str, list[float]] = {"save_checkpoint": [], "torch.save": [], "torch.save + fsync": []}
     with tempfile.TemporaryDirectory(dir=os.getcwd()) as folder:  # the disk a repository is on
-        for _ in range(repeats):
-            started = time.perf_counter()
-            checkpoints.save(state, os.path.join(folder, "run"), keep=2)
-            times["save_checkpoint"].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            torch.save(state, os.path.join(folder, "plain.pt"))
-            times["torch.save"].append(time.perf_counter() - started)
-            started = time.perf_counter()
+        def durable_save() -> None:
             with open(os.path.join(folder, "durable.pt"), "wb") as file:
                 torch.save(state, file)
                 file.flush()
                 os.fsync(file.fileno())
-            times["torch.save + fsync"].append(time.perf_counter() - started)
+
+        ways = {
+            "save_checkpoint": lambda: checkpoints.save(state, os.path.join(folder, "run"), keep=2),
+            "torch.save": lambda: torch.save(state, os.path.join(folder, "plain.pt")),
+            "torch.save + fsync": durable_save,
+        }
+        for repeat in range(repeats):
+            names = list(ways) if repeat % 2 == 0 else list(reversed(ways))  # ABC CBA: no way always goes first
+            for name in names:
+                os.sync()  # each starts with nothing dirty: one way's write-back is not another's fsync
+                started = time.perf_counter()
+                ways[name]()
+                times[name].append(time.perf_counter() - started)
     return times
 
 
