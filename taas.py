@@ -11,6 +11,7 @@ by :func:`get_worker_info`, inside a rank, where it is already loaded.
   ``id=RANK`` and ``num_workers=WORLD_SIZE``; outside a rank, ``None``.
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
   restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py).
+- :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/board.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from typing import Any
 
 __all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",
-           "save_checkpoint", "load_checkpoint", "checkpoint_path"]
+           "save_checkpoint", "load_checkpoint", "checkpoint_path", "report", "metrics", "lightning_logger"]
 
 _registered: list[Any] = []
 
@@ -27,6 +28,8 @@ _registered: list[Any] = []
 # subprocess the cell starts inherits the environment but is not a rank.
 _IN_RANK = False
 _DEVICE = "cpu"  # in a rank: "cuda" when it has its own GPU (set by the rank bootstrap)
+_report: Any = None  # in a rank: taas_magic.rank.reports.add (set by the rank bootstrap)
+_last_metrics: list[dict] = []  # in the kernel: the last run's rank-0 reports (set by the magic)
 
 
 def in_rank() -> bool:
@@ -138,3 +141,31 @@ def _own_device() -> Any:
     if _DEVICE == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def report(step: Any = None, **metrics: Any) -> None:
+    """Draw ``metrics`` (numbers, or one-element tensors) in the cell's live chart, against ``step``.
+
+    Callable on any rank; rank 0's values are drawn as lines, and a metric every rank reports
+    gets the ranks' min-max band. ``step`` defaults to the report's number. Costs about a
+    microsecond: reports leave the rank in batches. Outside a taas cell it does nothing, so the
+    same code runs in a plain cell.
+    """
+    if _report is not None:
+        _report(step, metrics)
+
+
+def metrics() -> list[dict]:
+    """The last taas run's rank-0 reports, in order: ``[{"step": 0, "loss": 1.0, ...}, ...]``."""
+    return [dict(item) for item in _last_metrics]
+
+
+def lightning_logger() -> Any:
+    """A Lightning logger that draws what ``self.log`` logs in the taas cell's chart.
+
+    Not needed in a taas cell (a Trainer there gets one unless ``logger=False``); pass it to
+    keep it beside loggers of your own in code that also runs elsewhere.
+    """
+    from taas_magic.rank import lightning
+
+    return lightning.logger()

@@ -19,6 +19,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
 from . import checkpoints, stacks, wire
+from .board import Board
 from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from .cellcode import CellCode, earlier_cells, translate
 from .closure import select_closure, serialise_closure
@@ -272,9 +273,15 @@ class TaasMagics(Magics):
             memfile.remove_run(os.getpid(), run.spec.run_id)
 
         explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
-        return run_ranks(start_ranks, server, peers, greeting, relay, self._publish, run.timeout,
-                         start_data if data is not None else None,
-                         Attempts(run.restarts, between, run.backend.standby), explain)
+        board = Board(peers.ranks, self._publish)
+        try:
+            return run_ranks(start_ranks, server, peers, greeting, relay, self._publish, run.timeout,
+                             start_data if data is not None else None,
+                             Attempts(run.restarts, between, run.backend.standby), explain, board)
+        finally:
+            import taas
+
+            taas._last_metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing
 
     def _rank_envs(self, run: _Run, layers: ScratchLayers, stacks_dir: str, owner: str,
                    attempt: int) -> list[dict[str, str]]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, NoReturn
 
 from . import wire
+from .board import Board
 from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
 from .feed.coordinator import Send
 from .feed.run import DataPlane
@@ -87,6 +88,7 @@ class _Loop:
         self.result: dict | None = None
         self.displays: dict[tuple[Peer, int], tuple[str, dict]] = {}
         self.on_all_connected: Callable[[], None] | None = None  # once per attempt
+        self.board: Board | None = None  # the live chart and health line (board.py)
         relay.on_marker = self.on_marker
 
     @property
@@ -271,6 +273,9 @@ class _Loop:
             signature = message.get("signature")
             self._fail(RankFailed(peer.index, self._host(peer), message["summary"], message["traceback"],
                                   signature=tuple(signature) if signature else None), peer)
+        elif kind == "report":
+            if self.board is not None:
+                self.board.add(peer.index, message)
         elif kind == "result" and peer.index == 0:
             self.result = message
         elif kind == "want" and self.data is not None:
@@ -415,6 +420,8 @@ def _watch(loop: _Loop, timeout: float | None, explain: Explain | None) -> RunOu
             relay.flush()
             if data is not None:
                 data.progress.show()
+            if loop.board is not None:
+                loop.board.show()
             if loop.failure is not None:
                 loop.settle()
                 return None
@@ -473,6 +480,7 @@ def run_ranks(
     data: Callable[[], DataPlane] | None = None,
     attempts: Attempts | None = None,
     explain: Explain | None = None,
+    board: Board | None = None,
 ) -> RunOutcome:
     """Start the data workers (if any), then the ranks (``start(attempt)``), and supervise them;
     a failed attempt starts again as ``attempts`` allows (restarts.py). Whatever happens, no rank
@@ -480,6 +488,7 @@ def run_ranks(
     attempts = attempts or Attempts()
     plane = data() if data is not None else None
     loop = _Loop(ids, server, greeting, relay, publish, plane)
+    loop.board = board
     try:
         loop.open()
         if plane is not None:
@@ -511,6 +520,8 @@ def run_ranks(
         raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
         relay.flush(force=True)
+        if board is not None:
+            board.show(force=True)  # the last reports, drawn
         relay.finish()
         if plane is not None:
             plane.workers.close()  # before measuring the cache: nothing writes to it any more

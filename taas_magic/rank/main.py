@@ -25,7 +25,7 @@ import types
 
 from taas_magic import wire
 from taas_magic.handoff import ReceivedClosure, receive_closure
-from taas_magic.rank import execute, lifeline, returns, shell, stacks, startup
+from taas_magic.rank import execute, lifeline, lightning, reports, returns, shell, stacks, startup
 from taas_magic.rank.import_hooks import when_imported
 from taas_magic.runspec import RunSpec
 
@@ -40,6 +40,7 @@ def _send_error(channel: wire.BlockingChannel, summary: str, text: str,
     # arriving now must not bury the report under a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     startup.flush_output()
+    reports.flush()
     try:
         channel.send("error", wire.dumps({"summary": summary, "traceback": text, "signature": signature}))
     except OSError:
@@ -65,12 +66,16 @@ def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> typ
 
     taas._IN_RANK = True
     taas._DEVICE = spec.device
+    taas._report = reports.add
+    reports.start(channel)
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
     forwards_display = rank == 0 or spec.output == "all"
     shell.configure(module, (lambda kind, msg: channel.send(kind, wire.dumps(msg))) if forwards_display else None)
     when_imported("IPython", shell.on_ipython_import)
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        when_imported(package, lightning.add_to_trainers)  # self.log(...) in the live chart
     if spec.device == "cuda":
         from taas_magic.rank.devices import bind_gpu
 
@@ -147,6 +152,7 @@ def main() -> None:
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
     before = returns.snapshot(module.__dict__) if rank == 0 else {}
     final = _run(spec, channel, module)
+    reports.flush()  # the last reports reach the chart before the results
     if rank == 0:
         _send_results(spec, channel, module.__dict__, before, closure, received, loaders, final)
     channel.close()

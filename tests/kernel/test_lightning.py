@@ -80,3 +80,44 @@ print(f"FIT global_rank={{trainer.global_rank}} steps={{trainer.global_step}} se
         assert fits == [f"[rank {r}] FIT global_rank={r} steps=12 seen=96" for r in (0, 1)], ran.stream()
     finally:
         kernel.execute("taas.unregister(train_loader)")
+
+
+def test_what_self_log_logs_is_drawn_in_the_chart_with_no_change_to_the_cell(kernel, tmp_path):
+    kernel.execute(
+        "import torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        f"root = {str(tmp_path)!r}\n"
+        "dataset = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))"
+    )
+    ran = kernel.execute(
+        """#pragma taas --gpus 2
+import lightning as L
+import torch
+
+class Logged(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+trainer = L.Trainer(devices=2, strategy="ddp", max_epochs=3, default_root_dir=root, log_every_n_steps=1,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Logged(), DataLoader(dataset, batch_size=8))
+loggers = [type(each).__name__ for each in trainer.loggers]
+"""
+    )
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    charts = [message.content for message in ran.messages if message.type in ("display_data", "update_display_data")
+              and message.content.get("transient", {}).get("display_id", "").startswith("taas-chart-")]
+    assert charts and ">train_loss</text>" in charts[-1]["data"]["image/svg+xml"]
+    # 64 / 8 / 2 = 4 steps an epoch, 3 epochs, logged every step; the cell's own logger is kept
+    logged = kernel.execute("import taas\n([m['step'] for m in taas.metrics()], sorted(taas.metrics()[0]), loggers)")
+    steps, keys, loggers = eval(logged.result["text/plain"])  # noqa: S307 - our own repr
+    assert steps == list(range(12)) and keys == ["step", "train_loss"]
+    assert loggers[-1] == "TaasLogger" and len(loggers) == 2

@@ -22,6 +22,7 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     assert "taas: 2 rank(s)" in out and "config g2.8" in out
     assert "epoch 2" in out and "saved mnist_cnn.pt" in out
     assert "saved file holds rank 0's weights: True" in out
+    assert "16 loss reports from rank 0, last" in out  # 2 epochs of 8 steps: taas.report, back as taas.metrics()
     # the unguarded save ran on both ranks; rank 1's was diverted and reported
     assert "taas: rank 1 tried to change 1 path(s) in the repository" in run.stderr and "mnist_cnn.pt" in run.stderr
     accuracy = float(out.split("test accuracy ")[1].split(";")[0])

@@ -1,0 +1,80 @@
+"""taas.report over a real kernel: one live chart updated in place, taas.metrics(), the health
+line with its straggler, a no-op outside a run, and a rank reporting 100,000 times."""
+
+import re
+
+def _displays(ran, prefix: str) -> list[tuple[str, dict]]:
+    """(message type, content) of the displays whose display_id starts with ``prefix``."""
+    return [(message.type, message.content) for message in ran.messages
+            if message.type in ("display_data", "update_display_data")
+            and message.content.get("transient", {}).get("display_id", "").startswith(prefix)]
+
+
+REPORTING = """\
+#pragma taas --gpus 2
+import os, time, taas
+rank = int(os.environ["RANK"])
+for step in range(40):
+    taas.report(step=step * 10, loss=1.0 / (step + 1) + rank * 0.01, lr=0.1)
+    time.sleep(0.05 if rank == 0 else 0.12)
+"""
+
+
+def test_one_chart_updated_in_place_and_the_metrics_after_the_cell(kernel):
+    ran = kernel.execute(REPORTING)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    charts = _displays(ran, "taas-chart-")
+    assert charts[0][0] == "display_data" and all(kind == "update_display_data" for kind, _ in charts[1:])
+    assert len({content["transient"]["display_id"] for _, content in charts}) == 1
+    images = [content["data"]["image/svg+xml"] for _, content in charts]
+    assert len(set(images)) >= 3  # it changed while the cell ran
+    assert all(image.startswith("<svg") and ">loss</text>" in image and ">lr</text>" in image for image in images)
+    assert "every rank's min-max" in images[-1]  # both ranks report loss: rank 0's line over the band
+    # about 2 s of reports (rank 1's pace): at most about two images a second, and one at the end
+    assert len(charts) <= 2 * ran.reply_at + 3, (len(charts), ran.reply_at)
+    reports = kernel.execute("import taas\nm = taas.metrics()\n(len(m), m[0], m[-1]['step'])").result["text/plain"]
+    assert reports == "(40, {'step': 0, 'loss': 1.0, 'lr': 0.1}, 390)"
+
+
+def test_the_health_line_names_every_rank_and_the_straggler(kernel):
+    ran = kernel.execute(REPORTING.replace("range(40)", "range(50)"))
+    assert ran.reply["status"] == "ok", ran.error_text()
+    lines = [content["data"]["text/plain"] for _, content in _displays(ran, "taas-health-")]
+    assert lines and all(line.startswith("taas health · rank 0:") and " | rank 1:" in line for line in lines)
+    last = lines[-1]
+    assert re.search(r"rank 0: \d+ reports/s \d+ MB CPU \d+%", last), last
+    assert "rank 1:" in last and last.endswith("← straggler")  # rank 1 reports every 0.12 s, rank 0 every 0.05 s
+    assert "straggler" not in last.split(" | ")[0]
+
+
+def test_report_outside_a_run_does_nothing(kernel):
+    ran = kernel.execute("import taas\ntaas.report(step=1, loss=0.5)\ntaas.report(loss=2)")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert not ran.messages or all(message.type not in ("stream", "display_data") for message in ran.messages)
+
+
+TIGHT = """\
+#pragma taas --gpus 2
+import time, taas
+def loop(reporting):
+    started = time.perf_counter()
+    for step in range(100_000):
+        if reporting:
+            taas.report(step=step, loss=step * 1e-5)
+    return time.perf_counter() - started
+plain = min(loop(False) for _ in range(3))
+with_reports = loop(True)
+"""
+
+
+def test_a_tight_loop_of_100000_reports_neither_floods_the_cell_nor_slows_the_rank(kernel):
+    ran = kernel.execute(TIGHT)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    charts = _displays(ran, "taas-chart-")
+    assert 1 <= len(charts) <= 2 * ran.reply_at + 3  # at most about two images a second, however fast it reports
+    assert sum(message.type == "stream" for message in ran.messages) < 20
+    # a report costs about a microsecond: 100,000 of them add well under a second to the rank
+    cost = kernel.execute("(with_reports - plain) / 100_000 * 1e6").result["text/plain"]
+    assert float(cost) < 5.0, f"{cost} µs per report"
+    count = kernel.execute("import taas\n(len(taas.metrics()), taas.metrics()[-1])").result["text/plain"]
+    assert count == "(100000, {'step': 99999, 'loss': 0.99999})"
