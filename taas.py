@@ -28,7 +28,6 @@ _registered: list[Any] = []
 # subprocess the cell starts inherits the environment but is not a rank.
 _IN_RANK = False
 _DEVICE = "cpu"  # in a rank: "cuda" when it has its own GPU (set by the rank bootstrap)
-_report: Any = None  # in a rank: taas_magic.rank.reports.add (set by the rank bootstrap)
 _last_metrics: list[dict] = []  # in the kernel: the last run's rank-0 reports (set by the magic)
 
 
@@ -151,8 +150,8 @@ def report(step: Any = None, **metrics: Any) -> None:
     microsecond: reports leave the rank in batches. Outside a taas cell it does nothing, so the
     same code runs in a plain cell.
     """
-    if _report is not None:
-        _report(step, metrics)
+    # Outside a rank there is nothing to do; inside one, the rank's bootstrap has put
+    # taas_magic.rank.reports.report here instead.
 
 
 def metrics() -> list[dict]:

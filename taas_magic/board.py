@@ -15,6 +15,11 @@ updated in place (``update_display_data``):
   reports is more than 1.5x the ranks' median (the lower median: with two ranks, the faster
   one's) is marked as the straggler.
 
+Both displays are published before any rank starts (:meth:`Board.start`), so they sit above
+rank 0's text: a display arriving in the middle of a ``\r`` progress line would cut it in
+two in the front end (the text after the display cannot redraw the line before it). A cell
+that never reports keeps an empty chart output.
+
 ``taas.metrics()`` in the notebook returns the last run's rank-0 reports (:meth:`Board.metrics`).
 """
 
@@ -41,7 +46,7 @@ class _Rank:
     steps: dict[str, list[float]] = field(default_factory=dict)  # metric -> steps, in report order
     values: dict[str, list[float]] = field(default_factory=dict)  # metric -> values
     reports: list[dict] = field(default_factory=list)  # rank 0's, for taas.metrics()
-    times: list[float] = field(default_factory=list)  # when each report was made (the rank's clock)
+    batches: list[tuple[float, int]] = field(default_factory=list)  # (when sent, by the rank's clock; reports)
     health: tuple[dict, dict] | None = None  # the last two health figures
 
 
@@ -58,8 +63,9 @@ class Board:
     def add(self, rank: int, message: dict) -> None:
         """A rank's batch: its reports (and perhaps its health)."""
         record = self.ranks[rank]
-        for at, step, metrics in message["reports"]:
-            record.times.append(at)
+        if message["reports"]:
+            record.batches.append((message["at"], len(message["reports"])))
+        for step, metrics in message["reports"]:
             if rank == 0:
                 record.reports.append({"step": step, **metrics})
             for name, value in metrics.items():
@@ -69,6 +75,11 @@ class Board:
         if message["health"] is not None:
             previous = record.health[1] if record.health is not None else message["health"]
             record.health = (previous, message["health"])
+
+    def start(self) -> None:
+        """The two displays, in their places above the ranks' output, before any rank runs."""
+        self._publish(self.health_id, {"text/plain": f"taas health · starting {len(self.ranks)} rank(s)"})
+        self._publish(self.chart_id, {"text/plain": ""})
 
     def metrics(self) -> list[dict]:
         return list(self.ranks[0].reports)
@@ -151,7 +162,7 @@ class Board:
 
     # -- the health line -----------------------------------------------------------------------
     def health_line(self) -> str:
-        intervals = {rank: _interval(record.times) for rank, record in enumerate(self.ranks)}
+        intervals = {rank: _interval(record.batches) for rank, record in enumerate(self.ranks)}
         known = [value for value in intervals.values() if value is not None]
         median = statistics.median_low(known) if len(known) > 1 else None  # low: with 2 ranks, the faster one's
         parts = []
@@ -181,12 +192,13 @@ def _size(count: int) -> str:
     return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.0f} MB"
 
 
-def _interval(times: list[float], window: int = 50) -> float | None:
-    """A rank's mean time between its last reports (None before two)."""
-    recent = times[-window:]
-    if len(recent) < 2:
+def _interval(batches: list[tuple[float, int]], window: int = 8) -> float | None:
+    """A rank's mean time between reports over its last batches (about 2 s); None before two batches."""
+    recent = batches[-window:]
+    count = sum(reports for _, reports in recent[1:])
+    if len(recent) < 2 or not count:
         return None
-    return (recent[-1] - recent[0]) / (len(recent) - 1)
+    return (recent[-1][0] - recent[0][0]) / count
 
 
 def _thin(indices: range) -> list[int]:

@@ -493,6 +493,8 @@ def run_ranks(
         loop.open()
         if plane is not None:
             plane.progress.show(force=True)
+        if board is not None:
+            board.start()
         previous: RunError | None = None
         for attempt in range(attempts.restarts + 1):
             group = start(attempt)

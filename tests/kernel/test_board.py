@@ -26,7 +26,8 @@ def test_one_chart_updated_in_place_and_the_metrics_after_the_cell(kernel):
     charts = _displays(ran, "taas-chart-")
     assert charts[0][0] == "display_data" and all(kind == "update_display_data" for kind, _ in charts[1:])
     assert len({content["transient"]["display_id"] for _, content in charts}) == 1
-    images = [content["data"]["image/svg+xml"] for _, content in charts]
+    assert charts[0][1]["data"] == {"text/plain": ""}  # its place, above the ranks' output, before they start
+    images = [content["data"]["image/svg+xml"] for _, content in charts[1:]]
     assert len(set(images)) >= 3  # it changed while the cell ran
     assert all(image.startswith("<svg") and ">loss</text>" in image and ">lr</text>" in image for image in images)
     assert "every rank's min-max" in images[-1]  # both ranks report loss: rank 0's line over the band
@@ -40,6 +41,8 @@ def test_the_health_line_names_every_rank_and_the_straggler(kernel):
     ran = kernel.execute(REPORTING.replace("range(40)", "range(50)"))
     assert ran.reply["status"] == "ok", ran.error_text()
     lines = [content["data"]["text/plain"] for _, content in _displays(ran, "taas-health-")]
+    assert lines[0] == "taas health · starting 2 rank(s)"
+    lines = lines[1:]
     assert lines and all(line.startswith("taas health · rank 0:") and " | rank 1:" in line for line in lines)
     last = lines[-1]
     assert re.search(r"rank 0: \d+ reports/s \d+ MB CPU \d+%", last), last

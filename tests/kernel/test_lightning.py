@@ -115,7 +115,7 @@ loggers = [type(each).__name__ for each in trainer.loggers]
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
     charts = [message.content for message in ran.messages if message.type in ("display_data", "update_display_data")
               and message.content.get("transient", {}).get("display_id", "").startswith("taas-chart-")]
-    assert charts and ">train_loss</text>" in charts[-1]["data"]["image/svg+xml"]
+    assert len(charts) >= 2 and ">train_loss</text>" in charts[-1]["data"]["image/svg+xml"]
     # 64 / 8 / 2 = 4 steps an epoch, 3 epochs, logged every step; the cell's own logger is kept
     logged = kernel.execute("import taas\n([m['step'] for m in taas.metrics()], sorted(taas.metrics()[0]), loggers)")
     steps, keys, loggers = eval(logged.result["text/plain"])  # noqa: S307 - our own repr

@@ -1,0 +1,182 @@
+"""The quickstart in a real JupyterLab, in a real headless Chromium: what a person sees.
+
+A JupyterLab server on loopback serves a copy of ``notebooks/quickstart.ipynb`` with one
+more cell at the end, a taas cell that fails on rank 1. Selenium drives the distribution's
+Chromium (``chromium`` and ``chromium-driver`` from apt; nothing is downloaded at run time):
+it opens the notebook, runs every cell from the Run menu, and reads the page (the DOM, not
+iopub): rank 0's first line while the cell still runs, the ``\\r`` progress line redrawn in
+place as one line, the live chart's image changing, the failing cell's error naming the
+rank. Then it shuts the kernel down from the Kernel menu and checks that no process of the
+run remains, and saves a screenshot of the finished notebook (the README shows one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs selenium (pip install selenium)")
+pytest.importorskip("jupyterlab", reason="the browser test needs JupyterLab (pip install jupyterlab)")
+from selenium.webdriver.common.by import By  # noqa: E402
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver (apt)"),
+]
+ROOT = Path(__file__).resolve().parents[2]
+FAILING_CELL = ("#pragma taas --gpus 2\nimport os\n"
+                "if os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on loopback over a copy of the quickstart (plus a failing cell)."""
+    notebook = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())
+    notebook["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                              "source": FAILING_CELL.splitlines(keepends=True)})
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "quickstart.ipynb").write_text(json.dumps(notebook))
+    port, token = _free_port(), "taas-browser-test"
+    # Every cell in the DOM: JupyterLab 4 renders only the cells in view unless told otherwise.
+    settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path / 'lab'}", "--LabApp.news_url=None",
+         f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--allow-root"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while not _listening(port):
+        assert server.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
+        time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}/lab/tree/quickstart.ipynb?token={token}", server
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture
+def browser(request, tmp_path):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,2400"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
+    yield driver
+    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+        driver.save_screenshot(str(tmp_path / "failure.png"))
+        print(f"the page when the test failed: {tmp_path / 'failure.png'}")
+    driver.quit()
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def _menu(driver, menu: str, item: str) -> None:
+    driver.find_element(By.XPATH, f"//div[contains(@class,'lm-MenuBar-itemLabel') and text()='{menu}']").click()
+    entry = _wait(lambda: driver.find_elements(
+        By.XPATH, f"//div[contains(@class,'lm-Menu-itemLabel') and text()='{item}']"), 10, f"the menu item {item}")
+    entry[0].click()
+
+
+# Each look at a cell is one script in the page, so it sees one state of the DOM: outputs are
+# replaced as they update, and an element found in one call may be gone by the next.
+_LOOK = """
+const cell = document.querySelectorAll('.jp-Notebook .jp-CodeCell')[arguments[0]];
+if (!cell) return null;
+return {
+  text: Array.from(cell.querySelectorAll('.jp-OutputArea-output')).map(e => e.innerText).join('\\n'),
+  running: cell.querySelector('.jp-InputPrompt').innerText.includes('[*]'),
+  images: Array.from(cell.querySelectorAll('img')).map(img => img.src).filter(s => s.startsWith('data:image/svg+xml')),
+};
+"""
+
+
+def _cells(driver) -> list:
+    return driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-CodeCell")
+
+
+def _look(driver, index: int) -> dict:
+    return driver.execute_script(_LOOK, index) or {"text": "", "running": False, "images": []}
+
+
+def _run_processes(since: float) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline", "create_time"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if process.info["create_time"] >= since and ("taas_magic.rank" in line or "taas_magic.feed.worker" in line):
+            found.append(process)
+    return found
+
+
+def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
+    url, _ = lab
+    started = time.time() - 1
+    browser.get(url)
+    _wait(lambda: len(_cells(browser)) == 5, 90, "the notebook's code cells")
+    _wait(lambda: browser.find_elements(By.XPATH, "//*[contains(@class,'jp-Notebook-ExecutionIndicator') "
+                                                  "and @data-status='idle']"), 90, "an idle kernel")
+    _menu(browser, "Run", "Run All Cells")
+    training = 2
+    # rank 0's first line is on the page while the training cell still runs
+    _wait(lambda: (look := _look(browser, training))["running"] and "epoch 1 [" in look["text"], 120,
+          "rank 0's first line, live")
+    lines_seen, images_seen = set(), set()
+    while (look := _look(browser, training))["running"]:
+        lines_seen.update(line for line in look["text"].splitlines() if line.startswith("epoch 1 ["))
+        images_seen.update(look["images"])
+    look = _look(browser, training)
+    text = look["text"]
+    epoch_lines = [line for line in text.splitlines() if line.startswith("epoch ")]
+    # the \r progress line: redrawn in place while it ran, one line per epoch on the page
+    assert len(lines_seen) >= 2, lines_seen
+    assert len(epoch_lines) == 2 and epoch_lines[0].startswith("epoch 1 [ 1024/1024]"), text
+    images_seen.update(look["images"])
+    assert len(images_seen) >= 3, f"the chart changed {len(images_seen) - 1} time(s)"  # at least twice
+    assert "taas health" in text and "rank 1:" in text
+    _wait(lambda: "rank 1 on localhost raised ValueError: rank 1 fails on purpose" in _look(browser, 4)["text"], 120,
+          "the failing cell's error naming rank 1")
+    assert "test accuracy" in _look(browser, 3)["text"]
+    for button in browser.find_elements(By.XPATH, "//button[normalize-space()='No']"):  # JupyterLab's news toast
+        button.click()
+    shot = tmp_path / "quickstart.png"
+    browser.save_screenshot(str(shot))
+    if os.environ.get("TAAS_SAVE_SCREENSHOT"):
+        shutil.copy(shot, ROOT / "docs" / "quickstart.png")
+    _menu(browser, "Kernel", "Shut Down Kernel")
+    _wait(lambda: not [p for p in _run_processes(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+          20, "every process of the run to be gone after the kernel's shutdown")
