@@ -108,12 +108,17 @@ plt.show()
 """
     )
     assert ran.reply["status"] == "ok", ran.error_text()
-    kinds = [(m.type, m.content.get("text") or sorted(m.content.get("data", {}))) for m in ran.messages if m.type in ("stream", "display_data")]
-    displays = ran.of_type("display_data")
+    # the cell's own displays (taas's health line and chart, with their taas-* display ids, sit above them)
+    messages = [m for m in ran.messages
+                if not m.content.get("transient", {}).get("display_id", "").startswith("taas-")]
+    kinds = [(m.type, m.content.get("text") or sorted(m.content.get("data", {}))) for m in messages
+             if m.type in ("stream", "display_data")]
+    displays = [m for m in messages if m.type == "display_data"]
     assert len(displays) == 2, kinds
     assert displays[0].content["data"]["text/html"] == "<b>from rank 0</b>"
     assert "image/png" in displays[1].content["data"]
-    order = [m.type if m.type != "stream" else m.content["text"].strip() for m in ran.messages if m.type in ("stream", "display_data")]
+    order = [m.type if m.type != "stream" else m.content["text"].strip() for m in messages
+             if m.type in ("stream", "display_data")]
     assert order.index("before") < order.index("display_data") < order.index("after")
 
 

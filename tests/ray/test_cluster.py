@@ -193,7 +193,8 @@ def test_kernel_death_leaves_nothing_on_any_host(ray_cluster):
         msg_id, _ = kernel.submit("#pragma taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(300)")
         kernel.wait_for_stream(msg_id, "up", timeout=120)
         running = [" ".join(p.cmdline()) for p in cell_processes() if p.name() != "taas-watchdog"]
-        assert sum("taas_magic.rank" in line for line in running) == 4, running
+        # ranks, not an agent whose (padded) title happens to mention the module it starts
+        assert sum("-m taas_magic.rank" in line and "HostAgent" not in line for line in running) == 4, running
         assert sum("HostAgent" in line for line in running) == 2, running  # one agent per host
         psutil.Process(kernel.pid).send_signal(signal.SIGKILL)
     finally:
