@@ -19,13 +19,18 @@ class Regressor(L.LightningModule):
 """
 
 
-def test_lightning_ddp_trains_on_exactly_n_processes(kernel, tmp_path):
+def _dataset_in_the_notebook(kernel, tmp_path) -> None:
+    """64 random regression samples and a root folder for Lightning, as notebook names."""
     kernel.execute(
         "import torch\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
         f"root = {str(tmp_path)!r}\n"
         "dataset = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))"
     )
+
+
+def test_lightning_ddp_trains_on_exactly_n_processes(kernel, tmp_path):
+    _dataset_in_the_notebook(kernel, tmp_path)
     ran = kernel.execute(
         """#pragma taas --gpus 2 --output all
 import os
@@ -83,12 +88,7 @@ print(f"FIT global_rank={{trainer.global_rank}} steps={{trainer.global_step}} se
 
 
 def test_what_self_log_logs_is_drawn_in_the_chart_with_no_change_to_the_cell(kernel, tmp_path):
-    kernel.execute(
-        "import torch\n"
-        "from torch.utils.data import DataLoader, TensorDataset\n"
-        f"root = {str(tmp_path)!r}\n"
-        "dataset = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))"
-    )
+    _dataset_in_the_notebook(kernel, tmp_path)
     ran = kernel.execute(
         """#pragma taas --gpus 2
 import lightning as L
