@@ -45,7 +45,7 @@ POLL_SECONDS = 0.05
 COURIER_POLL_SECONDS = 0.005
 PIPE_GRACE_SECONDS = 2.0  # after every rank exited, how long to wait for pipes to close
 SETTLE_SECONDS = 0.25  # after a rank's error, how long a silent death may still claim to be the cause
-DRAIN_READS = 256  # at most this many reads of a stopped rank's pipe (a leftover child may still write)
+DRAIN_READS = 256  # at most this many reads of a pipe being drained (a leftover child may still write)
 
 Greeting = Callable[[Peer], list[bytes]]  # the frames a peer gets once connected
 
@@ -77,7 +77,6 @@ class _Loop:
         self.ids = ids
         self.selector = selectors.DefaultSelector()
         self.pipes: dict[int, tuple[Peer, str]] = {}  # fd -> (peer, stream)
-        self.exit_fds: set[int] = set()
         self.connections: dict[Peer, RankConnection] = {}
         self.queued: dict[Peer, list[bytes]] = {}  # frames for peers not connected yet
         self.exits: dict[Peer, int] = {}  # the exit code of every process that ended
@@ -115,7 +114,6 @@ class _Loop:
             self.pipes[fd] = (peer, name)
             self.selector.register(fd, selectors.EVENT_READ, ("pipe", fd))
         if process.exit_fd is not None:
-            self.exit_fds.add(process.exit_fd)
             self.selector.register(process.exit_fd, selectors.EVENT_READ, ("exit", process.exit_fd))
 
     def attach(self, group: RankGroup) -> None:
@@ -127,21 +125,17 @@ class _Loop:
     def detach(self) -> None:
         """After an attempt's ranks were stopped: forget them (the workers and their frames stay),
         so the next attempt's ranks connect, print and exit as new processes."""
+        for peer in {peer for peer, _ in self.pipes.values() if peer.is_rank}:
+            self.drain_pipes(peer)  # what it printed before it was stopped
         for fd, (peer, stream) in list(self.pipes.items()):
             if peer.is_rank:
-                for _ in range(DRAIN_READS):  # what it printed before it was stopped
-                    if fd not in self.pipes or not self._pipe_has_data(fd):
-                        break
-                    self._read_pipe(fd)
-                if fd in self.pipes:
-                    self.relay.end_of_stream(peer, stream)
-                    self.selector.unregister(fd)
-                    del self.pipes[fd]
-        if self.group is not None:
-            for rank in self.group.ranks:
-                if rank.exit_fd in self.exit_fds:
-                    self.selector.unregister(rank.exit_fd)
-                    self.exit_fds.discard(rank.exit_fd)
+                self.relay.end_of_stream(peer, stream)
+                self.selector.unregister(fd)
+                del self.pipes[fd]
+        watched = self.selector.get_map()
+        for rank in self.group.ranks if self.group is not None else ():
+            if rank.exit_fd is not None and rank.exit_fd in watched:  # it had not exited yet
+                self.selector.unregister(rank.exit_fd)
         for peer, connection in list(self.connections.items()):
             if peer.is_rank:
                 self._close_connection(connection)
@@ -180,7 +174,6 @@ class _Loop:
                 self._read_connection(item)
             elif tag == "exit":  # a process ended: poll_exits (after this step) reads its code
                 self.selector.unregister(item)
-                self.exit_fds.discard(item)
 
     def _on_hello(self, pending: PendingPeer) -> None:
         outcome = self.server.read_hello(pending)
@@ -215,9 +208,13 @@ class _Loop:
         del self.pipes[fd]
 
     def drain_pipes(self, peer: Peer) -> None:
+        """Read what the process printed and is still in its pipes (bounded: a child it left may
+        still hold a pipe and write to it)."""
         for fd, (owner, _) in list(self.pipes.items()):
             if owner == peer:
-                while fd in self.pipes and self._pipe_has_data(fd):
+                for _ in range(DRAIN_READS):
+                    if fd not in self.pipes or not self._pipe_has_data(fd):
+                        break
                     self._read_pipe(fd)
 
     @staticmethod
