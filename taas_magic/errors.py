@@ -15,6 +15,10 @@
             ├── WorkerFailed               a data worker raised preparing an element, or died
             └── RunTimeout                 --timeout passed; names the ranks still running
 
+    KeyboardInterrupt
+    └── RunInterrupted                     the person interrupted a run; shown as one          [magics.py]
+                                           "KeyboardInterrupt" line below the autopsy
+
 IPython shows an exception through its ``_render_traceback_`` when it has one (as
 ipyparallel's RemoteError does): the lines are the rank's traceback, already pointing
 at the cell's own line numbers, not the kernel's frames that supervised it.
@@ -189,3 +193,22 @@ class RunTimeout(RunError):
 
     def __reduce__(self):
         return (type(self), (self.timeout, self.running))
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The person interrupted the kernel while a run was supervised; every rank was stopped.
+
+    The cell already shows the hang autopsy (where each rank was) above it: the kernel's
+    own frames (the magic, the supervisor, the selector) say nothing the person can use,
+    so it renders as the single line ``KeyboardInterrupt``, and is named so in the error
+    message Jupyter receives (``ename``), like the interrupt the person sent.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return ["KeyboardInterrupt"]
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+RunInterrupted.__name__ = "KeyboardInterrupt"  # ename: the person's own interrupt, not a taas type

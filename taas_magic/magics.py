@@ -6,6 +6,7 @@ Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import secrets
@@ -24,7 +25,7 @@ from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from .cellcode import CellCode, earlier_cells, translate
 from .closure import select_closure, serialise_closure
 from .cluster import Cluster, address_from_environment
-from .errors import ClusterError
+from .errors import ClusterError, RunInterrupted
 from .feed.run import DataPlane, DataRun, default_cache_ram, describe_registered
 from .handoff import HANDOFF_BYTES, ClosureHandoff
 from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
@@ -34,7 +35,7 @@ from .launch.spares import SparePool
 from .peers import Peer, PeerIds
 from .pragma import MAX_RESTARTS, PragmaOptions, parse_cell, parse_size
 from .procs import OWNER_VARIABLE, kill_tagged
-from .rankenv import visible_gpu_count
+from .rankenv import RankChoice, choose_ranks, visible_gpu_count
 from .relay import OutputRelay
 from .restarts import Attempts
 from .results import apply_results
@@ -132,7 +133,7 @@ class TaasMagics(Magics):
         self.isolation = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
         self.spares = SparePool()
         if self.warm.isdigit():
-            self.spares.fill(int(self.warm))
+            self.spares.fill(int(self.warm), visible_gpu_count())
         self.cluster: Cluster | None = None  # %taas cluster ADDRESS, or $TAAS_CLUSTER at load
         address = address_from_environment()
         if address is not None:
@@ -152,8 +153,14 @@ class TaasMagics(Magics):
     @cell_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_cell(self, line: str, cell: str):
         """Run this cell as N DDP ranks: ``%%taas --gpus N [...]`` (see ``%taas help``)."""
+        try:
+            return self._taas_cell(line, cell)
+        except KeyboardInterrupt:  # every rank is stopped and the autopsy shown: one line, not our frames
+            raise RunInterrupted() from None
+
+    def _taas_cell(self, line: str, cell: str):
         parsed = parse_cell(cell, line)
-        options = parsed.options
+        options, choice = self._choose_ranks(parsed.options)
         code = translate(self._shell, parsed.source)
         closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
         import taas
@@ -164,20 +171,34 @@ class TaasMagics(Magics):
         data = self._data_run({index: registered[index] for index in used}, options) if used else None
         backend = self._backend(options)  # the one place that asks which: placement held from here on
         try:
-            run = self._plan(options, code, closure, packing, registered, data, backend)
+            run = self._plan(options, code, closure, packing, registered, data, backend, choice)
             return self._run(run)
         finally:
             backend.release()  # whatever happened: ports, agents and GPUs given back, spares refilled
 
+    def _choose_ranks(self, options: PragmaOptions) -> tuple[PragmaOptions, RankChoice]:
+        """``--gpus auto`` made a number, against this host's GPUs or the cluster's, before anything is held."""
+        if self.cluster is None:
+            choice = choose_ranks(options.gpus, options.device, visible_gpu_count())
+        else:
+            if options.device == "cpu":
+                raise UsageError("taas: --device cpu runs the ranks on this host's CPU, but a cluster is attached "
+                                 "(its ranks run on its GPUs); %taas cluster local runs cells on this host again")
+            gpus = sum(node.gpus_total for node in self.cluster.nodes())
+            choice = choose_ranks(options.gpus, options.device, gpus, where="the cluster")
+        return dataclasses.replace(options, gpus=choice.ranks), choice
+
     def _backend(self, options: PragmaOptions) -> Backend:
+        assert isinstance(options.gpus, int), "_choose_ranks made it a number"
         if self.cluster is None:
             spares = self.spares if self.warm != "off" else None
-            return LocalBackend(options.gpus, spares, lambda: int(self.warm) if self.warm.isdigit() else options.gpus)
+            ranks = options.gpus
+            return LocalBackend(ranks, spares, lambda: int(self.warm) if self.warm.isdigit() else ranks, options.device)
         wait = options.place_timeout if options.place_timeout is not None else self.place_timeout
         return ClusterBackend.place(self.cluster, options.gpus, options.per_host, wait)
 
     def _plan(self, options: PragmaOptions, code: CellCode, closure: dict, packing: Packing, registered: list,
-              data: DataRun | None, backend: Backend) -> _Run:
+              data: DataRun | None, backend: Backend, choice: RankChoice) -> _Run:
         """Everything the run needs, decided before anything starts; prints the header."""
         run_id = secrets.token_hex(6)
         memfile.sweep_all()  # what a killed kernel left in /dev/shm
@@ -196,7 +217,7 @@ class TaasMagics(Magics):
                    os.path.join(os.path.realpath(os.path.expanduser(root)), run_id))
         tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
         lines = [header_line(options, backend.devices, run_id, len(packing.skeleton) + tensor_bytes,
-                             tensor_bytes >= file_bytes, run.restarts), run.rule.header(), backend.layout(),
+                             tensor_bytes >= file_bytes, run.restarts, choice.why), run.rule.header(), backend.layout(),
                  data.header() if data is not None else None]
         print("\ntaas: ".join(line for line in lines if line), flush=True)
         self.last_run = LastRun(options=options, devices=backend.devices, run_id=run_id, closure_names=tuple(closure))
@@ -296,6 +317,15 @@ class TaasMagics(Magics):
             envs[rank].update(TAAS_REPOSITORY=run.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=run.rule.mode)
         return envs
 
+    def _spares_gpu_text(self) -> str:
+        """What the GPU-bound spares hold on their GPUs (their CUDA contexts), for ``%taas status``."""
+        bound = self.spares.gpu_bound()
+        if not bound:
+            return ""
+        held = self.spares.gpu_bytes()
+        amount = f"{held / 2**20:.0f} MiB" if held is not None else "GPU memory unknown (nvidia-smi cannot see them)"
+        return f"; {len(bound)} bound to GPU(s) {', '.join(str(s.gpu) for s in bound)}, {amount} on the GPUs"
+
     def _registered_lines(self) -> list[str]:
         import taas
 
@@ -375,7 +405,7 @@ class TaasMagics(Magics):
                 self.spares.close()
                 print("taas: warm spares off")
             elif words[1].isdigit():
-                self.spares.fill(int(words[1]))
+                self.spares.fill(int(words[1]), visible_gpu_count())
                 print(f"taas: keeping {words[1]} warm spare rank(s)")
             else:
                 print("taas: after each cell, keeping as many warm spares as its --gpus")
@@ -389,7 +419,8 @@ class TaasMagics(Magics):
                         "ahead": self.ahead}
             print(status_text(self.last_run, visible_gpu_count(), defaults, self._registered_lines()))
             spares = len(self.spares.spares)
-            print(f"warm spares: {self.warm}, {spares} waiting, {self.spares.resident_bytes() / 2**20:.0f} MB resident")
+            print(f"warm spares: {self.warm}, {spares} waiting, {self.spares.resident_bytes() / 2**20:.0f} MB resident"
+                  + self._spares_gpu_text())
             print("write rule: " + rule.header())
             print("\n".join(self.cluster.status_lines()) if self.cluster is not None else "cluster: none (local processes)")
         else:

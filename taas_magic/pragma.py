@@ -29,6 +29,8 @@ PRAGMA_RE = re.compile(r"^\s*#\s*pragma\s+taas(?=\s|$)(?P<args>.*)$")
 CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
 
 OUTPUT_MODES = ("rank0", "all")
+DEVICES = ("auto", "cpu", "cuda")
+AUTO = "auto"  # --gpus auto: one rank per GPU of this host (2 CPU ranks where there is none)
 MAX_CPUS = 8
 MAX_RESTARTS = 100
 
@@ -53,7 +55,8 @@ class PragmaError(UsageError):
 
 @dataclass(frozen=True)
 class PragmaOptions:
-    gpus: int
+    gpus: int | str  # N, or AUTO (resolved against the host by rankenv.choose_ranks before anything starts)
+    device: str = AUTO  # auto: GPUs where the host has them; cpu: gloo on CPU, the ranks see no GPU; cuda: GPUs or an error
     cpus: int = 1
     units: int | None = None
     timeout: float | None = None
@@ -119,6 +122,16 @@ def _size_value(option: str, token: str) -> int:
     return value
 
 
+def _gpus_value(option: str, token: str) -> int | str:
+    return AUTO if token == AUTO else _int_value(option, token, 1)
+
+
+def _device_value(option: str, token: str) -> str:
+    if token not in DEVICES:
+        raise PragmaError(f"{option} must be one of {', '.join(DEVICES)}, got {token!r}")
+    return token
+
+
 def _output_value(option: str, token: str) -> str:
     if token not in OUTPUT_MODES:
         raise PragmaError(f"{option} must be one of {', '.join(OUTPUT_MODES)}, got {token!r}")
@@ -138,8 +151,12 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--gpus", "N", "gpus", lambda opt, tok: _int_value(opt, tok, 1),
-           "required, N >= 1: the number of ranks, one per GPU (CPU + gloo where the host has no GPU)", required=True),
+    Option("--gpus", "N|auto", "gpus", _gpus_value,
+           "required, N >= 1 or auto: the number of ranks, one per GPU (CPU + gloo where the host has no GPU); "
+           "auto: one per GPU of this host, 2 CPU ranks where it has none", required=True),
+    Option("--device", "auto|cpu|cuda", "device", _device_value,
+           "auto (default): the host's GPUs if it has any, else CPU; cpu: CPU ranks with gloo even where GPUs exist "
+           "(the ranks see none); cuda: GPUs, an error where there are none"),
     Option("--cpus", "M", "cpus", lambda opt, tok: _int_value(opt, tok, 1, MAX_CPUS),
            f"1..{MAX_CPUS}, default 1: data workers preparing the loaders registered with taas.register"),
     Option("--units", "K", "units", lambda opt, tok: _int_value(opt, tok, 1),

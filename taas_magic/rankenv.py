@@ -26,17 +26,40 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """Where the ranks compute: ``cuda`` (one GPU per rank, NCCL) or ``cpu`` (gloo)."""
+    """Where the ranks compute: ``cuda`` (one GPU per rank, NCCL) or ``cpu`` (gloo).
+
+    ``gpus_on_host`` is what the host offers; ``chosen`` is True when the person asked for
+    the CPU (``--device cpu``) on a host that has GPUs: the ranks are then shown none.
+    """
 
     device: str
     gpus_on_host: int
     backend: str
+    chosen: bool = False
+
+    @property
+    def hides_gpus(self) -> bool:
+        return self.device == "cpu" and self.gpus_on_host > 0
 
     @property
     def notice(self) -> str | None:
+        if self.hides_gpus:
+            return (f"--device cpu: ranks run on CPU with gloo and see none of this host's {self.gpus_on_host} GPU(s); "
+                    "a request for nccl is served by gloo")
         if self.device == "cpu":
             return "no GPU on this host: ranks run on CPU, and a request for nccl is served by gloo"
         return None
+
+
+@dataclass(frozen=True)
+class RankChoice:
+    """How many ranks a cell runs, and, for ``--gpus auto``, why that many (the header says it)."""
+
+    ranks: int
+    why: str | None = None
+
+
+AUTO_CPU_RANKS = 2  # --gpus auto without GPUs: two CPU ranks, so the cell still shows DDP
 
 
 def visible_gpu_count() -> int:
@@ -65,21 +88,42 @@ def visible_gpu_count() -> int:
     return min(len(entries), physical)
 
 
-def plan_devices(ranks: int, gpus_on_host: int | None = None) -> DevicePlan:
-    """One GPU per rank with NCCL, or CPU with gloo when the host has no GPU.
+def plan_devices(ranks: int, gpus_on_host: int | None = None, device: str = "auto") -> DevicePlan:
+    """One GPU per rank with NCCL; CPU with gloo when the host has no GPU or ``device`` is ``cpu``.
 
     Raises:
-        LaunchError: the host has GPUs, but fewer than ``ranks``.
+        LaunchError: ``--device cuda`` on a host without GPUs, or a host with GPUs but fewer than ``ranks``.
     """
     gpus = visible_gpu_count() if gpus_on_host is None else gpus_on_host
+    if device == "cpu":
+        return DevicePlan("cpu", gpus, "gloo", chosen=True)
     if gpus == 0:
+        if device == "cuda":
+            raise LaunchError("taas: --device cuda, but this host has no GPU (none visible to the kernel); "
+                              "leave --device out or use --device cpu to run the ranks on CPU")
         return DevicePlan("cpu", 0, "gloo")
     if gpus < ranks:
         raise LaunchError(
             f"taas: --gpus {ranks} asks for {ranks} ranks but this host has {gpus} GPU(s); "
-            f"use --gpus {gpus} or fewer, or attach a cluster"
+            f"use --gpus {gpus}, --gpus auto or --device cpu, or attach a cluster"
         )
     return DevicePlan("cuda", gpus, "nccl")
+
+
+def choose_ranks(gpus: int | str, device: str, gpus_on_host: int, where: str = "this host") -> RankChoice:
+    """``--gpus N`` is N ranks; ``--gpus auto`` is one per GPU of ``where`` (as torchrun's
+    ``--nproc-per-node auto``), or :data:`AUTO_CPU_RANKS` CPU ranks where there is none or
+    ``device`` is ``cpu``."""
+    if gpus != "auto":
+        assert isinstance(gpus, int), "the grammar gives an int or auto"
+        return RankChoice(gpus)
+    if device == "cpu":
+        return RankChoice(AUTO_CPU_RANKS, f"--gpus auto with --device cpu: {AUTO_CPU_RANKS} CPU ranks")
+    if gpus_on_host == 0:
+        if device == "cuda":  # plan_devices says why this cannot run
+            return RankChoice(1)
+        return RankChoice(AUTO_CPU_RANKS, f"--gpus auto: no GPU on {where}, so {AUTO_CPU_RANKS} CPU ranks to show DDP")
+    return RankChoice(gpus_on_host, f"--gpus auto: one per GPU of {where}")
 
 
 def reserve_port(host: str = LOOPBACK) -> socket.socket:

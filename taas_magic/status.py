@@ -53,15 +53,16 @@ class LastRun:
     seconds: float = 0.0
 
 
-def _devices_text(devices: DevicePlan, ranks: int) -> str:
+def _devices_text(devices: DevicePlan, ranks: object) -> str:
     if devices.device == "cuda":
         return f"{ranks} GPU(s) of {devices.gpus_on_host}, backend nccl"
-    return "CPU, backend gloo"
+    return "CPU (--device cpu), backend gloo" if devices.chosen else "CPU, backend gloo"
 
 
 def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closure_bytes: int, shared_file: bool = False,
-                restarts: int = 0) -> str:
-    parts = [f"taas: {options.gpus} rank(s)", _devices_text(devices, options.gpus)]
+                restarts: int = 0, why: str | None = None) -> str:
+    ranks = f"taas: {options.gpus} rank(s)" + (f" ({why})" if why else "")
+    parts = [ranks, _devices_text(devices, options.gpus)]
     if options.configs:
         parts.append("config " + ", ".join(options.configs))
     parts.append(f"run {run_id}")

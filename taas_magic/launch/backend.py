@@ -69,8 +69,8 @@ class LocalBackend:
     memory_files = True
     loopback_only = True
 
-    def __init__(self, gpus: int, spares: SparePool | None, refill: Callable[[], int] | None):
-        self.devices = plan_devices(gpus)  # raises LaunchError (nothing held) with too few GPUs
+    def __init__(self, gpus: int, spares: SparePool | None, refill: Callable[[], int] | None, device: str = "auto"):
+        self.devices = plan_devices(gpus, device=device)  # raises LaunchError (nothing held): too few GPUs, or none
         self.slots = [RankSlot(rank, rank, gpus, 0) for rank in range(gpus)]
         self._spares, self._refill = spares, refill
         self._port = reserve_port()  # held until the run ends, so two notebooks cannot clash
@@ -82,17 +82,22 @@ class LocalBackend:
         return LOOPBACK, self._port.getsockname()[1]
 
     def rank_extra_env(self, rank: int) -> dict[str, str]:
-        return {}
+        # --device cpu on a GPU host: the ranks (and what the cell starts) see no GPU at all
+        return {"CUDA_VISIBLE_DEVICES": ""} if self.devices.hides_gpus else {}
 
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
-        return LocalRankGroup.start(plan, spares=self._spares)
+        return LocalRankGroup.start(plan, spares=self._spares, gpus=self._spare_gpus())
 
     def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
         return start()
 
     def standby(self) -> None:
         if self._spares is not None:  # a restart then starts from warm spares too
-            self._spares.fill(len(self.slots))
+            self._spares.fill(len(self.slots), self._spare_gpus())
+
+    def _spare_gpus(self) -> int:
+        """GPUs the spares for this run's ranks are bound to: rank k's spare to GPU k (0: CPU spares)."""
+        return self.devices.gpus_on_host if self.devices.device == "cuda" else 0
 
     def recover(self) -> None:
         pass  # this host is the kernel's: if it is gone, so is the run
@@ -100,7 +105,7 @@ class LocalBackend:
     def release(self) -> None:
         self._port.close()
         if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
-            self._spares.fill(self._refill())
+            self._spares.fill(self._refill(), self._spare_gpus())
 
 
 class ClusterBackend:

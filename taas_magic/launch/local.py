@@ -22,7 +22,7 @@ from typing import Sequence
 from ..errors import LaunchError
 from ..procs import LADDER, RESTART_LADDER, kill_leftovers, reap, stop_groups
 from .base import LaunchPlan
-from .spares import SparePool
+from .spares import SparePool, bindings
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
 WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
@@ -93,14 +93,16 @@ class LocalRankGroup:
         command: tuple[str, ...] = RANK_COMMAND,
         what: str = "rank",
         spares: SparePool | None = None,
+        gpus: int = 0,
     ) -> "LocalRankGroup":
-        """Start the ranks: from warm spares when the pool has enough, else fresh processes."""
+        """Start the ranks: each from a warm spare that serves it (bound to its GPU, or a CPU
+        spare; ready or still warming), the rest as fresh processes (launch/spares.py)."""
+        warm = spares.take(bindings(plan.world_size, gpus)) if spares is not None else [None] * plan.world_size
         ranks: list[LocalRank] = []
-        warm = spares.take(plan.world_size) if spares is not None else None
         try:
             for rank, env in enumerate(plan.envs):
-                if warm is not None:
-                    process = warm[rank]
+                process = warm[rank]
+                if process is not None:
                     settings = json.dumps({"env": dict(env), "cwd": plan.cwd})
                     message = f"{plan.handshake}\n{settings}\n"
                 else:
@@ -121,8 +123,8 @@ class LocalRankGroup:
                 process.stdin.flush()
         except (OSError, subprocess.SubprocessError) as exc:
             cls(ranks).close()
-            if warm is not None:
-                cls([LocalRank(k, p) for k, p in enumerate(warm[len(ranks):], start=len(ranks))]).close()
+            unused = [LocalRank(k, p) for k, p in enumerate(warm) if p is not None and k >= len(ranks)]
+            cls(unused).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
         return cls(ranks, [env.get("TAAS_STACKS_FILE") for env in plan.envs])
 

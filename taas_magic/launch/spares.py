@@ -1,11 +1,23 @@
 """Warm spares: rank processes started ahead of time, with Python and torch imported.
 
-After a taas cell (and on ``%taas warm N``) the kernel keeps N spares. The next cell with
-that many ranks or fewer takes them instead of starting fresh processes, so it skips the
-interpreter start and the torch imports (about a second each here). A spare is taken
+After a taas cell (and on ``%taas warm N``) the kernel keeps N spares. The next cell takes
+them instead of starting fresh processes, so it skips the interpreter start and the torch
+imports (about a second each here, 3 to 4 s with a CUDA build of torch). A spare is taken
 once: every cell still gets fresh processes, no state passes from one cell to the next.
 What a spare imported with does not count: it adopts the launch's environment and
 working directory when taken (rank/spare.py), and the write rule is applied after that.
+
+**Warm means warm.** A spare still warming up is never thrown away for a fresh process
+that would have to do the same imports: the cell takes it and the rank simply connects
+when its warm-up ends (the handshake waits in its stdin). A cell that needs more ranks
+than there are spares takes every spare that fits and starts only the rest fresh.
+
+**Bound to a GPU.** On a host with GPUs, spare ``k`` is bound to GPU ``k`` while it waits
+(``torch.cuda.set_device(k)``, its CUDA context made and a first CUDA step taken), so it
+serves only rank ``k`` of a cell on the GPUs, started under the same
+``CUDA_VISIBLE_DEVICES``. That costs each spare its CUDA context in GPU memory (``%taas
+status`` shows it where ``nvidia-smi`` can tell). A CPU spare never touches CUDA, so it
+can serve a ``--device cpu`` cell, whose ranks see no GPU.
 
 Spares die with the kernel: a spare blocks reading its stdin, whose write end only the
 kernel holds, and exits at end-of-file. ``%taas warm off`` and unloading the extension
@@ -18,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from ..procs import reap, signal_group
 from ..rank.spare import WAITING_NAME
@@ -27,71 +40,131 @@ SPARE_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare")
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+@dataclass
+class Spare:
+    """One waiting (or still warming) spare: its process, the GPU it is bound to (None: CPU),
+    and the ``CUDA_VISIBLE_DEVICES`` it started under (GPU index ``gpu`` means a device of that list)."""
+
+    process: subprocess.Popen
+    gpu: int | None
+    visible: str | None
+
+    def serves(self, gpu: int | None) -> bool:
+        """Whether this spare can be rank ``gpu``'s process (a CPU rank's when ``gpu`` is None)."""
+        if gpu is None:
+            return self.gpu is None
+        return self.gpu == gpu and self.visible == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    @property
+    def ready(self) -> bool:
+        """A spare names itself ``taas-spare`` once warm (rank/spare.py)."""
+        try:
+            with open(f"/proc/{self.process.pid}/comm", "rb") as comm:
+                return comm.read().strip() == WAITING_NAME
+        except OSError:
+            return False
+
+
+def bindings(count: int, gpus: int) -> list[int | None]:
+    """What rank ``k``'s spare is bound to: GPU ``k`` while the host has one, else the CPU."""
+    return [rank if rank < gpus else None for rank in range(count)]
+
+
 class SparePool:
     def __init__(self) -> None:
-        self.spares: list[subprocess.Popen] = []
+        self.spares: list[Spare] = []
 
-    def take(self, count: int) -> list[subprocess.Popen] | None:
-        """``count`` spares that finished warming up, or None (then none is taken).
-
-        A spare still importing would make the cell wait for its whole warm-up, which is
-        longer than a fresh start: those stay in the pool for a later cell.
-        """
+    def take(self, wanted: list[int | None]) -> list[subprocess.Popen | None]:
+        """For each rank (bound to ``wanted[k]``: a GPU, or None for the CPU), a spare that serves
+        it, ready ones first, still warming ones next; None where there is none (start that
+        rank fresh). A warming spare is taken rather than thrown away: its warm-up is already
+        ahead of any fresh process's."""
         self._drop_dead()
-        ready = [process for process in self.spares if _is_ready(process)]
-        if len(ready) < count:
-            # Fresh processes start instead; spares still warming would only compete
-            # with them for the CPU, so they go (the pool refills after the cell).
-            self.close()
-            return None
-        taken = ready[:count]
-        self.spares = [process for process in self.spares if process not in taken]
+        by_readiness = sorted(self.spares, key=lambda spare: not spare.ready)
+        taken: list[subprocess.Popen | None] = []
+        for gpu in wanted:
+            match = next((spare for spare in by_readiness if spare.serves(gpu)), None)
+            if match is not None:
+                by_readiness.remove(match)
+                self.spares.remove(match)
+            taken.append(match.process if match is not None else None)
         return taken
 
-    def fill(self, count: int) -> None:
-        """Start spares until ``count`` are waiting (or stop the extra ones)."""
+    def fill(self, count: int, gpus: int = 0) -> None:
+        """Keep exactly the spares ranks ``0..count-1`` would take: bound to GPU ``k`` for
+        ``k < gpus``, CPU spares for the rest. Spares that serve none of them are stopped."""
         self._drop_dead()
-        if len(self.spares) > count:
-            extra, self.spares = self.spares[count:], self.spares[:count]
-            _stop(extra)
-        env = {**os.environ, **SINGLE_THREADED}
-        while len(self.spares) < count:
-            try:
-                self.spares.append(subprocess.Popen(
-                    SPARE_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    env=env, cwd=os.getcwd(), start_new_session=True, close_fds=True,
-                ))
-            except OSError:
+        keep: list[Spare] = []
+        missing: list[int | None] = []
+        spare_list = list(self.spares)
+        for gpu in bindings(count, gpus):
+            match = next((spare for spare in spare_list if spare.serves(gpu)), None)
+            if match is None:
+                missing.append(gpu)
+            else:
+                spare_list.remove(match)
+                keep.append(match)
+        _stop([spare.process for spare in spare_list])
+        self.spares = keep
+        for gpu in missing:
+            spare = _start(gpu)
+            if spare is None:
                 return  # the next cell starts fresh processes instead
+            self.spares.append(spare)
 
     def resident_bytes(self) -> int:
         """The spares' resident memory, from /proc (what keeping them costs)."""
         total = 0
-        for process in self.spares:
+        for spare in self.spares:
             try:
-                with open(f"/proc/{process.pid}/statm") as statm:
+                with open(f"/proc/{spare.process.pid}/statm") as statm:
                     total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             except (OSError, ValueError, IndexError):
                 pass
         return total
 
+    def gpu_bound(self) -> list[Spare]:
+        return [spare for spare in self.spares if spare.gpu is not None]
+
+    def gpu_bytes(self) -> int | None:
+        """GPU memory the GPU-bound spares hold (their CUDA contexts), from ``nvidia-smi``;
+        None where it cannot tell (no nvidia-smi, or a PID namespace that hides the processes)."""
+        pids = {spare.process.pid for spare in self.gpu_bound()}
+        if not pids:
+            return 0
+        try:
+            listing = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        used: dict[int, int] = {}
+        for line in listing.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and mib.strip().isdigit():
+                used[int(pid)] = used.get(int(pid), 0) + int(mib) * 2**20
+        return sum(used[pid] for pid in pids) if pids <= set(used) else None
+
     def close(self) -> None:
-        _stop(self.spares)
+        _stop([spare.process for spare in self.spares])
         self.spares = []
 
     def _drop_dead(self) -> None:
-        alive = [process for process in self.spares if process.poll() is None]
-        _stop([process for process in self.spares if process.poll() is not None])
-        self.spares = alive
+        _stop([spare.process for spare in self.spares if spare.process.poll() is not None])
+        self.spares = [spare for spare in self.spares if spare.process.poll() is None]
 
 
-def _is_ready(process: subprocess.Popen) -> bool:
-    """A spare names itself ``taas-spare`` once warm (rank/spare.py)."""
+def _start(gpu: int | None) -> Spare | None:
+    command = SPARE_COMMAND if gpu is None else (*SPARE_COMMAND, "--gpu", str(gpu))
     try:
-        with open(f"/proc/{process.pid}/comm", "rb") as comm:
-            return comm.read().strip() == WAITING_NAME
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, **SINGLE_THREADED}, cwd=os.getcwd(), start_new_session=True, close_fds=True,
+        )
     except OSError:
-        return False
+        return None
+    return Spare(process, gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:

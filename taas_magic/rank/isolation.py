@@ -9,7 +9,11 @@ the kernel's VFS, not in Python. The uid and gid map to themselves, so the rank 
 its own identity; devices, ``/dev/shm`` and the network are untouched.
 
 IMPORTANT: ``unshare(CLONE_NEWUSER)`` refuses a multi-threaded process, so this runs
-before the rank starts any thread (the lifeline thread included).
+before the rank starts any thread (the lifeline thread included). A warm spare bound to a
+GPU (launch/spares.py) makes its CUDA context, which starts threads, before it knows its
+cell: a spare that will be rank 1 or above therefore enters its namespaces
+(:func:`enter_namespace`) first thing, and only mounts the overlay (:func:`mount_overlay`,
+which any thread may do) when a cell takes it.
 """
 
 from __future__ import annotations
@@ -38,21 +42,30 @@ def _write(path: str, text: str) -> None:
         handle.write(text)
 
 
-def divert_writes(repository: str, scratch: str) -> None:
-    """Mount a copy-on-write view of ``repository`` whose changes go to ``scratch``.
+def enter_namespace() -> None:
+    """A user + mount namespace of our own, the uid and gid mapped to themselves, ``/`` private.
 
     Raises:
-        IsolationUnavailable: user namespaces or overlay mounts are not allowed here.
+        IsolationUnavailable: user namespaces are not allowed here, or the process has threads.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     uid, gid = os.getuid(), os.getgid()
-    cwd = os.getcwd()
     _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
     # Our mounts must not propagate back to the host's mount namespace.
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+
+
+def mount_overlay(repository: str, scratch: str) -> None:
+    """In a namespace :func:`enter_namespace` made: the overlay over ``repository``, changes to ``scratch``.
+
+    Raises:
+        IsolationUnavailable: the overlay mount is refused.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    cwd = os.getcwd()
     upper, work = os.path.join(scratch, "upper"), os.path.join(scratch, "work")
     os.makedirs(upper, exist_ok=True)
     os.makedirs(work, exist_ok=True)
@@ -61,6 +74,18 @@ def divert_writes(repository: str, scratch: str) -> None:
     _check(libc.mount(b"overlay", repository.encode(), b"overlay", 0, options), "overlay mount")
     # The old cwd still points at the directory below the mount: enter the overlay.
     os.chdir(cwd)
+
+
+def divert_writes(repository: str, scratch: str, in_namespace: bool = False) -> None:
+    """Mount a copy-on-write view of ``repository`` whose changes go to ``scratch``
+    (entering the namespaces first unless ``in_namespace``).
+
+    Raises:
+        IsolationUnavailable: user namespaces or overlay mounts are not allowed here.
+    """
+    if not in_namespace:
+        enter_namespace()
+    mount_overlay(repository, scratch)
 
 
 if __name__ == "__main__":  # the kernel's probe: python -m taas_magic.rank.isolation LOWER SCRATCH

@@ -3,8 +3,10 @@
 The kernel's pool (launch/spares.py) starts ``python -m taas_magic.rank --spare`` with
 OpenMP and OpenBLAS at one thread, so importing torch (and numpy) starts no thread: a
 spare that becomes a rank other than 0 must still be single-threaded when it unshares
-its namespaces for the write rule. A spare imports and nothing else: no CUDA context, no
-process group, no connection. When a cell takes it, the kernel writes the handshake and
+its namespaces for the write rule. A spare imports and nothing else: no process group, no
+connection, and no CUDA context unless it was started bound to a GPU (``--gpu K``, on a host
+with GPUs): then it sets that device, makes its context and takes its first step there, so a
+cell on the GPUs pays none of that either. When a cell takes it, the kernel writes the handshake and
 then one JSON line with the environment and working directory of *that* launch, which
 replace the spare's own before anything of the cell happens.
 """
@@ -22,6 +24,8 @@ WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distri
                 "taas", "taas_magic.feed.proxy", "taas_magic.rank.devices")
 
 
+namespace_ready = False  # a GPU spare for rank 1 or above entered its namespaces while single-threaded
+
 WAITING_NAME = b"taas-spare"  # the process name (comm) once warm and waiting; tools and tests tell spares by it
 TAKEN_NAME = b"taas-rank"
 
@@ -34,28 +38,68 @@ def _set_name(name: bytes) -> None:
     prctl(PR_SET_NAME, ctypes.c_char_p(name))  # not Linux: the name is only a label
 
 
-def warm_up() -> None:
-    """Import and take a first step, then take the name that says "ready"."""
+def bound_gpu(argv: list[str]) -> int | None:
+    """The GPU a spare was started bound to (``--gpu K``), or None for a CPU spare."""
+    if "--gpu" in argv:
+        index = argv.index("--gpu") + 1
+        if index < len(argv) and argv[index].isdigit():
+            return int(argv[index])
+    return None
+
+
+def warm_up(gpu: int | None = None) -> None:
+    """Import and take a first step (on ``gpu`` when bound to one), then take the name that says "ready".
+
+    A spare bound to GPU 1 or above will be rank 1 or above, which the write rule isolates:
+    its CUDA context starts threads, after which ``unshare`` is refused, so it enters its
+    namespaces now (rank/isolation.py) and only mounts the overlay once a cell takes it.
+    """
+    global namespace_ready
+    if gpu is not None and gpu > 0:
+        from taas_magic.rank.isolation import IsolationUnavailable, enter_namespace
+
+        try:
+            enter_namespace()
+            namespace_ready = True
+        except (IsolationUnavailable, OSError):
+            pass  # no namespaces here: the write rule falls back to Python's diversion, and says so
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a broken or absent torch: the cell will say so itself
             break
     else:
-        _first_step()
+        _first_step("cpu")
+        if gpu is not None:
+            _bind(gpu)
     _set_name(WAITING_NAME)
 
 
-def _first_step() -> None:
-    """One tiny CPU training step: the first forward, backward and optimizer steps pay
-    lazy imports and first-call set-up (about 0.7 s here) that every cell would pay again.
-    It stays on the calling thread (OMP at one thread), creates no CUDA context."""
+def _bind(gpu: int) -> None:
+    """The rank this spare will be uses GPU ``gpu``: set it, make the context, take a first step there."""
     import torch
 
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        torch.cuda.set_device(gpu)
+        _first_step(f"cuda:{gpu}")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the context stays; the step's blocks go back to the GPU
+    except Exception:  # noqa: BLE001 - a GPU that cannot be bound now: the rank binds it itself (rank/devices.py)
+        pass
+
+
+def _first_step(device: str) -> None:
+    """One tiny training step: the first forward, backward and optimizer steps pay lazy
+    imports and first-call set-up (about 0.7 s here on CPU; kernel loading on a GPU) that
+    every cell would pay again. It stays on the calling thread (OMP at one thread); on the
+    CPU it creates no CUDA context."""
+    import torch
+
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
         for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())):
-            loss = torch.nn.functional.cross_entropy(model(torch.zeros(4, 8)), torch.zeros(4, dtype=torch.long))
+            inputs = torch.zeros(4, 8, device=device)
+            loss = torch.nn.functional.cross_entropy(model(inputs), torch.zeros(4, dtype=torch.long, device=device))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -36,12 +36,18 @@ def isolate_writes(repository: str, layer: str, write_mode: str | None, who: str
         from taas_magic.rank.isolation import IsolationUnavailable, divert_writes
 
         try:
-            divert_writes(repository, layer)
+            divert_writes(repository, layer, in_namespace=spare_namespace())
             return
         except IsolationUnavailable as exc:  # the probe passed, this repository did not
             print(f"taas: {who} could not mount the overlay over {repository} ({exc}); "
                   "its writes there are diverted by Python instead", file=sys.stderr, flush=True)
     divert.install(repository, layer)
+
+
+def spare_namespace() -> bool:
+    """Whether this process is a GPU spare that entered its namespaces before its CUDA context (spare.py)."""
+    spare = sys.modules.get("taas_magic.rank.spare")
+    return bool(spare is not None and spare.namespace_ready)
 
 
 def _apply_write_rule(who: str) -> None:
@@ -58,7 +64,7 @@ def begin(*, worker: bool = False, spare: bool = False) -> wire.BlockingChannel:
     if spare:
         from taas_magic.rank import spare as spare_start
 
-        spare_start.warm_up()  # imports now, then waits (single-threaded) for a cell to take it
+        spare_start.warm_up(spare_start.bound_gpu(sys.argv))  # imports now, then waits (single-threaded) for a cell
     parent = os.getppid()
     handshake = wire.Handshake.parse(lifeline.read_first_line())
     if spare:

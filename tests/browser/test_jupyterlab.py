@@ -28,13 +28,15 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test n
 pytest.importorskip("jupyterlab", reason="the browser test needs JupyterLab (pip install jupyterlab)")
 from selenium.webdriver.common.by import By  # noqa: E402
 
+from taas_magic.rankenv import AUTO_CPU_RANKS, visible_gpu_count  # noqa: E402
+
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver (apt)"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
-FAILING_CELL = ("#pragma taas --gpus 2\nimport os\n"
+FAILING_CELL = ("#pragma taas --device cpu --gpus 2\nimport os\n"
                 "if os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n")
 
 
@@ -167,7 +169,8 @@ def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
     assert len(epoch_lines) == 2 and epoch_lines[0].startswith("epoch 1 [ 1024/1024]"), text
     images_seen.update(look["images"])
     assert len(images_seen) >= 3, f"the chart changed {len(images_seen) - 1} time(s)"  # at least twice
-    assert "taas health" in text and "rank 1:" in text
+    world = visible_gpu_count() or AUTO_CPU_RANKS  # the quickstart's --gpus auto
+    assert "taas health" in text and ("rank 1:" in text) == (world > 1)
     _wait(lambda: "rank 1 on localhost raised ValueError: rank 1 fails on purpose" in _look(browser, 4)["text"], 120,
           "the failing cell's error naming rank 1")
     assert "test accuracy" in _look(browser, 3)["text"]

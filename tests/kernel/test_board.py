@@ -11,7 +11,7 @@ def _displays(ran, prefix: str) -> list[tuple[str, dict]]:
 
 
 REPORTING = """\
-#pragma taas --gpus 2
+#pragma taas --device cpu --gpus 2
 import os, time, taas
 rank = int(os.environ["RANK"])
 for step in range(40):
@@ -57,7 +57,7 @@ def test_report_outside_a_run_does_nothing(kernel):
 
 
 TIGHT = """\
-#pragma taas --gpus 2
+#pragma taas --device cpu --gpus 2
 import time, taas, torch
 model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 opt, x, y = torch.optim.SGD(model.parameters(), lr=1e-3), torch.randn(16, 32), torch.randn(16, 1)

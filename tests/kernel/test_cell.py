@@ -8,7 +8,7 @@ import pytest
 
 ALL_REDUCE = """\
 #!g2.8
-#pragma taas --gpus 2
+#pragma taas --device cpu --gpus 2
 import os, time, torch
 import torch.distributed as dist
 dist.init_process_group(backend="nccl", init_method="env://")
@@ -41,7 +41,7 @@ def test_rank_environment_matches_torchrun(kernel):
     ran = kernel.execute("import sys\nkernel_path = list(sys.path)")
     assert ran.reply["status"] == "ok"
     ran = kernel.execute(
-        """#pragma taas --gpus 2 --output all
+        """#pragma taas --device cpu --gpus 2 --output all
 import os, sys, json
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
         "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"]
@@ -70,7 +70,7 @@ print("ENV" + json.dumps(info))
 
 def test_the_run_key_is_not_in_the_rank_environment(kernel):
     ran = kernel.execute(
-        """#pragma taas --gpus 1
+        """#pragma taas --device cpu --gpus 1
 import os
 print("KEYISH", [k for k, v in os.environ.items() if len(v) == 64 and set(v) <= set("0123456789abcdef")])
 """
@@ -80,7 +80,7 @@ print("KEYISH", [k for k, v in os.environ.items() if len(v) == 64 and set(v) <= 
 
 def test_ipython_syntax_runs_in_the_ranks(kernel):
     ran = kernel.execute(
-        """#pragma taas --gpus 2
+        """#pragma taas --device cpu --gpus 2
 word = "hello"
 !echo shell-says-$word
 %time squares = [i * i for i in range(5)]
@@ -97,7 +97,7 @@ files = !echo captured
 def test_rich_output_and_matplotlib_figures(kernel):
     pytest.importorskip("matplotlib")
     ran = kernel.execute(
-        """#pragma taas --gpus 2
+        """#pragma taas --device cpu --gpus 2
 from IPython.display import display, HTML
 print("before")
 display(HTML("<b>from rank 0</b>"))
@@ -124,7 +124,7 @@ plt.show()
 
 def test_final_expression_and_names_that_cannot_come_back(kernel):
     ran = kernel.execute(
-        """#pragma taas --gpus 1
+        """#pragma taas --device cpu --gpus 1
 import threading
 guard = threading.Lock()
 answer = 41
@@ -138,13 +138,13 @@ answer + 1
 
 
 def test_trailing_semicolon_suppresses_the_result(kernel):
-    ran = kernel.execute("#pragma taas --gpus 1\nvalue = 3\nvalue * 2;")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 1\nvalue = 3\nvalue * 2;")
     assert ran.reply["status"] == "ok" and ran.result is None
 
 
 def test_in_place_changes_to_shipped_values_come_back(kernel):
     kernel.execute("history = []\nunchanged = {'a': 1}\nunchanged_id = id(unchanged)")
-    ran = kernel.execute("#pragma taas --gpus 1\nhistory.append('trained')\nunchanged['a']")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 1\nhistory.append('trained')\nunchanged['a']")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert ran.result["text/plain"] == "1"
     after = kernel.execute("print(history, unchanged, id(unchanged) == unchanged_id)").stream("stdout")
@@ -153,7 +153,7 @@ def test_in_place_changes_to_shipped_values_come_back(kernel):
 
 def test_lightning_style_no_ps1_and_get_worker_info(kernel):
     ran = kernel.execute(
-        """#pragma taas --gpus 2 --output all
+        """#pragma taas --device cpu --gpus 2 --output all
 import sys, taas
 info = taas.get_worker_info()
 print("INFO", info.id, info.num_workers, hasattr(sys, "ps1"), sys.flags.interactive)
@@ -165,14 +165,14 @@ print("INFO", info.id, info.num_workers, hasattr(sys, "ps1"), sys.flags.interact
 
 
 def test_percent_percent_taas_form(kernel):
-    ran = kernel.execute("%%taas --gpus 2\nimport os\nprint('rank', os.environ['RANK'])\nint(os.environ['WORLD_SIZE'])")
+    ran = kernel.execute("%%taas --device cpu --gpus 2\nimport os\nprint('rank', os.environ['RANK'])\nint(os.environ['WORLD_SIZE'])")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert ran.stream("stdout").endswith("rank 0\n")
     assert ran.result["text/plain"] == "2"
 
 
 def test_status_and_help(kernel):
-    kernel.execute("#pragma taas --gpus 1\nx_status = 1")
+    kernel.execute("#pragma taas --device cpu --gpus 1\nx_status = 1")
     status = kernel.execute("%taas status").stream("stdout")
     last_run = next(line for line in status.splitlines() if line.startswith("last run:"))
     assert "--gpus 1" in last_run and re.search(r", \d+\.\d\d s, ok$", last_run), last_run
@@ -183,7 +183,7 @@ def test_status_and_help(kernel):
 
 
 def test_cell_without_process_group_runs_once_per_rank(kernel):
-    ran = kernel.execute("#pragma taas --gpus 3 --output all\nprint('hello')")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 3 --output all\nprint('hello')")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert sorted(line for line in ran.stream("stdout").splitlines() if "hello" in line) == [
         "[rank 0] hello", "[rank 1] hello", "[rank 2] hello"
@@ -198,7 +198,7 @@ def test_a_plain_cell_still_runs_in_the_kernel_itself(kernel):
 def test_two_notebooks_launching_at_once_do_not_clash(kernel, new_kernel):
     other = new_kernel()
     cell = (
-        "#pragma taas --gpus 2\nimport os, torch, torch.distributed as dist\n"
+        "#pragma taas --device cpu --gpus 2\nimport os, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
         "dist.destroy_process_group()\n(os.environ['MASTER_PORT'], t.item())"
     )
@@ -214,7 +214,7 @@ def test_two_notebooks_launching_at_once_do_not_clash(kernel, new_kernel):
 
 def test_a_flood_of_lines_shows_head_and_tail_keeps_all_in_a_log_and_few_messages(kernel):
     ran = kernel.execute(
-        "#pragma taas --gpus 2\nfor i in range(200000):\n    print('line', i)\nprint('done')", timeout=120
+        "#pragma taas --device cpu --gpus 2\nfor i in range(200000):\n    print('line', i)\nprint('done')", timeout=120
     )
     assert ran.reply["status"] == "ok", ran.error_text()
     out = ran.stream("stdout")
@@ -235,7 +235,7 @@ def test_a_flood_of_lines_shows_head_and_tail_keeps_all_in_a_log_and_few_message
 def test_a_large_closure_reaches_the_ranks_through_one_shared_file(kernel):
     kernel.execute("import torch\nbig = torch.arange(3_000_000, dtype=torch.float64)\n%config TaasMagics.closure_file_bytes = 1 << 20")
     try:
-        ran = kernel.execute("#pragma taas --gpus 2 --output all\nprint('sum', float(big.sum()), flush=True)")
+        ran = kernel.execute("#pragma taas --device cpu --gpus 2 --output all\nprint('sum', float(big.sum()), flush=True)")
         assert ran.reply["status"] == "ok", ran.error_text()
         expected = float(sum(range(3_000_000)))
         assert f"[rank 0] sum {expected}" in ran.stream() and f"[rank 1] sum {expected}" in ran.stream()

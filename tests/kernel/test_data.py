@@ -79,7 +79,7 @@ def _flat(batches):
 def test_map_loader_split_between_ranks_disjoint_complete_equal_then_replayed(data_kernel):
     # 103 samples in batches of 10: 11 elements a pass; 2 ranks get 5 each, one is dropped.
     data_kernel.execute("loader = taas.register(DataLoader(Ids(103), batch_size=10, shuffle=True))")
-    epochs, ran = _gathered(data_kernel, "#pragma taas --gpus 2 --cpus 2", epochs=3)
+    epochs, ran = _gathered(data_kernel, "#pragma taas --device cpu --gpus 2 --cpus 2", epochs=3)
     assert "data: 2 workers prepare loader (map, 11 per pass, shuffled, --units 11 = 1 pass)" in ran.stream()
     first = epochs[0]
     assert [len(rank) for rank in first] == [5, 5]  # equal shares, the remainder dropped
@@ -100,7 +100,7 @@ def test_map_loader_split_between_ranks_disjoint_complete_equal_then_replayed(da
 
 def test_element_i_goes_to_rank_i_mod_n_in_the_loaders_own_order(data_kernel):
     data_kernel.execute("loader = taas.register(DataLoader(Ids(40), batch_size=4))")
-    epochs, _ = _gathered(data_kernel, "#pragma taas --gpus 2 --cpus 3", epochs=1)
+    epochs, _ = _gathered(data_kernel, "#pragma taas --device cpu --gpus 2 --cpus 3", epochs=1)
     batches = [list(range(start, start + 4)) for start in range(0, 40, 4)]
     assert epochs[0][0] == batches[0::2]
     assert epochs[0][1] == batches[1::2]
@@ -108,7 +108,7 @@ def test_element_i_goes_to_rank_i_mod_n_in_the_loaders_own_order(data_kernel):
 
 def test_units_covering_several_passes_extracts_every_pass_afresh(data_kernel):
     data_kernel.execute("loader = taas.register(DataLoader(Ids(40), batch_size=4, shuffle=True))")
-    epochs, ran = _gathered(data_kernel, "#pragma taas --gpus 2 --cpus 2 --units 30", epochs=4)
+    epochs, ran = _gathered(data_kernel, "#pragma taas --device cpu --gpus 2 --cpus 2 --units 30", epochs=4)
     compositions = []
     for epoch in epochs:
         assert [len(rank) for rank in epoch] == [5, 5]
@@ -123,7 +123,7 @@ def test_units_covering_several_passes_extracts_every_pass_afresh(data_kernel):
 
 def test_loader_without_len_needs_units(data_kernel):
     data_kernel.execute("loader = taas.register(DataLoader(Sharded(50), batch_size=5))")
-    ran = data_kernel.execute("#pragma taas --gpus 2\nfor batch in loader: pass")
+    ran = data_kernel.execute("#pragma taas --device cpu --gpus 2\nfor batch in loader: pass")
     assert ran.error is not None and ran.error_text().startswith("DataPlanError: taas:")
     assert "has no len()" in ran.error_text() and "--units K" in ran.error_text()
     assert "rank(s)" not in ran.stream()  # nothing was launched
@@ -132,7 +132,7 @@ def test_loader_without_len_needs_units(data_kernel):
 def test_iterable_dataset_shards_by_worker_info_fresh_passes_then_replay(data_kernel):
     # Sharded(50) in batches of 5: each of 2 workers yields 5 batches of its half.
     data_kernel.execute("loader = taas.register(DataLoader(Sharded(50), batch_size=5))")
-    epochs, ran = _gathered(data_kernel, "#pragma taas --gpus 2 --cpus 2 --units 20", epochs=3)
+    epochs, ran = _gathered(data_kernel, "#pragma taas --device cpu --gpus 2 --cpus 2 --units 20", epochs=3)
     for epoch in epochs:
         assert [len(rank) for rank in epoch] == [5, 5]
         assert sorted(_flat(epoch[0]) + _flat(epoch[1])) == list(range(50))  # every item once: sharded
@@ -151,7 +151,7 @@ def test_plain_reiterables_with_and_without_len(data_kernel):
         "stream = taas.register(Gen())"
     )
     ran = data_kernel.execute(
-        "#pragma taas --gpus 2 --cpus 2 --units 12 --output all\n"
+        "#pragma taas --device cpu --gpus 2 --cpus 2 --units 12 --output all\n"
         "import os\n"
         "print('list', [int(x) for x in loader], len(loader), flush=True)\n"
         "print('gen', sorted(int(x) for x in stream), flush=True)\n",
@@ -176,7 +176,7 @@ def test_failing_worker_names_worker_element_and_traceback_and_stops_the_run(dat
         "        return torch.tensor(i)\n"
         "flaky = taas.register(DataLoader(Flaky(), batch_size=None))"
     )
-    msg_id, started = data_kernel.submit("#pragma taas --gpus 2 --cpus 2\nfor epoch in range(2):\n    for x in flaky: pass")
+    msg_id, started = data_kernel.submit("#pragma taas --device cpu --gpus 2 --cpus 2\nfor epoch in range(2):\n    for x in flaky: pass")
     ran = data_kernel.collect(msg_id, started, timeout=60)
     ended = time.time()
     assert ran.error is not None
@@ -197,7 +197,7 @@ def test_unregistered_and_unused_loaders_behave_as_without_taas(data_kernel):
         "taas.unregister(loader)"
     )
     ran = data_kernel.execute(
-        "#pragma taas --gpus 2 --output all\nprint(type(loader).__name__, [b.tolist() for b in loader], flush=True)"
+        "#pragma taas --device cpu --gpus 2 --output all\nprint(type(loader).__name__, [b.tolist() for b in loader], flush=True)"
     )
     assert ran.reply["status"] == "ok", ran.error_text()
     assert "data:" not in ran.stream()  # `other` is registered but unused: no workers
@@ -217,7 +217,7 @@ def test_cache_spills_to_disk_past_its_ram_bound_and_workers_wait_for_the_ranks(
         "images = taas.register(DataLoader(Images(), batch_size=None))"
     )
     ran = data_kernel.execute(
-        "#pragma taas --gpus 2 --cpus 2 --cache-ram 4M --ahead 2\n"
+        "#pragma taas --device cpu --gpus 2 --cpus 2 --cache-ram 4M --ahead 2\n"
         "import time\n"
         "time.sleep(2)  # the workers must wait: at most --ahead elements per rank\n"
         "seen = [float(x.mean()) for x in images]\n"
@@ -254,7 +254,7 @@ SLOW = (
 def test_interrupt_stops_ranks_and_workers(data_kernel):
     data_kernel.execute(SLOW)
     msg_id, started = data_kernel.submit(
-        "#pragma taas --gpus 2 --cpus 2 --output all\nfor x in slow:\n    print('got', int(x), flush=True)"
+        "#pragma taas --device cpu --gpus 2 --cpus 2 --output all\nfor x in slow:\n    print('got', int(x), flush=True)"
     )
     data_kernel.wait_for_stream(msg_id, ("[rank 0] got 0", "[rank 1] got 1"))  # both run (a spare may adopt late)
     assert len(data_kernel.children()) >= 4  # 2 ranks, 2 workers
@@ -269,7 +269,7 @@ def test_interrupt_stops_ranks_and_workers(data_kernel):
 def test_a_rank_failing_mid_extraction_stops_the_workers_too(data_kernel):
     data_kernel.execute(SLOW)
     ran = data_kernel.execute(
-        "#pragma taas --gpus 2 --cpus 2\nfor x in slow:\n    if int(x) == 4:\n        raise RuntimeError('rank gave up')"
+        "#pragma taas --device cpu --gpus 2 --cpus 2\nfor x in slow:\n    if int(x) == 4:\n        raise RuntimeError('rank gave up')"
     )
     assert "rank 0 on localhost raised RuntimeError: rank gave up" in ran.error_text()
     assert "extracted" in _progress(ran)[-1]
@@ -286,7 +286,7 @@ def test_a_worker_dying_without_a_word_is_named(data_kernel):
         "        return torch.tensor(i)\n"
         "dies = taas.register(DataLoader(Dies(), batch_size=None))"
     )
-    ran = data_kernel.execute("#pragma taas --gpus 2 --cpus 2\nfor x in dies: pass", timeout=60)
+    ran = data_kernel.execute("#pragma taas --device cpu --gpus 2 --cpus 2\nfor x in dies: pass", timeout=60)
     assert "data worker 1 on localhost exited with code 3 without reporting an error" in ran.error_text()
 
 
@@ -301,7 +301,7 @@ def test_a_worker_ending_cleanly_before_its_share_is_named_not_waited_for(data_k
         "        return torch.tensor(i)\n"
         "quits = taas.register(DataLoader(Quits(), batch_size=None))"
     )
-    ran = data_kernel.execute("#pragma taas --gpus 2 --cpus 2 --timeout 50\nfor x in quits: pass", timeout=60)
+    ran = data_kernel.execute("#pragma taas --device cpu --gpus 2 --cpus 2 --timeout 50\nfor x in quits: pass", timeout=60)
     assert ran.error["ename"] == "WorkerFailed", ran.error_text()
     assert "data worker 1 on localhost exited before preparing its share of the elements" in ran.error_text()
     data_kernel.execute("taas.unregister(quits)")

@@ -13,7 +13,7 @@ from tests.kernel_client import wait_until_gone
 
 # Rank 1 fails while rank 0 would sleep for a minute; the rank 0 sleep proves the stop.
 FAILING_RANK_1 = """\
-#pragma taas --gpus 2 --output all
+#pragma taas --device cpu --gpus 2 --output all
 import os, sys, time, signal
 print(f"rank {{os.environ['RANK']}} working", flush=True)
 if os.environ["RANK"] == "1":
@@ -24,7 +24,7 @@ time.sleep(60)
 
 
 def _assert_usable(kernel):
-    ran = kernel.execute("#pragma taas --gpus 2\nok_after = 1\nok_after + 1")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nok_after = 1\nok_after + 1")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert ran.result["text/plain"] == "2"
 
@@ -57,7 +57,7 @@ def test_a_failing_rank_stops_every_rank(kernel, failure, summary):
 def test_traceback_points_at_the_cells_own_lines(kernel):
     ran = kernel.execute(
         """#!g1.1
-#pragma taas --gpus 2
+#pragma taas --device cpu --gpus 2
 def inner(v):
     return 10 / v
 
@@ -75,7 +75,7 @@ result = inner(values[int(__import__('os').environ['RANK'])])
 def test_timeout_names_the_ranks_still_running(kernel):
     started = time.monotonic()
     ran = kernel.execute(
-        "#pragma taas --gpus 2 --timeout 4\nimport os, time\nif os.environ['RANK'] == '0':\n    time.sleep(60)"
+        "#pragma taas --device cpu --gpus 2 --timeout 4\nimport os, time\nif os.environ['RANK'] == '0':\n    time.sleep(60)"
     )
     assert ran.error["ename"] == "RunTimeout"
     assert "--timeout 4s; ranks still running: 0." in ran.error_text()
@@ -85,7 +85,7 @@ def test_timeout_names_the_ranks_still_running(kernel):
 
 def test_interrupt_stops_every_rank(kernel):
     msg_id, started = kernel.submit(
-        "#pragma taas --gpus 2 --output all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)"
+        "#pragma taas --device cpu --gpus 2 --output all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)"
     )
     kernel.wait_for_stream(msg_id, ("[rank 0] sleeping", "[rank 1] sleeping"))  # both run (a spare may adopt late)
     ranks = kernel.children()
@@ -100,11 +100,11 @@ def test_interrupt_stops_every_rank(kernel):
 
 
 BAD_CELLS = [
-    "#pragma taas --gpus 0\nprint('ran')",
-    "#pragma taas --gpus 2 --gpus 2\nprint('ran')",
-    "#pragma taas --gpus 2 --turbo\nprint('ran')",
-    "print('ran')\n#pragma taas --gpus 2",
-    "#pragma taas --gpus 2\n#pragma taas --gpus 2\nprint('ran')",
+    "#pragma taas --device cpu --gpus 0\nprint('ran')",
+    "#pragma taas --device cpu --gpus 2 --gpus 2\nprint('ran')",
+    "#pragma taas --device cpu --gpus 2 --turbo\nprint('ran')",
+    "print('ran')\n#pragma taas --device cpu --gpus 2",
+    "#pragma taas --device cpu --gpus 2\n#pragma taas --device cpu --gpus 2\nprint('ran')",
 ]
 
 
@@ -119,14 +119,14 @@ def test_usage_errors_launch_nothing(kernel, cell):
 
 
 def test_syntax_error_is_one_line_with_the_cells_line_number(kernel):
-    ran = kernel.execute("#pragma taas --gpus 2\nx = 1\ny = = 2\n")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nx = 1\ny = = 2\n")
     assert ran.error["ename"] == "TaasError"
     assert ran.error["traceback"] == ["TaasError: taas: SyntaxError on line 3 of the cell: invalid syntax: 'y = = 2'"]
 
 
 def test_unpicklable_name_stops_the_launch(kernel):
     kernel.execute("import threading\nlock = threading.Lock()")
-    ran = kernel.execute("#pragma taas --gpus 2\nwith lock:\n    print('ran')")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nwith lock:\n    print('ran')")
     assert ran.error["ename"] == "ClosureError"
     assert "`lock` (_thread.lock)" in ran.error_text()
     assert "ran" not in ran.stream() and kernel.children() == []
@@ -136,7 +136,7 @@ def test_unused_names_are_never_pickled(kernel):
     kernel.execute(
         "class Huge:\n    def __reduce__(self):\n        raise RuntimeError('Huge was pickled')\nhuge = Huge()"
     )
-    ran = kernel.execute("#pragma taas --gpus 1\nsmall = 1")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 1\nsmall = 1")
     assert ran.reply["status"] == "ok", ran.error_text()
 
 
@@ -144,20 +144,20 @@ def test_a_rerun_cell_does_not_ship_the_names_it_rebinds(kernel):
     # The edit-and-run loop: the last run left a model the cell builds again before any
     # use; that old value (unpicklable here) is not shipped, and the new one comes back.
     kernel.execute("import threading\nmodel = threading.Lock()")
-    ran = kernel.execute("#pragma taas --gpus 2\nmodel = [1, 2]\nfor step in range(2):\n    model.append(step)\n")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nmodel = [1, 2]\nfor step in range(2):\n    model.append(step)\n")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert kernel.execute("print(model)").stream("stdout") == "[1, 2, 0, 1]\n"
 
 
 def test_ranks_do_not_import_ipython_unless_the_cell_does(kernel):
     # The kernel's UI stack costs a rank about 80 ms to import and is no business of its.
-    ran = kernel.execute("#pragma taas --gpus 2\nimport sys\nprint('ipython', 'IPython' in sys.modules)")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nimport sys\nprint('ipython', 'IPython' in sys.modules)")
     assert ran.stream("stdout").splitlines()[-1] == "ipython False", ran.stream()
 
 
 def test_kernel_listeners_are_loopback_and_refuse_strangers(kernel):
     msg_id, started = kernel.submit(
-        "#pragma taas --gpus 2\nimport time\nprint('up', flush=True)\ntime.sleep(2)\n'finished'"
+        "#pragma taas --device cpu --gpus 2\nimport time\nprint('up', flush=True)\ntime.sleep(2)\n'finished'"
     )
     kernel.wait_for_stream(msg_id, "up")
     listening = [c for c in psutil.Process(kernel.pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
@@ -190,7 +190,7 @@ def test_kernel_listeners_are_loopback_and_refuse_strangers(kernel):
 def test_no_rank_outlives_a_killed_kernel(wait, new_kernel):
     victim = new_kernel()
     msg_id, _ = victim.submit(
-        "#pragma taas --gpus 2 --output all\nimport ctypes, subprocess, time\nsubprocess.Popen(['sleep', '120'])\n"
+        "#pragma taas --device cpu --gpus 2 --output all\nimport ctypes, subprocess, time\nsubprocess.Popen(['sleep', '120'])\n"
         f"print('up', flush=True)\n{wait}"
     )
     victim.wait_for_stream(msg_id, ("[rank 0] up", "[rank 1] up"))
@@ -218,9 +218,9 @@ def _wait_for(found, count: int, timeout: float = 10) -> list:
 def test_unload_removes_everything(new_kernel):
     fresh = new_kernel()
     fresh.execute("%unload_ext taas_magic")
-    ran = fresh.execute("#pragma taas --gpus 2\nprint('local')")
+    ran = fresh.execute("#pragma taas --device cpu --gpus 2\nprint('local')")
     assert ran.reply["status"] == "ok" and ran.stream("stdout") == "local\n"  # a plain comment now
     assert fresh.execute("%taas status").reply["status"] == "error"
     assert fresh.execute("%load_ext taas_magic").reply["status"] == "ok"
-    again = fresh.execute("#pragma taas --gpus 1\nprint('remote')")
+    again = fresh.execute("#pragma taas --device cpu --gpus 1\nprint('remote')")
     assert "taas: 1 rank(s)" in again.stream("stdout")

@@ -32,7 +32,7 @@ def _dataset_in_the_notebook(kernel, tmp_path) -> None:
 def test_lightning_ddp_trains_on_exactly_n_processes(kernel, tmp_path):
     _dataset_in_the_notebook(kernel, tmp_path)
     ran = kernel.execute(
-        """#pragma taas --gpus 2 --output all
+        """#pragma taas --device cpu --gpus 2 --output all
 import os
 import lightning as L
 import torch
@@ -67,7 +67,7 @@ def test_lightning_trains_on_a_registered_loader_with_data_workers(kernel, tmp_p
     )
     try:
         ran = kernel.execute(
-            """#pragma taas --gpus 2 --cpus 2 --output all
+            """#pragma taas --device cpu --gpus 2 --cpus 2 --output all
 import lightning as L
 import torch
 
@@ -90,7 +90,7 @@ print(f"FIT global_rank={{trainer.global_rank}} steps={{trainer.global_step}} se
 def test_what_self_log_logs_is_drawn_in_the_chart_with_no_change_to_the_cell(kernel, tmp_path):
     _dataset_in_the_notebook(kernel, tmp_path)
     ran = kernel.execute(
-        """#pragma taas --gpus 2
+        """#pragma taas --device cpu --gpus 2
 import lightning as L
 import torch
 

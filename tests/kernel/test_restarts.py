@@ -22,7 +22,7 @@ def checkpoints(kernel, tmp_path):
 
 
 RESUMING = """\
-#pragma taas --gpus 2 --restarts 2
+#pragma taas --device cpu --gpus 2 --restarts 2
 import os, signal, torch, torch.distributed as dist, taas
 dist.init_process_group("gloo")
 rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -78,7 +78,7 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes_from_rank_0s_checkpoint(
 
 
 REPEATING = """\
-#pragma taas --gpus 2 --restarts 3
+#pragma taas --device cpu --gpus 2 --restarts 3
 import os
 if os.environ["RANK"] == "1":
     raise ValueError(f"bad batch in attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}")
@@ -100,11 +100,11 @@ def test_the_same_exception_twice_is_not_restarted_again(kernel):
 
 
 def test_restarts_0_fails_at_once_and_every_rank_sees_torchrun_s_counters(kernel):
-    ran = kernel.execute("#pragma taas --gpus 2\nimport os\n"
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nimport os\n"
                          "counters = (os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['TORCHELASTIC_MAX_RESTARTS'])")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert kernel.execute("counters").result["text/plain"] == "('0', '0')"
-    ran = kernel.execute("#pragma taas --gpus 2\nimport os, signal\n"
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nimport os, signal\n"
                          "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
                          "import time; time.sleep(30)")
     assert ran.error["ename"] == "RankFailed"
@@ -112,7 +112,7 @@ def test_restarts_0_fails_at_once_and_every_rank_sees_torchrun_s_counters(kernel
 
 
 def test_a_malformed_restarts_is_a_one_line_usage_error(kernel):
-    ran = kernel.execute("#pragma taas --gpus 2 --restarts many\nx = 1")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2 --restarts many\nx = 1")
     assert ran.error["ename"] == "PragmaError"  # IPython's UsageError, shown as one line
     assert "--restarts needs an integer, got 'many'" in ran.error_text()
 
@@ -133,7 +133,7 @@ loader = taas.register(DataLoader(Logged(), batch_size=4))
 """
 
 RESTART_WITH_LOADER = """\
-#pragma taas --gpus 2 --cpus 2 --restarts 1
+#pragma taas --device cpu --gpus 2 --cpus 2 --restarts 1
 import os, signal, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -165,7 +165,7 @@ def test_restarted_ranks_are_served_from_the_cache_nothing_is_prepared_twice(ker
 
 
 DAEMONS = """\
-#pragma taas --gpus 2
+#pragma taas --device cpu --gpus 2
 import os, subprocess, sys, time
 sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
 pids = [subprocess.Popen(sleeper, start_new_session=True).pid,

@@ -28,7 +28,7 @@ w = 3
 
 CASES = {
     "ddp_without_destroy": (
-        "#pragma taas --gpus 2\n" + NET + "ddp_model = DDP(model)\n" + TRAIN.format(params="ddp_model.parameters()", net="ddp_model")
+        "#pragma taas --device cpu --gpus 2\n" + NET + "ddp_model = DDP(model)\n" + TRAIN.format(params="ddp_model.parameters()", net="ddp_model")
         + "ddp_model\n",
         """
 assert ddp_model is model and type(model).__name__ == "Sequential", type(ddp_model)
@@ -40,7 +40,7 @@ assert w == 3 and {out} is model
         "ddp_model: DistributedDataParallel, came back as its module",
     ),
     "ddp_with_destroy": (
-        "#pragma taas --gpus 2\n" + NET + "ddp_model = DDP(model)\n" + TRAIN.format(params="ddp_model.parameters()", net="ddp_model")
+        "#pragma taas --device cpu --gpus 2\n" + NET + "ddp_model = DDP(model)\n" + TRAIN.format(params="ddp_model.parameters()", net="ddp_model")
         + "dist.destroy_process_group()\nddp_model\n",
         """
 assert ddp_model is model and opt.param_groups[0]["params"][-1] is model[2].bias and {out} is model
@@ -49,7 +49,7 @@ assert ddp_model is model and opt.param_groups[0]["params"][-1] is model[2].bias
         "ddp_model: DistributedDataParallel, came back as its module",
     ),
     "compiled_module_scheduler_and_scaler": (
-        "#pragma taas --gpus 1\n" + NET + "compiled = torch.compile(model, backend='eager')\n"
+        "#pragma taas --device cpu --gpus 1\n" + NET + "compiled = torch.compile(model, backend='eager')\n"
         + TRAIN.format(params="compiled.parameters()", net="compiled")
         + "scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)\nscheduler.step()\n"
         + "scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)\nscheduler.get_last_lr()[0]\n",
@@ -62,7 +62,7 @@ assert scaler.get_scale() == 1024.0
         "compiled: OptimizedModule, came back as its module",
     ),
     "fsdp_whole_and_sharded": (
-        """#pragma taas --gpus 2
+        """#pragma taas --device cpu --gpus 2
 import torch, torch.distributed as dist, warnings
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 warnings.simplefilter("ignore", FutureWarning)  # NO_SHARD is deprecated in favour of DDP, and still works
@@ -82,7 +82,7 @@ assert inner(torch.ones(1, 4)).shape == (1, 4) and "sharded" not in dir()
         "whole: FullyShardedDataParallel, came back as its module",
     ),
     "ten_thousand_small_tensors_and_numpy": (
-        """#pragma taas --gpus 1
+        """#pragma taas --device cpu --gpus 1
 import numpy as np, torch
 state = {f"t{i}": torch.full((3,), float(i)) for i in range(10_000)}
 tied = state["t7"]
@@ -100,7 +100,7 @@ assert {out} == 10_000
         None,
     ),
     "a_400_mb_tensor": (
-        "#pragma taas --gpus 1\nimport torch\nbig = torch.ones(100 * 2**20)\nbig[-1] = 7\nbig.shape\n",
+        "#pragma taas --device cpu --gpus 1\nimport torch\nbig = torch.ones(100 * 2**20)\nbig[-1] = 7\nbig.shape\n",
         """
 assert big.shape == (100 * 2**20,) and float(big[-1]) == 7.0 and float(big[:5].sum()) == 5.0
 assert tuple({out}) == (100 * 2**20,)
@@ -112,7 +112,7 @@ del big
         None,
     ),
     "a_class_defined_in_the_cell_and_one_the_kernel_cannot_load": (
-        """#pragma taas --gpus 1
+        """#pragma taas --device cpu --gpus 1
 import os
 class Point:
     def __init__(self, x, y):
@@ -171,7 +171,7 @@ def test_what_rank_0_binds_arrives_in_the_notebook(kernel, case):
 def test_untouched_shipped_tensors_keep_their_identity_and_storage(kernel):
     kernel.execute("import torch\ndata = torch.arange(1_000_000, dtype=torch.float32)\nseen = id(data)\n"
                    "net = torch.nn.Linear(2, 2)\nnet_id = id(net)")
-    ran = kernel.execute("#pragma taas --gpus 1\nhead = data[:10]\nmean = float(data.mean())\nopt = torch.optim.SGD(net.parameters(), lr=0.1)")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 1\nhead = data[:10]\nmean = float(data.mean())\nopt = torch.optim.SGD(net.parameters(), lr=0.1)")
     assert ran.reply["status"] == "ok", ran.error_text()
     checked = kernel.execute("""
 assert id(data) == seen  # untouched: not sent back at all
@@ -189,7 +189,7 @@ def test_in_place_changes_come_back_and_the_rest_stays(kernel, file_bytes):
                    "ids = (id(frozen), id(rewritten))")
     try:
         # frozen is only read; rewritten is written with the bytes it had: neither comes back
-        ran = kernel.execute("#pragma taas --gpus 1\nweights.add_(2)\nrewritten.mul_(1)\nfloat(frozen.sum())")
+        ran = kernel.execute("#pragma taas --device cpu --gpus 1\nweights.add_(2)\nrewritten.mul_(1)\nfloat(frozen.sum())")
         assert ran.reply["status"] == "ok", ran.error_text()
         checked = kernel.execute("assert float(weights.sum()) == 200_000.0 and (id(frozen), id(rewritten)) == ids")
         assert checked.reply["status"] == "ok", checked.error_text()
@@ -203,14 +203,14 @@ def _memory_files(pid: int) -> list[str]:
 
 def test_memory_files_are_gone_after_success_failure_and_interrupt(kernel):
     kernel.execute("import torch\nshipped = torch.ones(2 * 2**20)")  # 8 MB: through a file both ways
-    ok = kernel.execute("#pragma taas --gpus 1\nback = shipped * 2")
+    ok = kernel.execute("#pragma taas --device cpu --gpus 1\nback = shipped * 2")
     assert ok.reply["status"] == "ok", ok.error_text()
     assert not _memory_files(kernel.pid)
-    failed = kernel.execute("#pragma taas --gpus 2\nimport os, time\nback = shipped * 3\n"
+    failed = kernel.execute("#pragma taas --device cpu --gpus 2\nimport os, time\nback = shipped * 3\n"
                             "if os.environ['RANK'] == '1':\n    time.sleep(1)\n    raise ValueError('late')\n")
     assert failed.reply["status"] == "error"
     assert not _memory_files(kernel.pid)
-    msg_id, started = kernel.submit("#pragma taas --gpus 2\nimport time\nprint('going', float(shipped[0]), flush=True)\ntime.sleep(60)")
+    msg_id, started = kernel.submit("#pragma taas --device cpu --gpus 2\nimport time\nprint('going', float(shipped[0]), flush=True)\ntime.sleep(60)")
     kernel.wait_for_stream(msg_id, "going")
     kernel.manager.interrupt_kernel()
     interrupted = kernel.collect(msg_id, started)
@@ -225,7 +225,7 @@ def test_files_of_a_killed_kernel_are_swept(kernel):
     path = f"/dev/shm/taas-result-{dead}-feedbeef-x"
     with open(path, "wb") as handle:
         handle.write(b"left by a kernel that died")
-    ran = kernel.execute("#pragma taas --gpus 1\nx = 1")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 1\nx = 1")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert not os.path.exists(path)
 
@@ -233,7 +233,7 @@ def test_files_of_a_killed_kernel_are_swept(kernel):
 def test_a_traceback_shows_the_lines_of_earlier_cells(kernel):
     defined = kernel.execute("def helper(v):\n    if v > 1:\n        raise ValueError(f'too big: {v}')\n    return v")
     cell_number = defined.reply["execution_count"]
-    ran = kernel.execute("#pragma taas --gpus 1\nx = 1\nhelper(x + 1)")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 1\nx = 1\nhelper(x + 1)")
     assert ran.reply["status"] == "error"
     text = ran.error_text()
     assert f"Cell In[{cell_number}], line 3, in helper" in text, text

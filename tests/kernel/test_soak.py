@@ -18,10 +18,10 @@ SETUP = (
     "from torch.utils.data import DataLoader, TensorDataset\n"
     "loader = taas.register(DataLoader(TensorDataset(torch.arange(32)), batch_size=4))"
 )
-OK = "#pragma taas --gpus 2\nimport os\nvalue = int(os.environ['RANK']) + {i}\nprint('ok', {i})"
-FAILING = "#pragma taas --gpus 2\nraise ValueError('soak {i}')"
-DATA = "#pragma taas --gpus 2 --cpus 1\ntotal = sum(int(x.sum()) for (x,) in loader)\nprint('data', {i})"
-INTERRUPTED = "#pragma taas --gpus 2\nimport time\nprint('tick', flush=True)\ntime.sleep(60)"
+OK = "#pragma taas --device cpu --gpus 2\nimport os\nvalue = int(os.environ['RANK']) + {i}\nprint('ok', {i})"
+FAILING = "#pragma taas --device cpu --gpus 2\nraise ValueError('soak {i}')"
+DATA = "#pragma taas --device cpu --gpus 2 --cpus 1\ntotal = sum(int(x.sum()) for (x,) in loader)\nprint('data', {i})"
+INTERRUPTED = "#pragma taas --device cpu --gpus 2\nimport time\nprint('tick', flush=True)\ntime.sleep(60)"
 
 
 def _footprint(kernel: Kernel) -> dict[str, float]:

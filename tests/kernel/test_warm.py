@@ -9,7 +9,7 @@ import psutil
 
 from tests.kernel_client import Kernel, wait_until_gone
 
-PIDS = "#pragma taas --gpus 2 --output all\nimport os, sys\nprint('pid', os.getpid(), 'torch' in sys.modules, flush=True)"
+PIDS = "#pragma taas --device cpu --gpus 2 --output all\nimport os, sys\nprint('pid', os.getpid(), 'torch' in sys.modules, flush=True)"
 
 
 def _pids(ran) -> dict[int, bool]:
@@ -36,10 +36,10 @@ def test_later_cells_start_from_spares_and_never_reuse_a_process(kernel):
 
 def test_no_state_passes_from_one_cell_to_the_next(kernel):
     kernel.execute("%taas warm auto")
-    kernel.execute("#pragma taas --gpus 2\nimport json\njson.left_behind = 1")
+    kernel.execute("#pragma taas --device cpu --gpus 2\nimport json\njson.left_behind = 1")
     assert _wait_for_spares(kernel, 2)
     spares = {p.pid for p in kernel.spares()}
-    ran = kernel.execute("#pragma taas --gpus 2 --output all\nimport json, os\nprint('leak', hasattr(json, 'left_behind'), os.getpid())")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2 --output all\nimport json, os\nprint('leak', hasattr(json, 'left_behind'), os.getpid())")
     assert ran.stream().count("leak False") == 2, ran.stream()
     assert {int(line.split()[-1]) for line in ran.stream().splitlines() if "leak" in line} == spares  # ran on spares
 
@@ -52,7 +52,7 @@ def test_spares_take_the_environment_and_cwd_of_the_launch_not_their_own(kernel,
     kernel.execute(f"import os\nos.environ['TAAS_TEST_LATE'] = 'late'\n_old = os.getcwd()\nos.chdir({str(tmp_path)!r})")
     try:
         ran = kernel.execute(
-            "#pragma taas --gpus 2 --output all\nimport os, torch\n"
+            "#pragma taas --device cpu --gpus 2 --output all\nimport os, torch\n"
             "print('env', os.environ.get('TAAS_TEST_LATE'), os.getcwd(), os.environ['RANK'], torch.get_num_threads())\n"
             "print('pid', os.getpid(), flush=True)"
         )
@@ -62,6 +62,18 @@ def test_spares_take_the_environment_and_cwd_of_the_launch_not_their_own(kernel,
     for rank in (0, 1):
         assert f"[rank {rank}] env late {tmp_path} {rank} {threads}" in ran.stream(), ran.stream()
     assert {int(line.split()[-1]) for line in ran.stream().splitlines() if " pid " in line} == spares  # they were spares
+
+
+def test_a_cell_that_comes_while_the_spares_warm_takes_them_instead_of_fresh_processes(kernel):
+    """Warm means warm: a spare still importing torch is further on than any fresh process."""
+    kernel.execute("%taas warm auto")
+    kernel.execute(PIDS)  # its spares start warming as the cell ends
+    warming = kernel.spares()
+    assert len(warming) == 2 and any(p.name() != "taas-spare" for p in warming), "the spares were already warm"
+    ran = kernel.execute(PIDS)  # at once: the spares are still importing
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert set(_pids(ran)) == {p.pid for p in warming}  # the cell took them and waited, instead of starting two more
+    assert all(_pids(ran).values())
 
 
 def test_warm_off_and_n_control_the_spares_and_status_reports_their_memory(kernel):

@@ -104,7 +104,7 @@ def test_repository_holds_exactly_rank_0s_changes(kernel, scratch_repo, tmp_path
 
     kernel.execute(OPERATIONS)
     ran = kernel.execute(
-        f"#pragma taas --gpus 2 --output all\nimport os\n"
+        f"#pragma taas --device cpu --gpus 2 --output all\nimport os\n"
         f"write_everything({str(scratch_repo)!r}, int(os.environ['RANK']), {subprocesses})\n"
         "print('wrote', os.environ['RANK'])"
     )
@@ -119,7 +119,7 @@ def test_repository_holds_exactly_rank_0s_changes(kernel, scratch_repo, tmp_path
 
 def test_unguarded_save_by_every_rank_holds_rank_0s_state(kernel, scratch_repo):
     ran = kernel.execute(
-        f"#pragma taas --gpus 2\nimport os, torch\nstate = {{'w': torch.full((3,), float(os.environ['RANK']))}}\n"
+        f"#pragma taas --device cpu --gpus 2\nimport os, torch\nstate = {{'w': torch.full((3,), float(os.environ['RANK']))}}\n"
         f"torch.save(state, {str(scratch_repo / 'model.pt')!r})"
     )
     assert ran.reply["status"] == "ok", ran.error_text()
@@ -133,7 +133,7 @@ def test_writes_outside_the_repository_are_untouched(kernel, scratch_repo, tmp_p
     outside = tmp_path / "outside"
     outside.mkdir()
     ran = kernel.execute(
-        f"#pragma taas --gpus 2\nimport os\nopen(os.path.join({str(outside)!r}, 'r' + os.environ['RANK']), 'w').write('x')"
+        f"#pragma taas --device cpu --gpus 2\nimport os\nopen(os.path.join({str(outside)!r}, 'r' + os.environ['RANK']), 'w').write('x')"
     )
     assert ran.reply["status"] == "ok", ran.error_text()
     assert sorted(os.listdir(outside)) == ["r0", "r1"]
@@ -144,7 +144,7 @@ def test_scratch_layers_are_removed_after_the_cell(kernel, scratch_repo):
     import tempfile
 
     before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("taas-scratch-")}
-    kernel.execute(f"#pragma taas --gpus 2\nopen({str(scratch_repo / 'x.txt')!r}, 'w').write('x')")
+    kernel.execute(f"#pragma taas --device cpu --gpus 2\nopen({str(scratch_repo / 'x.txt')!r}, 'w').write('x')")
     after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("taas-scratch-")}
     assert after <= before
 
@@ -153,7 +153,7 @@ def test_shared_memory_and_sockets_work_in_an_isolated_rank(kernel, scratch_repo
     # DataLoader workers hand tensors over through /dev/shm; the all-reduce crosses from
     # rank 1's namespaces to rank 0 over gloo's sockets.
     ran = kernel.execute(
-        """#pragma taas --gpus 2 --output all
+        """#pragma taas --device cpu --gpus 2 --output all
 import torch, torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 dist.init_process_group("gloo")
@@ -172,7 +172,7 @@ def test_a_repository_the_overlay_refuses_falls_back_to_python_in_the_rank(kerne
     # The probe passed, but overlayfs refuses /proc/sys as its lower layer.
     kernel.execute("%taas config repo /proc/sys")
     try:
-        ran = kernel.execute("#pragma taas --gpus 2 --output all\nimport os\nprint('entries', len(os.listdir('/proc/sys')) > 0)")
+        ran = kernel.execute("#pragma taas --device cpu --gpus 2 --output all\nimport os\nprint('entries', len(os.listdir('/proc/sys')) > 0)")
     finally:
         kernel.execute(f"%taas config repo {os.getcwd()}")
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
@@ -187,6 +187,6 @@ def test_layers_of_a_killed_kernel_are_swept(kernel, tmp_path):
     orphan = Path(tempfile.gettempdir()) / f"taas-scratch-{dead}-abcd"
     (orphan / "rank1" / "upper").mkdir(parents=True)
     (orphan / "rank1" / "upper" / "model.pt").write_bytes(b"diverted")
-    ran = kernel.execute("#pragma taas --gpus 2\nx_swept = 1")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nx_swept = 1")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert not orphan.exists()

@@ -146,6 +146,21 @@ def test_infeasible_request_fails_at_once_and_launches_nothing(attached):
     assert time.monotonic() - started < 10
 
 
+def test_gpus_auto_is_one_rank_per_gpu_of_the_cluster(attached):
+    ran = attached.execute("#pragma taas --gpus auto\nimport os\nint(os.environ['WORLD_SIZE'])", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert ran.stream("stdout").startswith("taas: 4 rank(s) (--gpus auto: one per GPU of the cluster)"), ran.stream()
+    assert ran.result["text/plain"] == "4"
+
+
+def test_device_cpu_with_a_cluster_is_one_line_and_launches_nothing(attached):
+    ran = attached.execute("#pragma taas --gpus 2 --device cpu\nprint('never')")
+    assert ran.reply["status"] == "error"
+    assert ran.stream("stderr").startswith("UsageError: taas: --device cpu runs the ranks on this host's CPU, "
+                                           "but a cluster is attached"), ran.stream()
+    assert len(ran.stream("stderr").splitlines()) == 1 and "never" not in ran.stream()
+
+
 def test_interrupt_stops_ranks_on_every_host(attached):
     msg_id, started = attached.submit(
         "#pragma taas --gpus 4\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)"

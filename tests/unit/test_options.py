@@ -36,13 +36,13 @@ def test_every_line_command_is_in_help_and_in_the_readme():
 
 
 def test_every_option_parses_and_sets_its_own_field():
-    samples = {"--gpus": "2", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
+    samples = {"--gpus": "2", "--device": "cpu", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
                "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all"}
     assert set(samples) == {option.flag for option in OPTIONS}
     parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items()))
-    assert (parsed.gpus, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.restarts,
-            parsed.per_host, parsed.place_timeout, parsed.output) == (2, 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all")
-    with pytest.raises(PragmaError, match="--gpus N is required"):
+    assert (parsed.gpus, parsed.device, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.restarts,
+            parsed.per_host, parsed.place_timeout, parsed.output) == (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all")
+    with pytest.raises(PragmaError, match=r"--gpus N\|auto is required"):
         parse_options("--cpus 2")
 
 

@@ -12,6 +12,10 @@ VALID = [
     ("--gpus 2 --restarts 3", PragmaOptions(gpus=2, restarts=3)),
     ("--gpus 2 --restarts=0", PragmaOptions(gpus=2, restarts=0)),
     ("--output all --gpus 3", PragmaOptions(gpus=3, output="all")),
+    ("--gpus auto", PragmaOptions(gpus="auto")),
+    ("--gpus=auto --device cpu", PragmaOptions(gpus="auto", device="cpu")),
+    ("--device cuda --gpus 2", PragmaOptions(gpus=2, device="cuda")),
+    ("--gpus 2 --device=auto", PragmaOptions(gpus=2, device="auto")),
     ("  --gpus   4   --output=rank0 ", PragmaOptions(gpus=4, output="rank0")),
 ]
 
@@ -23,8 +27,12 @@ def test_valid_options(args, expected):
 
 # (cell, the token the one-line message must name)
 MALFORMED_CELLS = [
-    ("#pragma taas", "--gpus N is required"),
-    ("#pragma taas --cpus 2", "--gpus N is required"),
+    ("#pragma taas", "--gpus N|auto is required"),
+    ("#pragma taas --cpus 2", "--gpus N|auto is required"),
+    ("#pragma taas --gpus AUTO", "'AUTO'"),
+    ("#pragma taas --gpus 2 --device gpu", "--device must be one of auto, cpu, cuda, got 'gpu'"),
+    ("#pragma taas --gpus 2 --device", "--device needs a value"),
+    ("#pragma taas --gpus 2 --device cpu --device cpu", "duplicate option '--device'"),
     ("#pragma taas --gpus", "--gpus needs a value"),
     ("#pragma taas --gpus --cpus 2", "--gpus needs a value"),
     ("#pragma taas --gpus=", "'--gpus='"),

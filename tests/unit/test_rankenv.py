@@ -3,7 +3,7 @@ import socket
 import pytest
 
 from taas_magic.errors import LaunchError
-from taas_magic.rankenv import plan_devices, rank_environment, reserve_port
+from taas_magic.rankenv import RankChoice, choose_ranks, plan_devices, rank_environment, reserve_port
 
 
 def test_cpu_when_the_host_has_no_gpu():
@@ -17,7 +17,7 @@ def test_one_gpu_per_rank_with_nccl():
 
 
 def test_fewer_gpus_than_ranks_is_a_clear_error():
-    with pytest.raises(LaunchError, match=r"--gpus 4 asks for 4 ranks but this host has 2 GPU\(s\)"):
+    with pytest.raises(LaunchError, match=r"--gpus 4 asks for 4 ranks but this host has 2 GPU\(s\); use --gpus 2, --gpus auto or --device cpu"):
         plan_devices(4, gpus_on_host=2)
 
 
@@ -45,3 +45,45 @@ def test_person_set_omp_threads_wins():
                            master_addr="127.0.0.1", master_port=1234, run_id="r", loopback_only=True)
     assert env["OMP_NUM_THREADS"] == "7" and env["GLOO_SOCKET_IFNAME"] == "eth9"
     assert env["RANK"] == "1" and env["MASTER_PORT"] == "1234" and env["TORCHELASTIC_RUN_ID"] == "r"
+
+
+def test_device_cpu_on_a_gpu_host_hides_the_gpus_and_says_so():
+    plan = plan_devices(2, gpus_on_host=8, device="cpu")
+    assert (plan.device, plan.backend, plan.hides_gpus) == ("cpu", "gloo", True)
+    assert "--device cpu" in plan.notice and "see none of this host's 8 GPU(s)" in plan.notice
+
+
+def test_device_cpu_on_a_cpu_host_hides_nothing():
+    plan = plan_devices(2, gpus_on_host=0, device="cpu")
+    assert (plan.device, plan.hides_gpus) == ("cpu", False)
+
+
+def test_device_cuda_without_gpus_is_a_one_line_error():
+    with pytest.raises(LaunchError) as info:
+        plan_devices(1, gpus_on_host=0, device="cuda")
+    assert "--device cuda, but this host has no GPU" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_device_cuda_with_gpus_is_nccl():
+    assert plan_devices(2, gpus_on_host=2, device="cuda").backend == "nccl"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "device", "on_host", "ranks", "why"),
+    [
+        (3, "auto", 0, 3, None),  # a number is a number, whatever the host
+        ("auto", "auto", 8, 8, "--gpus auto: one per GPU of this host"),
+        ("auto", "auto", 1, 1, "--gpus auto: one per GPU of this host"),
+        ("auto", "cuda", 2, 2, "--gpus auto: one per GPU of this host"),
+        ("auto", "auto", 0, 2, "--gpus auto: no GPU on this host, so 2 CPU ranks to show DDP"),
+        ("auto", "cpu", 8, 2, "--gpus auto with --device cpu: 2 CPU ranks"),
+    ],
+)
+def test_gpus_auto_is_one_rank_per_gpu_or_two_cpu_ranks(gpus, device, on_host, ranks, why):
+    assert choose_ranks(gpus, device, on_host) == RankChoice(ranks, why)
+
+
+def test_gpus_auto_with_device_cuda_on_a_cpu_host_fails_in_the_device_plan():
+    choice = choose_ranks("auto", "cuda", 0)
+    with pytest.raises(LaunchError, match="--device cuda"):
+        plan_devices(choice.ranks, gpus_on_host=0, device="cuda")
