@@ -13,21 +13,33 @@ The kernel keeps its :class:`~taas_magic.transfer.pack.Packing` until the cell's
 are in: rank 0 refers to a shipped blob whose bytes it did not change, and the kernel
 resolves that to its own storage. The file is removed when the cell ends and swept by a
 later run if the kernel was killed first.
+
+With ``cuda_ipc`` (the ranks share this host and the kernel has CUDA: transfer/cudaipc.py)
+the kernel's CUDA tensors are not written to the file: the frame carries their CUDA IPC
+handles, each keeping its place in the file at no size. Each rank opens them as soon as
+the frame arrives and, once bound to its GPU, copies them onto it (:meth:`ReceivedClosure.load`).
+A rank that cannot open them sends a ``closure-host`` frame; the kernel (the supervisor,
+through :func:`answer_host_copy`, which finds the run's handoff by its id) writes those
+tensors to one more memory file the first time it is asked and answers every rank that
+asks with it. :func:`closure_route` says in words which way the bytes travel, for the header.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import wire
-from .transfer import memfile, unpack
+from .transfer import cudaipc, memfile, unpack
 from .transfer.pack import Packing
 
 HANDOFF_BYTES = memfile.INLINE_BYTES
+_LIVE: dict[str, "ClosureHandoff"] = {}  # run id -> the handoff whose CUDA tensors ranks may ask for in host memory
 
 
 def segment_digests(packing: Packing) -> dict[str, bytes]:
@@ -39,20 +51,77 @@ def segment_digests(packing: Packing) -> dict[str, bytes]:
     return digests
 
 
-class ClosureHandoff:
-    """The kernel's side: the frame body to send each rank, and the file to remove."""
+def closure_route(packing: Packing, cuda_ipc: bool, threshold: int = HANDOFF_BYTES) -> str:
+    """How the closure's tensor bytes reach the ranks, for the header: "CUDA IPC", "one shared
+    file", both joined by " + ", or "" (inside the frame)."""
+    device = {i for i, blob in enumerate(packing.blobs) if cuda_ipc and cudaipc.is_cuda(blob) and blob.nbytes}
+    host_bytes = memfile.layout([0 if i in device else blob.nbytes for i, blob in enumerate(packing.blobs)])[1]
+    return " + ".join((["CUDA IPC"] if device else []) + (["one shared file"] if host_bytes >= threshold else []))
 
-    def __init__(self, packing: Packing, run_id: str, threshold: int = HANDOFF_BYTES):
+
+class ClosureHandoff:
+    """The kernel's side: the frame body to send each rank, and the files to remove."""
+
+    def __init__(self, packing: Packing, run_id: str, threshold: int = HANDOFF_BYTES, cuda_ipc: bool = False):
         self.packing = packing
-        self.data = memfile.write(packing.blobs, memfile.CLOSURE_PREFIX, os.getpid(), run_id, threshold)
+        self.run_id = run_id
+        self.threshold = threshold
+        self.host: memfile.BlobData | None = None  # the exported tensors in host memory, once a rank asked
+        self.handles: dict[int, cudaipc.Handle] = {}
+        if cuda_ipc:
+            self.handles, why = cudaipc.export(packing.blobs, range(len(packing.blobs)))
+            if why:
+                count, nbytes = cudaipc.tally(packing.blobs, [i for i in range(len(packing.blobs)) if i not in self.handles])
+                print(f"taas: {count} CUDA tensor(s) of the closure, {cudaipc.size_text(nbytes)}, go through host memory "
+                      f"({why})", file=sys.stderr)
+        try:
+            blobs = [dataclasses.replace(blob, nbytes=0) if i in self.handles else blob for i, blob in enumerate(packing.blobs)]
+            self.data = memfile.write(blobs, memfile.CLOSURE_PREFIX, os.getpid(), run_id, threshold)
+        except BaseException:
+            cudaipc.release(self.handles.values())
+            raise
         self.path = self.data.path
         message = {"skeleton": packing.skeleton, "segments": packing.segments, "digests": segment_digests(packing),
-                   "kinds": [blob.kind for blob in packing.blobs], "data": self.data}
+                   "kinds": [blob.kind for blob in packing.blobs], "data": self.data, "ipc": self.handles, "run": run_id}
         self.body = wire.encode_body("closure", wire.dumps(message))
+        if self.handles:
+            _LIVE[run_id] = self
+
+    def host_copy(self) -> memfile.BlobData:
+        """The exported tensors (by index order) in one memory file, written the first time a rank asks."""
+        if self.host is None:
+            blobs = [self.packing.blobs[i] for i in sorted(self.handles)]
+            self.host = memfile.write(blobs, memfile.CLOSURE_PREFIX, os.getpid(), self.run_id, self.threshold)
+        return self.host
 
     def remove(self) -> None:
+        """When the cell ends (its ranks are gone): the files, and the kernel's share of the IPC counts."""
         memfile.remove(self.path)
         self.path = None
+        if self.host is not None:
+            memfile.remove(self.host.path)
+        if _LIVE.get(self.run_id) is self:
+            del _LIVE[self.run_id]
+        cudaipc.release(self.handles.values())
+        self.handles = {}
+
+
+def answer_host_copy(rank: int, request: dict) -> tuple[bytes, str]:
+    """Kernel: the ``closure-host`` frame answering rank ``rank``, which could not open the closure's
+    CUDA IPC handles, and the line that says so in the cell."""
+    handoff = _LIVE.get(request.get("run", ""))
+    reason = request.get("why", "")
+    try:
+        if handoff is None:
+            raise LookupError("the kernel holds no CUDA tensors for this run")
+        reply: dict = {"data": handoff.host_copy()}
+        count, nbytes = cudaipc.tally(handoff.packing.blobs, handoff.handles)
+        line = (f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}); "
+                f"its {count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came through host memory")
+    except Exception as exc:  # noqa: BLE001 - the rank reports it when it loads its closure
+        reply = {"error": cudaipc.describe(exc)}
+        line = f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}), nor get a host copy"
+    return wire.encode_body(cudaipc.CLOSURE_HOST, wire.dumps(reply)), line
 
 
 @dataclass
@@ -62,6 +131,11 @@ class ReceivedClosure:
     message: dict
     buffer: Any  # the mapped file (copy-on-write) or the frame's bytes
     pristine: bytes = b""  # a copy of small inline data, taken before the cell runs
+    own_gpu: bool = False  # the rank binds its GPU before loading: CUDA tensors land there
+    opened: dict[int, Any] = field(default_factory=dict)  # blob index -> the kernel's storage, mapped by CUDA IPC
+    host: tuple[memfile.BlobData, Any] | None = None  # the kernel's host copy of those, when IPC failed here
+    failure: str = ""  # why those tensors cannot be had at all (raised by load)
+    made: dict[int, Any] | None = None  # blob index -> this rank's own copy (load makes them once)
 
     @property
     def data(self) -> memfile.BlobData:
@@ -77,13 +151,36 @@ class ReceivedClosure:
         Raises:
             pickle.UnpicklingError or whatever a value's unpickling raises, for the first name that fails.
         """
-        places = [("at", offset, size) for offset, size in zip(self.data.offsets, self.data.sizes)]
-        resolve = unpack.resolver(unpack.Blobs(places, self.buffer), externals)
-        values, failed = unpack.load(self.message["skeleton"], self.message["segments"], resolve)
+        places: list[tuple] = [("at", offset, size) for offset, size in zip(self.data.offsets, self.data.sizes)]
+        made = self._device_tensors()
+        for k, index in enumerate(made):
+            places[index] = ("made", k)
+        blobs = unpack.Blobs(places, self.buffer, made=list(made.values()), own_gpu=self.own_gpu)
+        values, failed = unpack.load(self.message["skeleton"], self.message["segments"], unpack.resolver(blobs, externals))
         if failed:
             name, type_name, reason = failed[0]
             raise RuntimeError(f"{name} ({type_name}) could not be loaded in the rank: {reason}")
         return values
+
+    def _device_tensors(self) -> dict[int, Any]:
+        """The storages of the tensors that came by CUDA IPC, as this rank's own copies (by blob index)."""
+        handles = self.message.get("ipc") or {}
+        if self.made is None and handles:
+            if self.failure:
+                raise RuntimeError(f"the closure's CUDA tensors could not reach this rank: {self.failure}")
+            order = sorted(handles)
+            if self.host is not None:
+                data, buffer = self.host
+                self.made = {index: unpack.storage_on(buffer, data.offsets[k], data.sizes[k],
+                                                      unpack.target_device(f"cuda:{handles[index][0]}", self.own_gpu))
+                             for k, index in enumerate(order)}
+            else:
+                import torch
+
+                here = torch.cuda.current_device() if self.own_gpu else None
+                self.made = {index: cudaipc.own_copy(self.opened.pop(index), handles[index][0] if here is None else here)
+                             for index in order}
+        return self.made or {}
 
     def base_address(self) -> int:
         """Where the blob bytes start in this process (0 when there are none)."""
@@ -98,11 +195,26 @@ class ReceivedClosure:
         return memfile.original_view(self.data)
 
 
-def receive_closure(channel: wire.BlockingChannel, keep_original: bool = False) -> ReceivedClosure:
+def _ask_host_copy(channel: wire.BlockingChannel, received: ReceivedClosure, why: str) -> None:
+    """This rank could not open the CUDA IPC handles: the kernel's host copy instead (mapped and verified)."""
+    channel.send(cudaipc.CLOSURE_HOST, wire.dumps({"run": received.message.get("run", ""), "why": why}))
+    kind, body = channel.recv()  # nothing else comes before: the rank has asked for nothing else yet
+    if kind != cudaipc.CLOSURE_HOST:
+        raise ConnectionError(f"expected the closure's host copy from the kernel, got a {kind!r} frame")
+    reply = wire.loads_verified(body)
+    if "error" in reply:
+        received.failure = f"CUDA IPC failed ({why}) and so did the host copy ({reply['error']})"
+        return
+    received.host = (reply["data"], memfile.open_data(reply["data"], private=True))
+
+
+def receive_closure(channel: wire.BlockingChannel, keep_original: bool = False, own_gpu: bool = False) -> ReceivedClosure:
     """Read the closure frame and map (and verify) its tensor bytes; nothing is unpickled yet.
 
     ``keep_original`` (rank 0): keep a copy of bytes that came in the frame, to tell later
-    which the cell changed (a file's original stays in the file).
+    which the cell changed (a file's original stays in the file). ``own_gpu``: the rank binds
+    its GPU before it loads the closure, and CUDA tensors land there. CUDA IPC handles are
+    opened now (no copy yet); if they cannot be, the kernel's host copy is fetched now.
 
     Raises:
         wire.AuthenticationError: the file's bytes are not those the kernel vouched for.
@@ -111,7 +223,12 @@ def receive_closure(channel: wire.BlockingChannel, keep_original: bool = False) 
     if kind != "closure":
         raise ConnectionError(f"expected the closure from the kernel, got a {kind!r} frame")
     message = wire.loads_verified(body)
-    received = ReceivedClosure(message, memfile.open_data(message["data"], private=True))
+    received = ReceivedClosure(message, memfile.open_data(message["data"], private=True), own_gpu=own_gpu)
     if keep_original and message["data"].path is None:
         received.pristine = bytes(received.buffer)
+    handles = message.get("ipc")
+    if handles:
+        received.opened, why = cudaipc.open_all(handles)
+        if why:
+            _ask_host_copy(channel, received, why)
     return received

@@ -27,7 +27,7 @@ from .closure import select_closure, serialise_closure
 from .cluster import Cluster, address_from_environment
 from .errors import ClusterError, RunInterrupted
 from .feed.run import DataPlane, DataRun, default_cache_ram, describe_registered
-from .handoff import HANDOFF_BYTES, ClosureHandoff
+from .handoff import HANDOFF_BYTES, ClosureHandoff, closure_route
 from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 from .launch.backend import Backend, ClusterBackend, LocalBackend, rank_environments
 from .launch.base import LaunchPlan, RankGroup
@@ -44,7 +44,7 @@ from .server import RankServer
 from .status import LastRun, header_line, help_text, status_text
 from .supervisor import RunOutcome, run_ranks
 from .tempdirs import remove_tree
-from .transfer import memfile
+from .transfer import cudaipc, memfile
 from .transfer.pack import Packing
 
 INLINE_ALWAYS = 1 << 62  # a threshold no closure reaches: its bytes travel in the frames
@@ -208,6 +208,8 @@ class TaasMagics(Magics):
             filename=code.filename, device=backend.devices.device, output=options.output or self.output,
             suppress_final=code.suppress_final, kernel_pid=os.getpid(), result_file_bytes=file_bytes,
             feeds=tuple(data.rank_feeds()) if data is not None else (), cells=earlier_cells(self._shell, packing.skeleton),
+            # CUDA tensors by CUDA IPC: only among processes of this host on its GPUs, the kernel's CUDA in use
+            cuda_ipc=backend.memory_files and backend.devices.device == "cuda" and cudaipc.kernel_ready(),
         )
         rule = self._write_rule()
         root = self.checkpoint_dir or os.path.join(rule.repository, ".taas", "checkpoints")
@@ -216,9 +218,9 @@ class TaasMagics(Magics):
                    options.restarts if options.restarts is not None else self.restarts,
                    os.path.join(os.path.realpath(os.path.expanduser(root)), run_id))
         tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
-        lines = [header_line(options, backend.devices, run_id, len(packing.skeleton) + tensor_bytes,
-                             tensor_bytes >= file_bytes, run.restarts, choice.why), run.rule.header(), backend.layout(),
-                 data.header() if data is not None else None]
+        route = closure_route(packing, spec.cuda_ipc, file_bytes)
+        lines = [header_line(options, backend.devices, run_id, len(packing.skeleton) + tensor_bytes, route, run.restarts,
+                             choice.why), run.rule.header(), backend.layout(), data.header() if data is not None else None]
         print("\ntaas: ".join(line for line in lines if line), flush=True)
         self.last_run = LastRun(options=options, devices=backend.devices, run_id=run_id, closure_names=tuple(closure))
         return run
@@ -235,7 +237,7 @@ class TaasMagics(Magics):
         outcome = None
         started = time.monotonic()
         try:
-            handoff = ClosureHandoff(run.packing, run.spec.run_id, run.spec.result_file_bytes)
+            handoff = ClosureHandoff(run.packing, run.spec.run_id, run.spec.result_file_bytes, cuda_ipc=run.spec.cuda_ipc)
             bodies = [wire.encode_body("spec", wire.dumps(run.spec)), handoff.body]
             outcome = self._supervise(run, peers, server, layers, stacks_dir, bodies)
             record.outcome = "ok"

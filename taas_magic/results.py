@@ -9,6 +9,14 @@ rank 0 left untouched is built on the kernel's own storage instead.
 Each name is loaded on its own (transfer/unpack.py): one that cannot be pickled in
 rank 0 or loaded here costs only itself, and one line lists each with its type and
 why. A wrapper that came back as its module is said in a line of its own.
+
+CUDA storages rank 0 sent as CUDA IPC handles (transfer/cudaipc.py) are copied into
+storages of the kernel's own when the ``result`` frame arrives, while rank 0 waits with
+them alive (:func:`take_device_copies`, called by the supervisor); the copies take the
+handles' places in the message as ``("made", k)``, and rank 0 is told ``released``. If
+they cannot be copied, nothing of them is kept and rank 0 is told ``send-host``: it sends
+the result again with those bytes in the memory file. One line says which way the CUDA
+tensors came back.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-from .transfer import memfile, unpack
+from . import wire
+from .transfer import cudaipc, memfile, unpack
 from .transfer.pack import Packing
 from .wire import AuthenticationError
 
@@ -41,6 +50,41 @@ def report(failed: Sequence[tuple[str, str, str]], notes: Sequence[tuple[str, st
               file=sys.stderr)
 
 
+def take_device_copies(message: dict) -> tuple[bytes, bool] | None:
+    """Kernel, as rank 0's ``result`` frame arrives: copy the CUDA storages it exported.
+
+    Returns None when it exported none; else the frame to send rank 0 and whether ``message``
+    is now whole (``released``: the copies are in it) or must wait for the result sent again
+    through host memory (``send-host``).
+    """
+    handles = message.get("ipc")
+    if not handles:
+        return None
+    try:
+        made = cudaipc.take(handles)
+    except Exception as exc:  # noqa: BLE001 - any IPC or CUDA error: the bytes come through host memory
+        return wire.encode_body(cudaipc.SEND_HOST, wire.dumps({"why": cudaipc.describe(exc)})), False
+    message["places"] = [("made", place[1]) if place is not None and place[0] == "ipc" else place
+                         for place in message["places"]]
+    message["made"] = made
+    message["ipc"] = []
+    message["cuda_ipc"] = (len(made), sum(storage.nbytes() for storage in made))
+    return wire.encode_body(cudaipc.RELEASED, wire.dumps(None)), True
+
+
+def cuda_line(message: dict) -> str | None:
+    """How rank 0's CUDA tensors came back, in one line (None when none did)."""
+    parts = []
+    count, nbytes = message.get("cuda_ipc", (0, 0))
+    if count:
+        parts.append(f"{count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came back device to device (CUDA IPC)")
+    count, nbytes, why = message.get("cuda_host", (0, 0, ""))
+    if count:
+        why = why or cudaipc.unavailable() or "the ranks share no memory with the kernel"
+        parts.append(f"{count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came back through host memory ({why})")
+    return "taas: " + "; ".join(parts) if parts else None
+
+
 def apply_results(user_ns: dict[str, Any], message: dict | None, shipped: Packing | None = None,
                   externals: Sequence[Any] = ()) -> Any:
     """Bind what rank 0 sent back; return its final value (or None).
@@ -50,6 +94,9 @@ def apply_results(user_ns: dict[str, Any], message: dict | None, shipped: Packin
     """
     if message is None:
         return None
+    line = cuda_line(message)  # before anything here initialises CUDA (the reason may be that it was not)
+    if line is not None:
+        print(line, file=sys.stderr)
     data = message["data"]
     try:
         buffer = memfile.open_data(data, private=False)
@@ -58,7 +105,7 @@ def apply_results(user_ns: dict[str, Any], message: dict | None, shipped: Packin
         return None
     finally:
         memfile.remove(data.path)  # mapped (or refused): the name is no longer needed
-    blobs = unpack.Blobs(message["places"], buffer, shipped.blobs if shipped is not None else ())
+    blobs = unpack.Blobs(message["places"], buffer, shipped.blobs if shipped is not None else (), message.get("made", ()))
     values, failed = unpack.load(message["skeleton"], message["segments"], unpack.resolver(blobs, externals.__getitem__))
     bound = [segment for segment in message["segments"] if segment.bind and segment.name in values]
     for segment in bound:

@@ -23,5 +23,6 @@ class RunSpec:
     suppress_final: bool  # the cell ends with ";"
     kernel_pid: int  # names the memory files, so a killed kernel's are swept
     result_file_bytes: int  # rank 0's results go through a memory file from this size
+    cuda_ipc: bool = False  # CUDA tensors cross by CUDA IPC, both ways (same host, kernel CUDA ready: transfer/cudaipc.py)
     feeds: tuple[Any, ...] = ()  # the registered loaders the cell uses (feed/run.py rank_feeds)
     cells: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # earlier cells' lines (cellcode.py)

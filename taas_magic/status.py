@@ -59,8 +59,9 @@ def _devices_text(devices: DevicePlan, ranks: object) -> str:
     return "CPU (--device cpu), backend gloo" if devices.chosen else "CPU, backend gloo"
 
 
-def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closure_bytes: int, shared_file: bool = False,
+def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closure_bytes: int, route: str = "",
                 restarts: int = 0, why: str | None = None) -> str:
+    """The run's first line; ``route`` says how the closure's tensor bytes travel (handoff.closure_route)."""
     ranks = f"taas: {options.gpus} rank(s)" + (f" ({why})" if why else "")
     parts = [ranks, _devices_text(devices, options.gpus)]
     if options.configs:
@@ -69,8 +70,8 @@ def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closur
     if restarts:
         parts.append(f"restarts up to {restarts}")
     parts.append(f"closure {closure_bytes / 1e6:.1f} MB" if closure_bytes >= 1e5 else f"closure {closure_bytes} B")
-    if shared_file:
-        parts[-1] += " (one shared file)"
+    if route:
+        parts[-1] += f" ({route})"
     line = " · ".join(parts)
     if devices.notice:
         line += f"\ntaas: {devices.notice}"

@@ -35,11 +35,14 @@ from .board import Board
 from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
 from .feed.coordinator import Send
 from .feed.run import DataPlane
+from .handoff import answer_host_copy
 from .launch.base import RankGroup
 from .peers import RANK, WORKER, Peer, PeerIds
 from .relay import OutputRelay, Publish
 from .restarts import Attempts, refusal, restart_line
+from .results import take_device_copies
 from .server import PendingPeer, RankConnection, RankServer
+from .transfer import cudaipc
 
 POLL_SECONDS = 0.05
 COURIER_POLL_SECONDS = 0.005
@@ -274,9 +277,33 @@ class _Loop:
             if self.board is not None:
                 self.board.add(peer.index, message)
         elif kind == "result" and peer.index == 0:
-            self.result = message
+            self._on_result(peer, message)
+        elif kind == cudaipc.CLOSURE_HOST:
+            reply, line = answer_host_copy(peer.index, message)
+            self.relay.notice(line)
+            self._reply(peer, reply)
         elif kind == "want" and self.data is not None:
             self._send_all(self.data.coordinator.on_rank(peer.index, message))
+
+    def _on_result(self, peer: Peer, message: dict) -> None:
+        """Rank 0's results. CUDA storages it sent as CUDA IPC handles are copied now, while it waits
+        with them alive, and it is told so; if they cannot be, it is asked to send them again through
+        host memory, and that second result is the one kept (results.take_device_copies)."""
+        taken = take_device_copies(message)
+        if taken is not None:
+            reply, whole = taken
+            self._reply(peer, reply)
+            if not whole:
+                return
+        self.result = message
+
+    def _reply(self, peer: Peer, body: bytes) -> None:
+        connection = self.connections.get(peer)
+        if connection is not None:
+            try:
+                connection.send(body)
+            except OSError:
+                pass  # it has exited; its exit code tells the rest
 
     def _on_worker_frame(self, peer: Peer, kind: str, message) -> None:
         assert self.data is not None

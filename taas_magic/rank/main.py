@@ -28,6 +28,7 @@ from taas_magic.handoff import ReceivedClosure, receive_closure
 from taas_magic.rank import execute, lifeline, lightning, reports, returns, shell, stacks, startup
 from taas_magic.rank.import_hooks import when_imported
 from taas_magic.runspec import RunSpec
+from taas_magic.transfer import cudaipc, memfile
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
@@ -126,15 +127,26 @@ def _send_results(spec: RunSpec, channel: wire.BlockingChannel, namespace: dict,
     names, deleted = returns.changed_names(namespace, before, private)
     has_final = final is not execute.NO_VALUE and not spec.suppress_final
     externals = [loaders.get(index) for index in range(max(loaders, default=-1) + 1)]
-    try:
-        message = returns.pack_returns(namespace, closure, received, names, deleted, final, has_final,
-                                       externals, spec.kernel_pid, spec.run_id, spec.result_file_bytes)
-    except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
-        _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
-                    execute.format_cell_traceback(exc, spec.filename))
-        startup.finish(EXIT_CELL_RAISED)
-    startup.flush_output()
-    channel.send("result", wire.dumps(message))
+    why: str | None = None
+    for attempt in range(2):  # a second time only when the kernel did not take the CUDA IPC handles
+        try:
+            if attempt == 0:
+                returned = returns.pack_returns(namespace, closure, received, names, deleted, final, has_final,
+                                                externals, spec)
+            message = returned.message(spec.cuda_ipc and attempt == 0, why or "")
+        except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
+            _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
+                        execute.format_cell_traceback(exc, spec.filename))
+            startup.finish(EXIT_CELL_RAISED)
+        startup.flush_output()
+        channel.send("result", wire.dumps(message))
+        if not message["ipc"]:
+            return
+        why = returns.await_kernel(channel)  # our CUDA storages stay alive until the kernel has its copies
+        cudaipc.forget_counters(message["ipc"])
+        if why is None:
+            return
+        memfile.remove(message["data"].path)  # the kernel dropped that message: the second one has every byte
 
 
 def main() -> None:
@@ -142,7 +154,7 @@ def main() -> None:
     stacks.arm()  # from here on the kernel can read where this rank is (the hang autopsy)
     rank = int(os.environ["RANK"])
     spec: RunSpec = wire.loads_verified(channel.expect("spec"))
-    received = receive_closure(channel, keep_original=rank == 0)
+    received = receive_closure(channel, keep_original=rank == 0, own_gpu=spec.device == "cuda")
     sys.path[:] = spec.sys_path
     sys.argv = ["taas-rank"]
     _own_output()

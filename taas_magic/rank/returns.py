@@ -21,6 +21,11 @@ change is not copied back at all: the kernel builds it on its own storage.
 A name that cannot be pickled is listed and the rest come back; a DDP or compiled
 wrapper comes back as its module (transfer/unwrap.py). The bytes travel in one memory
 file the kernel maps (transfer/memfile.py), named for the kernel's pid and the run.
+
+When the run offers CUDA IPC (``RunSpec.cuda_ipc``), CUDA storages travel as IPC handles
+instead (transfer/cudaipc.py): the kernel copies them device to device while rank 0
+waits (:func:`await_kernel`), its storages alive, for ``released``, or for ``send-host``,
+on which :meth:`Returns.message` writes them to the memory file after all.
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ import ctypes
 import dataclasses
 import mmap
 import sys
+import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Sequence
 
+from taas_magic import wire
 from taas_magic.handoff import ReceivedClosure, segment_digests
-from taas_magic.transfer import memfile
+from taas_magic.runspec import RunSpec
+from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.pack import Packing, Segment, pack
 from taas_magic.transfer.unpack import FINAL
 
@@ -172,10 +181,40 @@ def _places(packing: Packing, included: Sequence[Segment], bound: Sequence[bool]
     return places, to_write
 
 
+@dataclass
+class Returns:
+    """Rank 0's results, packed and decided; kept until the kernel has them (the packing holds every
+    storage it exported, so they stay alive)."""
+
+    packing: Packing
+    head: dict  # the message without its blobs' places: skeleton, segments, failed, deleted
+    places: list  # per blob: ("kept", j), ("none",), or None (its bytes must go to the kernel)
+    to_write: list[int]  # the blobs whose bytes the kernel needs
+    spec: RunSpec
+
+    def message(self, cuda_ipc: bool, why: str = "") -> dict:
+        """The ``result`` message. With ``cuda_ipc``, CUDA storages as IPC handles (``("ipc", k)``:
+        ``message["ipc"][k]``); every other blob written once to the memory file, or inline.
+        ``cuda_host`` counts the CUDA storages in host memory and says why (``why``, or why exporting failed)."""
+        blobs = self.packing.blobs
+        handles, failed = cudaipc.export(blobs, self.to_write) if cuda_ipc else ({}, "")
+        host = [index for index in self.to_write if index not in handles]
+        spec = self.spec
+        data = memfile.write([blobs[i] for i in host], memfile.RESULT_PREFIX, spec.kernel_pid, spec.run_id,
+                             spec.result_file_bytes)
+        places = list(self.places)
+        for position, index in enumerate(host):
+            places[index] = ("at", data.offsets[position], data.sizes[position])
+        for k, index in enumerate(handles):
+            places[index] = ("ipc", k)
+        return {**self.head, "places": places, "data": data, "ipc": list(handles.values()),
+                "cuda_host": (*cudaipc.tally(blobs, host), why or failed)}
+
+
 def pack_returns(namespace: dict[str, Any], closure: dict[str, Any], received: ReceivedClosure,
                  changed: list[str], deleted: list[str], final: Any, has_final: bool,
-                 loaders: Sequence[Any], kernel_pid: int, run_id: str, inline_below: int) -> dict:
-    """The ``result`` message: what the kernel must load and bind, and the file holding the bytes."""
+                 loaders: Sequence[Any], spec: RunSpec) -> Returns:
+    """What the kernel must load and bind; :meth:`Returns.message` is the ``result`` message."""
     items = [(name if namespace.get(name, _ABSENT) is closure[name] else SHIPPED.format(name), closure[name])
              for name in received.names]
     items += [(name, namespace[name]) for name in changed]
@@ -188,14 +227,33 @@ def pack_returns(namespace: dict[str, Any], closure: dict[str, Any], received: R
     included = packing.segments[: last + 1]
     bound = [bool(decisions[k]) for k in range(last + 1)]
     places, to_write = _places(packing, included, bound, shipped)
-    data = memfile.write([packing.blobs[i] for i in to_write], memfile.RESULT_PREFIX, kernel_pid, run_id, inline_below)
-    for position, index in enumerate(to_write):
-        places[index] = ("at", data.offsets[position], data.sizes[position])
-    return {
+    head = {
         "skeleton": packing.skeleton[: included[-1].end] if included else b"",
         "segments": [dataclasses.replace(segment, bind=b) for segment, b in zip(included, bound)],
-        "places": places,
-        "data": data,
         "failed": packing.failed,
         "deleted": deleted,
     }
+    return Returns(packing, head, places, to_write, spec)
+
+
+def await_kernel(channel: wire.BlockingChannel, seconds: float = cudaipc.RELEASE_SECONDS) -> str | None:
+    """Rank 0, having sent CUDA IPC handles: wait (its storages alive) until the kernel has its copies.
+
+    Returns None once the kernel says ``released`` or closes the connection (it is gone: its
+    stop ladder ends this rank anyway); why the bytes must go through host memory instead when
+    the kernel asks for that (``send-host``) or does not answer within ``seconds``.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0 or not channel.readable(left):
+                return f"the kernel did not answer within {seconds:g} s"
+            kind, body = channel.recv()
+        except OSError:
+            return None
+        if kind == cudaipc.RELEASED:
+            return None
+        if kind == cudaipc.SEND_HOST:
+            return str(wire.loads_verified(body).get("why", ""))
+        # anything else (a delivery for a loader the cell no longer reads) is not what we wait for

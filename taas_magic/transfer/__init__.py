@@ -15,6 +15,10 @@ use the same three pieces:
   mapping (no copy), and loses only the segments that fail (and those that share an
   object with one that failed).
 
+``cudaipc.py`` carries CUDA storages between processes of one host device to device
+(torch's CUDA IPC handles in the frame, each receiver copying onto its own GPU), where the
+run offers it; any failure falls back to the memory file, which serves everything else.
+
 ``unwrap.py`` says which wrappers (DistributedDataParallel, ``torch.compile``'s
 OptimizedModule, FSDP) travel as the module they wrap.
 """

@@ -65,7 +65,13 @@ class Blob:
     address: int | None  # None: not in this process's memory (a CUDA storage)
 
     def cpu_bytes(self) -> memoryview:
-        """The payload as bytes in host memory (a CUDA storage is copied to the host once)."""
+        """The payload as bytes in host memory (a CUDA storage is copied to the host once).
+
+        A blob whose ``nbytes`` is 0 is empty, whatever its source (a blob that travels another
+        way, such as CUDA IPC, keeps its place in the file at no size).
+        """
+        if not self.nbytes:
+            return memoryview(b"")
         if self.kind == "n":
             return self.source.reshape(-1).view("uint8").data
         import torch

@@ -5,13 +5,18 @@ Contract:
 - :class:`Blobs` turns a blob's persistent id into a storage or array *on* the bytes it
   is given (a mapped file, or the frame's buffer): no copy. A blob placed ``("kept", j)``
   is the receiver's own ``j``-th blob of what it sent (rank 0 sends back only where a
-  shipped tensor's bytes are unchanged, so the notebook keeps its own storage). A CUDA
-  storage lands on the same device when this process has it, else on the CPU.
+  shipped tensor's bytes are unchanged, so the notebook keeps its own storage); one placed
+  ``("made", k)`` is ``made[k]``, a storage the receiver already holds (a device copy
+  made by CUDA IPC, cudaipc.py). A CUDA storage lands on the same device when this
+  process has it, else on the CPU; with ``own_gpu`` (a rank bound to its GPU) on that GPU.
 - :func:`load` loads the segments in order with one unpickler (one memo, so shared
   objects stay shared). If any segment raises, it loads them all again with a
   recovering unpickler: a failing segment is listed, every memo slot it fills (or would
   have) holds a placeholder instead, and a later segment that reaches a placeholder fails too, naming the
   segment it shares an object with. Every other value arrives.
+- A ``FutureWarning`` or ``DeprecationWarning`` raised while loading (a library's
+  ``__setstate__`` using a deprecated helper) is not shown: the sender already built
+  that value, and the person did not write the code that warns here.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import io
 import pickle
 import pickletools
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 from .pack import Blob, Segment
@@ -37,34 +43,56 @@ def _device_here(device: str) -> str:
     return device if torch.cuda.is_available() and index < torch.cuda.device_count() else "cpu"
 
 
-class Blobs:
-    """Blob index -> storage or array, built on ``buffer`` (``places[i]``: ``("at", offset, nbytes)``
-    or ``("kept", j)``, the receiver's own ``kept[j]``)."""
+def target_device(device: str, own_gpu: bool) -> str:
+    """Where a storage that was on ``device`` lands here (``own_gpu``: a rank bound to its GPU)."""
+    if own_gpu and device.startswith("cuda"):
+        return f"cuda:{sys.modules['torch'].cuda.current_device()}"
+    return _device_here(device)
 
-    def __init__(self, places: Sequence[tuple], buffer: Any, kept: Sequence[Blob] = ()):
+
+def storage_on(buffer: Any, offset: int, nbytes: int, target: str) -> Any:
+    """An untyped storage of ``nbytes`` at ``offset`` of ``buffer``: on it for the CPU, else copied to ``target``."""
+    import torch
+
+    flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+            if nbytes else torch.empty(0, dtype=torch.uint8))
+    return (flat.to(target) if target != "cpu" else flat).untyped_storage()
+
+
+class Blobs:
+    """Blob index -> storage or array, built on ``buffer`` (``places[i]``: ``("at", offset, nbytes)``,
+    ``("kept", j)``, the receiver's own ``kept[j]``, or ``("made", k)``, the storage ``made[k]``)."""
+
+    def __init__(self, places: Sequence[tuple], buffer: Any, kept: Sequence[Blob] = (), made: Sequence[Any] = (),
+                 own_gpu: bool = False):
         self._places = places
         self._buffer = buffer
         self._kept = kept
+        self._made = made
+        self._own_gpu = own_gpu
         self._storages: dict[int, Any] = {}
         self._arrays: dict[int, Any] = {}
 
     def _once(self, cache: dict[int, Any], index: int, build: Callable[[int, int], Any]) -> Any:
         """Blob ``index`` made once (so views of one storage stay views): the receiver's own
-        source when kept, else ``build(offset, nbytes)`` on the buffer."""
+        source when kept, the storage given when made, else ``build(offset, nbytes)`` on the buffer."""
         made = cache.get(index)
         if made is None:
             place = self._places[index]
-            made = cache[index] = self._kept[place[1]].source if place[0] == "kept" else build(place[1], place[2])
+            if place[0] == "kept":
+                made = self._kept[place[1]].source
+            elif place[0] == "made":
+                made = self._made[place[1]]
+            else:
+                made = build(place[1], place[2])
+            cache[index] = made
         return made
 
     def storage(self, index: int, dtype: Any, device: str) -> Any:
         import torch
 
         def build(offset: int, nbytes: int) -> Any:
-            flat = (torch.frombuffer(self._buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-                    if nbytes else torch.empty(0, dtype=torch.uint8))
-            target = _device_here(device)
-            return (flat.to(target) if target != "cpu" else flat).untyped_storage()
+            return storage_on(self._buffer, offset, nbytes, target_device(device, self._own_gpu))
 
         untyped = self._once(self._storages, index, build)
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
@@ -176,7 +204,10 @@ def _load_recovering(skeleton: bytes, segments: Sequence[Segment], resolve: Reso
 
 def load(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
     """Every segment's value by name, and (name, type, reason) for each that could not be loaded."""
-    try:
-        return _load_fast(skeleton, segments, resolve), []
-    except Exception:  # noqa: BLE001 - find out which segments, and keep the rest
-        return _load_recovering(skeleton, segments, resolve)
+    with warnings.catch_warnings():  # the sender built these values already: its libraries' deprecations are not news
+        for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+            warnings.simplefilter("ignore", category)
+        try:
+            return _load_fast(skeleton, segments, resolve), []
+        except Exception:  # noqa: BLE001 - find out which segments, and keep the rest
+            return _load_recovering(skeleton, segments, resolve)

@@ -170,3 +170,29 @@ def test_a_full_dev_shm_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
         assert _receive(packing, data)[0]["t"][-1] == (1 << 16) - 1
     finally:
         memfile.remove(data.path)
+
+
+class WarnsWhenLoaded:
+    """A library object whose ``__setstate__`` uses a deprecated helper (Lightning's with torch's LeafSpec)."""
+
+    def __init__(self):
+        self.payload = torch.arange(3)
+
+    def __setstate__(self, state):
+        import warnings
+
+        warnings.warn("`LeafSpec` is deprecated", FutureWarning, stacklevel=2)
+        warnings.warn("an old helper", DeprecationWarning, stacklevel=2)
+        self.__dict__.update(state)
+
+
+def test_no_deprecation_raised_while_rebuilding_a_value_reaches_the_cell():
+    import warnings
+
+    packing, data = _send([("obj", WarnsWhenLoaded()), ("after", [1])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values, failed = _receive(packing, data)
+        warnings.warn("the cell's own warning still shows", UserWarning, stacklevel=1)
+    assert not failed and values["obj"].payload.tolist() == [0, 1, 2] and values["after"] == [1]
+    assert [str(w.message) for w in caught] == ["the cell's own warning still shows"]
