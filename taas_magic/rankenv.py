@@ -140,9 +140,21 @@ def reserve_port(host: str = LOOPBACK) -> socket.socket:
     return sock
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def omp_threads(local_world_size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world_size))
+    return max(1, _cores() // max(1, local_world_size))
+
+
+SPARE_CORES_PER_RANK = 4  # warm the next cell's spares during a run only where the ranks leave 3/4 of the cores idle
+
+
+def idle_cores(ranks: int) -> bool:
+    """Whether ``ranks`` local ranks leave most of this host's cores idle (a 16-core host with
+    a GPU or two: yes; 2 CPU ranks on 2 cores: no), so warming spares beside them costs the run nothing."""
+    return _cores() >= SPARE_CORES_PER_RANK * max(1, ranks)
 
 
 def rank_environment(

@@ -31,7 +31,8 @@ class Attempts:
 
     restarts: int = 0
     between: Callable[[int], None] = field(default=_nothing)  # attempt n failed and its processes are gone
-    running: Callable[[], None] = field(default=_nothing)  # every rank of an attempt has connected
+    # every rank of an attempt has connected; True when a failure would start the ranks again
+    running: Callable[[bool], None] = field(default=_nothing)
 
 
 def how(failure: RunError) -> str:

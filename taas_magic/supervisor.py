@@ -22,6 +22,7 @@ when the ranks end: workers still extracting then are stopped.
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import selectors
@@ -524,7 +525,7 @@ def run_ranks(
             group = start(attempt)
             try:
                 loop.attach(group)
-                loop.on_all_connected = attempts.running if attempt < attempts.restarts else None
+                loop.on_all_connected = functools.partial(attempts.running, attempt < attempts.restarts)
                 outcome = _watch(loop, timeout, explain)
                 if outcome is not None:
                     return outcome

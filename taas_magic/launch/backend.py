@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Protocol
 
-from ..rankenv import LOOPBACK, DevicePlan, plan_devices, rank_environment, reserve_port
+from ..rankenv import LOOPBACK, DevicePlan, idle_cores, plan_devices, rank_environment, reserve_port
 from .base import LaunchPlan, RankGroup
 from .local import LocalRankGroup
 from .placement import RankSlot
@@ -51,8 +51,9 @@ class Backend(Protocol):
     def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
         """Start the data workers through ``start`` (DataRun.start with the run's arguments bound)."""
 
-    def standby(self) -> None:
-        """An attempt is running and may fail (--restarts): have its restart's processes ready."""
+    def standby(self, may_restart: bool) -> None:
+        """Every rank of an attempt connected: ready what may come next while it runs (the
+        restart's processes when ``may_restart``, --restarts; perhaps the next cell's)."""
 
     def recover(self) -> None:
         """Before a restart: where a host of the run went away, place its ranks elsewhere
@@ -91,9 +92,16 @@ class LocalBackend:
     def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
         return start()
 
-    def standby(self) -> None:
-        if self._spares is not None:  # a restart then starts from warm spares too
+    def standby(self, may_restart: bool) -> None:
+        """Warm spares while the attempt runs: for its restart (--restarts), and for the next cell
+        when the ranks leave most of the host's cores idle (a GPU host's ranks compute on their
+        GPUs: a spare there takes seconds to warm, which a cell rerun a second later would wait for)."""
+        if self._spares is None:
+            return
+        if may_restart:
             self._spares.fill(len(self.slots), self._spare_gpus())
+        elif self._refill is not None and idle_cores(len(self.slots)):
+            self._spares.fill(self._refill(), self._spare_gpus())
 
     def _spare_gpus(self) -> int:
         """GPUs the spares for this run's ranks are bound to: rank k's spare to GPU k (0: CPU spares)."""
@@ -152,7 +160,7 @@ class ClusterBackend:
         print(f"taas: data {launch.worker_layout}", flush=True)
         return plane
 
-    def standby(self) -> None:
+    def standby(self, may_restart: bool) -> None:
         pass  # each host's agent starts its ranks again; the placement is held for the whole cell
 
     def recover(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import select
 import sys
 
 # What DDP construction imports, so a warm cell does not pay for it either, then what the
@@ -69,19 +70,31 @@ def warm_up(gpu: int | None = None) -> None:
         except Exception:  # noqa: BLE001 - a broken or absent torch: the cell will say so itself
             break
     else:
-        _first_step("cpu")
         if gpu is not None:
-            _bind(gpu)
+            _bind(gpu)  # the rank would make this context first thing: never wasted
+        if not cell_waiting():
+            _first_step("cpu")  # only while idle: a cell already waiting would wait for it
     _set_name(WAITING_NAME)
 
 
+def cell_waiting(fd: int = 0) -> bool:
+    """Whether a cell took this spare while it was still warming (its handshake waits on stdin)."""
+    try:
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
+
+
 def _bind(gpu: int) -> None:
-    """The rank this spare will be uses GPU ``gpu``: set it, make the context, take a first step there."""
+    """The rank this spare will be uses GPU ``gpu``: set it, make the context, and (while no cell
+    waits) take a first step there."""
     import torch
 
     try:
         torch.cuda.set_device(gpu)
-        _first_step(f"cuda:{gpu}")
+        torch.zeros(1, device=f"cuda:{gpu}")  # the context
+        if not cell_waiting():
+            _first_step(f"cuda:{gpu}")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the context stays; the step's blocks go back to the GPU
     except Exception:  # noqa: BLE001 - a GPU that cannot be bound now: the rank binds it itself (rank/devices.py)

@@ -3,7 +3,7 @@ import socket
 import pytest
 
 from taas_magic.errors import LaunchError
-from taas_magic.rankenv import RankChoice, choose_ranks, plan_devices, rank_environment, reserve_port
+from taas_magic.rankenv import RankChoice, choose_ranks, idle_cores, plan_devices, rank_environment, reserve_port
 
 
 def test_cpu_when_the_host_has_no_gpu():
@@ -87,3 +87,10 @@ def test_gpus_auto_with_device_cuda_on_a_cpu_host_fails_in_the_device_plan():
     choice = choose_ranks("auto", "cuda", 0)
     with pytest.raises(LaunchError, match="--device cuda"):
         plan_devices(choice.ranks, gpus_on_host=0, device="cuda")
+
+
+@pytest.mark.parametrize(("cores", "ranks", "idle"), [(16, 1, True), (16, 4, True), (16, 8, False), (2, 2, False),
+                                                      (2, 1, False), (96, 8, True)])
+def test_spares_warm_during_a_run_only_where_the_ranks_leave_most_cores_idle(monkeypatch, cores, ranks, idle):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    assert idle_cores(ranks) is idle
