@@ -174,7 +174,7 @@ class TaasMagics(Magics):
             run = self._plan(options, code, closure, packing, registered, data, backend, choice)
             return self._run(run)
         finally:
-            backend.release()  # whatever happened: ports, agents and GPUs given back, spares refilled
+            backend.release()  # whatever happened (idempotent): ports, agents and GPUs given back, spares refilled
 
     def _choose_ranks(self, options: PragmaOptions) -> tuple[PragmaOptions, RankChoice]:
         """``--gpus auto`` made a number, against this host's GPUs or the cluster's, before anything is held."""
@@ -248,6 +248,7 @@ class TaasMagics(Magics):
             record.seconds = time.monotonic() - started
             server.close()
             kill_tagged(f"{os.getpid()}-{run.spec.run_id}-")  # what the ranks and workers started and left
+            run.backend.release()  # no rank is left: the spares start warming now, not after the clean-up and the results
             remove_tree(stacks_dir)
             checkpoints.finished_run(run.checkpoints)
             for line in layers.report(run.rule.repository):

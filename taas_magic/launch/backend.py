@@ -60,7 +60,8 @@ class Backend(Protocol):
         (then ``master`` and ``slots`` may have changed: environments are made again)."""
 
     def release(self) -> None:
-        """Whatever happened: give back what the run held."""
+        """Whatever happened: give back what the run held (idempotent: the run releases as soon
+        as its ranks are gone, the cell again whatever happened)."""
 
 
 class LocalBackend:
@@ -111,6 +112,8 @@ class LocalBackend:
         pass  # this host is the kernel's: if it is gone, so is the run
 
     def release(self) -> None:
+        if self._port.fileno() == -1:
+            return  # released already
         self._port.close()
         if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
             self._spares.fill(self._refill(), self._spare_gpus())
@@ -138,6 +141,7 @@ class ClusterBackend:
         self.devices = DevicePlan("cuda", len(launch.slots), "nccl") if launch.has_cuda else CLUSTER_CPU
         self.slots = launch.slots
         self.listen_host = launch.kernel_address
+        self._released = False
 
     def layout(self) -> str | None:
         return "cluster: " + self._launch.layout()
@@ -177,6 +181,9 @@ class ClusterBackend:
         print("taas: cluster: " + self._launch.layout(), file=sys.stderr, flush=True)
 
     def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
         self._launch.release()  # agents killed, GPUs given back
 
 
