@@ -298,13 +298,16 @@ class _Loop:
                 return
         self.result = message
 
-    def _reply(self, peer: Peer, body: bytes) -> None:
+    def _reply(self, peer: Peer, body: bytes) -> bool:
+        """Send ``body`` to ``peer`` if it is connected (False if it is not)."""
         connection = self.connections.get(peer)
-        if connection is not None:
-            try:
-                connection.send(body)
-            except OSError:
-                pass  # it has exited; its exit code tells the rest
+        if connection is None:
+            return False
+        try:
+            connection.send(body)
+        except OSError:
+            pass  # it has exited; its exit code tells the rest
+        return True
 
     def _on_worker_frame(self, peer: Peer, kind: str, message) -> None:
         assert self.data is not None
@@ -324,13 +327,7 @@ class _Loop:
         for send in sends:
             peer = Peer(RANK if send.role == "rank" else WORKER, send.index)
             body = wire.encode_body(send.kind, wire.dumps(send.message))
-            connection = self.connections.get(peer)
-            if connection is not None:
-                try:
-                    connection.send(body)
-                except OSError:
-                    pass  # it has exited; its exit code tells the rest
-            elif peer not in self.exits:
+            if not self._reply(peer, body) and peer not in self.exits:
                 self.queued.setdefault(peer, []).append(body)
 
     def on_marker(self, peer: Peer, number: int) -> None:

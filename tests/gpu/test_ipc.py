@@ -89,11 +89,17 @@ def test_a_cuda_result_comes_back_device_to_device(new_kernel, expandable):
     assert _dead_torch_counter_files() <= before  # rank 0 left no ref-counter file behind
 
 
-@pytest.mark.parametrize("expandable", [False, True], ids=["plain", "expandable"])
-def test_a_captured_cuda_tensor_reaches_the_rank_device_to_device(new_kernel, expandable):
-    kernel = new_kernel(env={"PYTORCH_CUDA_ALLOC_CONF": ALLOC[expandable]})
+def _shipping(new_kernel, env: dict[str, str]):
+    """A kernel (CUDA initialised) whose notebook holds ``shipped``, N float32 on cuda:0, for a cell to capture."""
+    kernel = new_kernel(env=env)
     setup = kernel.execute(WARM + f"\nshipped = torch.arange({N}, device='cuda', dtype=torch.float32)")
     assert setup.reply["status"] == "ok", setup.error_text()
+    return kernel
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["plain", "expandable"])
+def test_a_captured_cuda_tensor_reaches_the_rank_device_to_device(new_kernel, expandable):
+    kernel = _shipping(new_kernel, {"PYTORCH_CUDA_ALLOC_CONF": ALLOC[expandable]})
     ran = kernel.execute(
         "#pragma taas --gpus 1\n"
         f"ok = bool((shipped == torch.arange({N}, device='cuda', dtype=torch.float32)).all())\n"
@@ -113,9 +119,7 @@ def test_a_captured_cuda_tensor_reaches_the_rank_device_to_device(new_kernel, ex
 
 
 def test_with_cuda_ipc_off_the_memory_file_serves_the_same_values(new_kernel):
-    kernel = new_kernel(env={"TAAS_CUDA_IPC": "0"})
-    setup = kernel.execute(WARM + f"\nshipped = torch.arange({N}, device='cuda', dtype=torch.float32)")
-    assert setup.reply["status"] == "ok", setup.error_text()
+    kernel = _shipping(new_kernel, {"TAAS_CUDA_IPC": "0"})
     ran = kernel.execute(
         "#pragma taas --gpus 1\n"
         f"print('RANK', shipped.device, bool((shipped == torch.arange({N}, device='cuda', dtype=torch.float32)).all()))\n"
