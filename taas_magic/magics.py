@@ -133,7 +133,7 @@ class TaasMagics(Magics):
         self.isolation = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
         self.spares = SparePool()
         if self.warm.isdigit():
-            self.spares.fill(int(self.warm), visible_gpu_count())
+            self.spares.fill(int(self.warm), visible_gpu_count(), visible_gpu_count())
         self.cluster: Cluster | None = None  # %taas cluster ADDRESS, or $TAAS_CLUSTER at load
         address = address_from_environment()
         if address is not None:
@@ -408,7 +408,7 @@ class TaasMagics(Magics):
                 self.spares.close()
                 print("taas: warm spares off")
             elif words[1].isdigit():
-                self.spares.fill(int(words[1]), visible_gpu_count())
+                self.spares.fill(int(words[1]), visible_gpu_count(), visible_gpu_count())
                 print(f"taas: keeping {words[1]} warm spare rank(s)")
             else:
                 print("taas: after each cell, keeping as many warm spares as its --gpus")

@@ -100,13 +100,17 @@ class LocalBackend:
         if self._spares is None:
             return
         if may_restart:
-            self._spares.fill(len(self.slots), self._spare_gpus())
+            self._fill(len(self.slots))
         elif self._refill is not None and idle_cores(len(self.slots)):
-            self._spares.fill(self._refill(), self._spare_gpus())
+            self._fill(self._refill())
 
     def _spare_gpus(self) -> int:
         """GPUs the spares for this run's ranks are bound to: rank k's spare to GPU k (0: CPU spares)."""
         return self.devices.gpus_on_host if self.devices.device == "cuda" else 0
+
+    def _fill(self, count: int) -> None:
+        assert self._spares is not None
+        self._spares.fill(count, self._spare_gpus(), self.devices.gpus_on_host)
 
     def recover(self) -> None:
         pass  # this host is the kernel's: if it is gone, so is the run
@@ -116,7 +120,7 @@ class LocalBackend:
             return  # released already
         self._port.close()
         if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
-            self._spares.fill(self._refill(), self._spare_gpus())
+            self._fill(self._refill())
 
 
 class ClusterBackend:

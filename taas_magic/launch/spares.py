@@ -14,10 +14,16 @@ than there are spares takes every spare that fits and starts only the rest fresh
 
 **Bound to a GPU.** On a host with GPUs, spare ``k`` is bound to GPU ``k`` while it waits
 (``torch.cuda.set_device(k)``, its CUDA context made and a first CUDA step taken), so it
-serves only rank ``k`` of a cell on the GPUs, started under the same
-``CUDA_VISIBLE_DEVICES``. That costs each spare its CUDA context in GPU memory (``%taas
-status`` shows it where ``nvidia-smi`` can tell). A CPU spare never touches CUDA, so it
-can serve a ``--device cpu`` cell, whose ranks see no GPU.
+serves only rank ``k`` of a cell on the GPUs. That costs each spare its CUDA context in GPU
+memory (``%taas status`` shows it where ``nvidia-smi`` can tell). On such a host a CPU
+spare starts with ``CUDA_VISIBLE_DEVICES=""``: it serves only ``--device cpu`` ranks, which
+must see no GPU, and its warm-up (an optimizer's first step asks whether CUDA is there)
+would otherwise start the CUDA driver with the GPUs in view, for good.
+
+What CUDA and torch read once at start-up (``CUDA_VISIBLE_DEVICES``, ``PYTORCH_CUDA_ALLOC_CONF``,
+``CUBLAS_WORKSPACE_CONFIG``, ...: every ``CUDA_*``, ``PYTORCH_*``, ``CUBLAS_*`` and ``TORCH_*``
+variable) is fixed in a spare when it imports: a spare serves a launch only while the
+kernel's values of those are the ones it started under.
 
 Spares die with the kernel: a spare blocks reading its stdin, whose write end only the
 kernel holds, and exits at end-of-file. ``%taas warm off`` and unloading the extension
@@ -40,20 +46,27 @@ SPARE_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare")
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+FROZEN_PREFIXES = ("CUDA_", "PYTORCH_", "CUBLAS_", "TORCH_")  # read once, when torch or CUDA starts
+
+
+def frozen_settings() -> dict[str, str]:
+    """The kernel's variables a spare fixes when it imports torch and starts CUDA."""
+    return {name: value for name, value in os.environ.items() if name.startswith(FROZEN_PREFIXES)}
+
+
 @dataclass
 class Spare:
     """One waiting (or still warming) spare: its process, the GPU it is bound to (None: CPU),
-    and the ``CUDA_VISIBLE_DEVICES`` it started under (GPU index ``gpu`` means a device of that list)."""
+    and the kernel's :func:`frozen_settings` when it started (GPU ``gpu`` is a device of that
+    ``CUDA_VISIBLE_DEVICES``)."""
 
     process: subprocess.Popen
     gpu: int | None
-    visible: str | None
+    settings: dict[str, str]
 
     def serves(self, gpu: int | None) -> bool:
         """Whether this spare can be rank ``gpu``'s process (a CPU rank's when ``gpu`` is None)."""
-        if gpu is None:
-            return self.gpu is None
-        return self.gpu == gpu and self.visible == os.environ.get("CUDA_VISIBLE_DEVICES")
+        return self.gpu == gpu and self.settings == frozen_settings()
 
     @property
     def ready(self) -> bool:
@@ -90,9 +103,10 @@ class SparePool:
             taken.append(match.process if match is not None else None)
         return taken
 
-    def fill(self, count: int, gpus: int = 0) -> None:
+    def fill(self, count: int, gpus: int = 0, host_gpus: int = 0) -> None:
         """Keep exactly the spares ranks ``0..count-1`` would take: bound to GPU ``k`` for
-        ``k < gpus``, CPU spares for the rest. Spares that serve none of them are stopped."""
+        ``k < gpus``, CPU spares for the rest (which see none of the host's ``host_gpus``).
+        Spares that serve none of them are stopped."""
         self._drop_dead()
         keep: list[Spare] = []
         missing: list[int | None] = []
@@ -107,7 +121,7 @@ class SparePool:
         _stop([spare.process for spare in spare_list])
         self.spares = keep
         for gpu in missing:
-            spare = _start(gpu)
+            spare = _start(gpu, hide_gpus=host_gpus > 0)
             if spare is None:
                 return  # the next cell starts fresh processes instead
             self.spares.append(spare)
@@ -155,16 +169,19 @@ class SparePool:
         self.spares = [spare for spare in self.spares if spare.process.poll() is None]
 
 
-def _start(gpu: int | None) -> Spare | None:
+def _start(gpu: int | None, hide_gpus: bool) -> Spare | None:
     command = SPARE_COMMAND if gpu is None else (*SPARE_COMMAND, "--gpu", str(gpu))
+    env = {**os.environ, **SINGLE_THREADED}
+    if gpu is None and hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU spare on a GPU host: for --device cpu ranks only
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, **SINGLE_THREADED}, cwd=os.getcwd(), start_new_session=True, close_fds=True,
+            env=env, cwd=os.getcwd(), start_new_session=True, close_fds=True,
         )
     except OSError:
         return None
-    return Spare(process, gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return Spare(process, gpu, frozen_settings())
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
