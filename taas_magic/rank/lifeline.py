@@ -180,10 +180,41 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+SWEEP_ROUNDS = 50  # at most this many passes, 5 ms apart (one that finds nothing below us ends it)
+
+
 def kill_descendants() -> None:
-    """SIGKILL everything this process started, directly or not (it is ending: so do they)."""
-    for pid in descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
+    """SIGKILL everything this process started, directly or not (it is ending: so do they).
+
+    Pass after pass, reaping our dead children in between, until a pass finds nothing at all
+    below us: an orphan re-parented to us (we are its subreaper) while a pass looked was below
+    a parent that exited meanwhile, so that pass saw only the parent, dead; the next one sees it."""
+    for _ in range(SWEEP_ROUNDS):
+        found = descendants(os.getpid())
+        for pid in found:
+            if not _dead(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        _reap_children()
+        if not found:
+            return
+        time.sleep(0.005)
+
+
+def _dead(pid: int) -> bool:
+    """A zombie (or gone): nothing left to kill."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def _reap_children() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass
+    except ChildProcessError:
+        pass

@@ -45,3 +45,73 @@ def test_already_exited_processes_need_no_signal():
     proc = _start("pass")
     proc.wait()
     assert stop_groups([proc]).signals == []
+
+
+
+SWEEPER = """
+import builtins, os, time
+from taas_magic.rank import lifeline
+
+lifeline.adopt_orphans()  # a child subreaper, as every rank is
+go_read, go_write = os.pipe()
+read, write = os.pipe()
+middle = os.fork()
+if middle == 0:  # a double fork: the daemon's parent exits, the daemon is re-parented to us
+    os.setsid()
+    daemon = os.fork()
+    if daemon == 0:
+        os.closerange(0, 3)  # holds no pipe of the test's: a survivor fails the assertion, not a timeout
+        time.sleep(60)
+        os._exit(0)
+    os.write(write, str(daemon).encode())
+    os.read(go_read, 1)
+    os._exit(0)
+daemon = int(os.read(read, 32))
+real_open, raced = builtins.open, []
+
+
+def state(pid):
+    try:
+        with real_open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return b"gone"
+
+
+def racing_open(path, *args, **kwargs):
+    # The sweep listed the middle process and now reads its children: it exits right now,
+    # so this read finds none and its daemon becomes our child after the pass listed ours.
+    if path == f"/proc/{middle}/task/{middle}/children" and not raced:
+        raced.append(True)
+        os.write(go_write, b"x")
+        while state(middle) not in (b"Z", b"gone"):
+            time.sleep(0.001)
+    return real_open(path, *args, **kwargs)
+
+
+builtins.open = racing_open
+lifeline.kill_descendants()
+builtins.open = real_open
+print(daemon, bool(raced), state(daemon).decode(), flush=True)
+"""
+
+
+def test_the_rank_sweep_finds_an_orphan_re_parented_while_it_looked():
+    """A double fork's daemon is below its parent until the parent exits, then the subreaper's own
+    child: a pass that listed the parent before it exited cannot see the daemon; the next pass must."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    ran = subprocess.run([sys.executable, "-c", SWEEPER], capture_output=True, text=True, timeout=60, check=True)
+    daemon, raced, state = ran.stdout.split()
+    assert raced == "True"  # the middle process really exited in the middle of a pass
+    try:
+        survivor = psutil.Process(int(daemon))
+        alive = survivor.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        alive = False
+    if alive:
+        survivor.kill()
+    assert state in ("Z", "gone") and not alive, f"the daemon {daemon} was left ({state})"
