@@ -11,7 +11,7 @@ by :func:`get_worker_info`, inside a rank, where it is already loaded.
   ``id=RANK`` and ``num_workers=WORLD_SIZE``; outside a rank, ``None``.
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
   restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py).
-- :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/board.py).
+- :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/output/board.py).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def report(step: Any = None, **metrics: Any) -> None:
     same code runs in a plain cell.
     """
     # Outside a rank there is nothing to do; inside one, the rank's bootstrap has put
-    # taas_magic.rank.reports.report here instead.
+    # taas_magic.output.reports.report here instead.
 
 
 def metrics() -> list[dict]:
@@ -167,4 +167,4 @@ def lightning_logger() -> Any:
     """
     from taas_magic.rank import lightning
 
-    return lightning.logger()
+    return lightning.logger(report)

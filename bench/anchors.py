@@ -34,7 +34,7 @@ import psutil
 if __name__ == "__main__":  # run as a script: the repository root holds the tests package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.kernel_client import Kernel  # noqa: E402 - after the path, when run as a script
+from tests.kernel_client import Kernel
 
 STEPS = 50
 

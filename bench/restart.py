@@ -148,7 +148,7 @@ waiting()
 
 
 def autopsy_seconds(repeats: int) -> list[float]:
-    from taas_magic import stacks
+    from taas_magic.autopsy import stacks
 
     with tempfile.TemporaryDirectory() as folder:
         paths = [os.path.join(folder, f"rank-{rank}") for rank in range(2)]

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from launch import flushed_line_latencies  # noqa: E402  the same 20 flushed lines as bench/launch.py
+
 from tests.kernel_client import Kernel  # noqa: E402
 
 FLOOD_CELL = """#pragma taas --gpus 2

@@ -13,8 +13,8 @@ _loaded: dict = {}
 
 
 def load_ipython_extension(ipython) -> None:
-    from .magics import TaasMagics
-    from .transformer import route_taas_cell
+    from taas_magic.cell.transformer import route_taas_cell
+    from taas_magic.kernel.magics import TaasMagics
 
     if _loaded.get("shell") is ipython:
         return
@@ -25,7 +25,7 @@ def load_ipython_extension(ipython) -> None:
 
 
 def unload_ipython_extension(ipython) -> None:
-    from .transformer import route_taas_cell
+    from taas_magic.cell.transformer import route_taas_cell
 
     magics = _loaded.get("magics")
     if magics is not None:

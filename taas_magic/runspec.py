@@ -1,4 +1,5 @@
-"""What every rank of a run receives before its closure: one frozen value, read by attribute.
+"""What every rank of a run receives before its closure: one frozen value, read by attribute,
+and the plan of each registered loader it reads (the arithmetic of its passes: feed/plan.py).
 
 The kernel builds it (magics.py) and sends it pickled in the authenticated ``spec``
 frame; the rank (rank/main.py) reads ``spec.source``, ``spec.device``, ... This module
@@ -8,7 +9,65 @@ imports nothing, so a rank pays nothing to unpickle it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+MAP = "map"
+ITERABLE = "iterable"
+
+
+@dataclass(frozen=True)
+class FeedPlan:
+    feed: int  # the loader's id in this run
+    name: str  # the notebook's name for it, for messages
+    kind: str  # MAP or ITERABLE
+    pass_length: int | None  # L, elements per pass of the loader (None: unknown)
+    units: int  # K
+    ranks: int  # N
+    workers: int  # M
+    shuffle: bool  # replayed passes get a new order each time
+    seed: int
+    ahead: int  # elements per rank that may wait before workers pause
+
+    # -- map-style arithmetic (L known): fresh passes are fixed in advance --------------
+    @property
+    def fresh_passes(self) -> int:
+        """F, the number of fresh passes of a map-style feed."""
+        assert self.pass_length is not None
+        return -(-self.units // self.pass_length)
+
+    def fresh_length(self, fresh_pass: int) -> int:
+        """Elements of fresh pass p that are delivered (a multiple of N)."""
+        assert self.pass_length is not None
+        extracted = min(self.pass_length, self.units - fresh_pass * self.pass_length)
+        return delivered_length(extracted, self.ranks)
+
+    def stream_offset(self, fresh_pass: int) -> int:
+        """Position of fresh pass p's first element among all delivered fresh elements."""
+        return fresh_pass * self.fresh_length(0)
+
+    def total_delivered(self) -> int:
+        passes = self.fresh_passes
+        return self.stream_offset(passes - 1) + self.fresh_length(passes - 1)
+
+    def describe(self) -> str:
+        length = "no len" if self.pass_length is None else f"{self.pass_length} per pass"
+        units = f"--units {self.units}"
+        if self.pass_length:
+            passes = self.units / self.pass_length
+            units += f" = {passes:g} pass" + ("" if passes == 1 else "es")
+        order = ", shuffled" if self.shuffle else ""
+        return f"{self.name} ({self.kind}, {length}{order}, {units})"
+
+
+def delivered_length(extracted: int, ranks: int) -> int:
+    return extracted // ranks * ranks
+
+
+@dataclass(frozen=True)
+class RankFeed:
+    """One registered loader as a rank receives it: its plan, and the loader itself pickled (read lazily)."""
+
+    plan: FeedPlan
+    original: bytes  # cloudpickle of the notebook's loader, for its attributes (len, dataset, batch_size)
 
 
 @dataclass(frozen=True)
@@ -24,5 +83,5 @@ class RunSpec:
     kernel_pid: int  # names the memory files, so a killed kernel's are swept
     result_file_bytes: int  # rank 0's results go through a memory file from this size
     cuda_ipc: bool = False  # CUDA tensors cross by CUDA IPC, both ways (same host, kernel CUDA ready: transfer/cudaipc.py)
-    feeds: tuple[Any, ...] = ()  # the registered loaders the cell uses (feed/run.py rank_feeds)
+    feeds: tuple[RankFeed, ...] = ()  # the registered loaders the cell uses (kernel/dataplane.py rank_feeds)
     cells: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # earlier cells' lines (cellcode.py)

@@ -3,13 +3,15 @@
 One module per job::
 
     plan.py         what a registered loader is (map-style or iterable), its passes, K
-    records.py      one element as a record in a cache segment (tensors as raw bytes)
+                    (the FeedPlan itself travels in the run's spec: runspec.py)
     segments.py     the run's cache directories (RAM, disk) and a worker's segment files
     extract.py      a worker's view of a loader: its own elements of each pass
     worker.py       the worker process (``python -m taas_magic.feed.worker``)
     coordinator.py  the kernel's bookkeeping: which element goes to which rank, replay,
                     backpressure; pure state, no I/O
     progress.py     the progress line in the cell
-    proxy.py        what the cell sees in a rank in place of the registered loader
-    run.py          the data side of one run, set up by the kernel before anything starts
+
+Elsewhere, by the flow: the data side of one run is set up by the kernel
+(kernel/dataplane.py); what the cell sees in a rank in place of the registered loader is
+rank/loaders.py; an element's record format is transfer/records.py.
 """

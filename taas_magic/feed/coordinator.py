@@ -25,7 +25,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import MAP, FeedPlan, delivered_length
+from taas_magic.runspec import MAP, FeedPlan, delivered_length
 
 END = -2
 OFFSET_BITS = 40

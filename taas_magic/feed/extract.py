@@ -24,7 +24,7 @@ import random
 import sys
 from typing import Any, Iterator
 
-from .plan import MAP, FeedPlan
+from taas_magic.runspec import MAP, FeedPlan
 
 
 def seed_worker(seed: int, worker: int) -> None:

@@ -21,61 +21,10 @@ cached fresh passes in turn, in a new order each time if the loader shuffles. El
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DataPlanError  # errors.py imports nothing heavy: ranks load this module too
-
-MAP = "map"
-ITERABLE = "iterable"
-
-
-@dataclass(frozen=True)
-class FeedPlan:
-    feed: int  # the loader's id in this run
-    name: str  # the notebook's name for it, for messages
-    kind: str  # MAP or ITERABLE
-    pass_length: int | None  # L, elements per pass of the loader (None: unknown)
-    units: int  # K
-    ranks: int  # N
-    workers: int  # M
-    shuffle: bool  # replayed passes get a new order each time
-    seed: int
-    ahead: int  # elements per rank that may wait before workers pause
-
-    # -- map-style arithmetic (L known): fresh passes are fixed in advance --------------
-    @property
-    def fresh_passes(self) -> int:
-        """F, the number of fresh passes of a map-style feed."""
-        assert self.pass_length is not None
-        return -(-self.units // self.pass_length)
-
-    def fresh_length(self, fresh_pass: int) -> int:
-        """Elements of fresh pass p that are delivered (a multiple of N)."""
-        assert self.pass_length is not None
-        extracted = min(self.pass_length, self.units - fresh_pass * self.pass_length)
-        return delivered_length(extracted, self.ranks)
-
-    def stream_offset(self, fresh_pass: int) -> int:
-        """Position of fresh pass p's first element among all delivered fresh elements."""
-        return fresh_pass * self.fresh_length(0)
-
-    def total_delivered(self) -> int:
-        passes = self.fresh_passes
-        return self.stream_offset(passes - 1) + self.fresh_length(passes - 1)
-
-    def describe(self) -> str:
-        length = "no len" if self.pass_length is None else f"{self.pass_length} per pass"
-        units = f"--units {self.units}"
-        if self.pass_length:
-            passes = self.units / self.pass_length
-            units += f" = {passes:g} pass" + ("" if passes == 1 else "es")
-        order = ", shuffled" if self.shuffle else ""
-        return f"{self.name} ({self.kind}, {length}{order}, {units})"
-
-
-def delivered_length(extracted: int, ranks: int) -> int:
-    return extracted // ranks * ranks
+from taas_magic.errors import DataPlanError
+from taas_magic.runspec import ITERABLE, MAP, FeedPlan
 
 
 def loader_kind(loader: Any) -> tuple[str, int | None, bool]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import secrets
 import time
 
-from ..relay import Publish
-from .coordinator import FeedCoordinator
+from taas_magic.feed.coordinator import FeedCoordinator
+from taas_magic.output.relay import Publish
 
 INTERVAL = 0.5
 

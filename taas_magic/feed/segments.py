@@ -15,8 +15,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ..tempdirs import ram_root, remove_tree, spill_root, sweep_orphans
-from . import records
+from taas_magic.tempdirs import ram_root, remove_tree, spill_root, sweep_orphans
+from taas_magic.transfer import records
 
 SEGMENT_BYTES = 64 << 20
 PREFIX = "taas-data-"

@@ -25,9 +25,9 @@ from typing import Any
 
 from taas_magic import wire
 from taas_magic.feed.extract import IterableSource, MapSource, make_source, seed_worker, set_worker_info
-from taas_magic.feed.plan import MAP, FeedPlan
 from taas_magic.feed.segments import CacheDirs, SegmentWriter
 from taas_magic.rank import startup
+from taas_magic.runspec import MAP, FeedPlan
 
 EXIT_FAILED = 1
 

@@ -29,13 +29,13 @@ import tempfile
 import threading
 import time
 
-from .. import wire
-from ..feed.segments import CacheDirs, SegmentWriter
-from ..procs import OWNER_VARIABLE, kill_tagged
-from ..rankenv import reserve_port, visible_gpu_count
-from ..tempdirs import remove_tree
-from .base import LaunchPlan
-from .local import LocalRankGroup
+from taas_magic import wire
+from taas_magic.feed.segments import CacheDirs, SegmentWriter
+from taas_magic.launch.base import LaunchPlan
+from taas_magic.launch.local import LocalRankGroup
+from taas_magic.launch.rankenv import reserve_port, visible_gpu_count
+from taas_magic.procs import OWNER_VARIABLE, kill_tagged
+from taas_magic.tempdirs import remove_tree
 
 STREAMS = ("stdout", "stderr")
 
@@ -149,7 +149,7 @@ class HostAgent:
     def publish(self, path: str, offset: int) -> bytes:
         """A record a data worker on this host prepared; Ray keeps the returned bytes in
         this node's object store and moves them to the node that asks for them."""
-        from ..feed.records import read_raw
+        from taas_magic.transfer.records import read_raw
 
         return read_raw(path, offset)
 

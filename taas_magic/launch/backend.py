@@ -19,11 +19,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Protocol
 
-from ..rankenv import LOOPBACK, DevicePlan, idle_cores, plan_devices, rank_environment, reserve_port
-from .base import LaunchPlan, RankGroup
-from .local import LocalRankGroup
-from .placement import RankSlot
-from .spares import SparePool
+from taas_magic.launch.base import LaunchPlan, RankGroup
+from taas_magic.launch.local import LocalRankGroup
+from taas_magic.launch.placement import RankSlot
+from taas_magic.launch.rankenv import LOOPBACK, DevicePlan, idle_cores, plan_devices, rank_environment, reserve_port
+from taas_magic.launch.spares import SparePool
 
 # A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster).
 CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
@@ -133,8 +133,8 @@ class ClusterBackend:
     def place(cls, cluster: Any, gpus: int, per_host: int | None, wait: float) -> "ClusterBackend":
         """Plan which hosts run which ranks and hold their GPUs (within ``wait`` seconds);
         raises, holding nothing, when the cluster cannot (launch/placement.py, launch/ray.py)."""
-        from .placement import plan_hosts
-        from .ray import ClusterLaunch
+        from taas_magic.launch.placement import plan_hosts
+        from taas_magic.launch.ray import ClusterLaunch
 
         shares = plan_hosts(cluster.nodes(), gpus, per_host)
         return cls(ClusterLaunch(cluster.ray, shares, wait, cluster.nodes), (cluster, gpus, per_host, wait))
@@ -172,7 +172,7 @@ class ClusterBackend:
         pass  # each host's agent starts its ranks again; the placement is held for the whole cell
 
     def recover(self) -> None:
-        from .placement import plan_hosts
+        from taas_magic.launch.placement import plan_hosts
 
         lost = self._launch.lost_hosts()
         if not lost:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from ..errors import RunError
+from taas_magic.errors import RunError
 
 
 class Courier:

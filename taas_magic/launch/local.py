@@ -19,10 +19,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..errors import LaunchError
-from ..procs import LADDER, RESTART_LADDER, kill_leftovers, reap, stop_groups
-from .base import LaunchPlan
-from .spares import SparePool, bindings
+from taas_magic.errors import LaunchError
+from taas_magic.launch.base import LaunchPlan
+from taas_magic.launch.spares import SparePool, bindings
+from taas_magic.procs import LADDER, RESTART_LADDER, kill_leftovers, reap, stop_groups
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
 WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
@@ -83,7 +83,7 @@ class LocalRankGroup:
 
     def __init__(self, ranks: list[LocalRank], stack_files: Sequence[str | None] = ()):
         self.ranks = ranks
-        self.stack_files = list(stack_files)  # where each rank's autopsy lands (rank/stacks.py)
+        self.stack_files = list(stack_files)  # where each rank's autopsy lands (autopsy/dump.py)
         self._closed = False
 
     @classmethod
@@ -132,7 +132,7 @@ class LocalRankGroup:
         return stop_groups([rank.process for rank in self.ranks], LADDER if graceful else RESTART_LADDER).signals
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
-        from ..stacks import take
+        from taas_magic.autopsy.stacks import take
 
         files = dict(enumerate(self.stack_files))
         return take({rank: (self.ranks[rank].process.pid, path) for rank in ranks if (path := files.get(rank))})

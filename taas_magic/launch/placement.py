@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import LaunchError
+from taas_magic.errors import LaunchError
 
 
 @dataclass(frozen=True)

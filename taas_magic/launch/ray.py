@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .. import wire
-from ..errors import LaunchError
-from .agent import HostAgent, channel_id
-from .base import LaunchPlan
-from .courier import Courier
-from .placement import HostShare, Node, RankSlot, describe_free, worker_blocks
+from taas_magic import wire
+from taas_magic.errors import LaunchError
+from taas_magic.launch.agent import HostAgent, channel_id
+from taas_magic.launch.base import LaunchPlan
+from taas_magic.launch.courier import Courier
+from taas_magic.launch.placement import HostShare, Node, RankSlot, describe_free, worker_blocks
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
 LOST_HOST_PATIENCE = 10.0  # seconds an agent may take to answer before its host counts as gone
@@ -373,7 +373,7 @@ class ClusterLaunch:
         an agent there (as ranks are); ``dirs`` is the data cache, made on those hosts."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from .local import WORKER_COMMAND
+        from taas_magic.launch.local import WORKER_COMMAND
 
         blocks = worker_blocks(self.nodes(), plan.world_size)
         remote_agent = self.ray.remote(HostAgent)

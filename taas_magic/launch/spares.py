@@ -38,8 +38,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..procs import reap, signal_group
-from ..rank.spare import WAITING_NAME
+from taas_magic.procs import reap, signal_group
+from taas_magic.rank.spare import WAITING_NAME
 
 SPARE_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare")
 # One thread while importing, so the spare stays single-threaded (rank/spare.py).

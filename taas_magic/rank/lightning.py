@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 
-def logger(base: type | None = None) -> Any:
-    """A Lightning logger whose ``log_metrics`` is ``taas.report``."""
+def logger(report: Callable[..., None], base: type | None = None) -> Any:
+    """A Lightning logger whose ``log_metrics`` is ``report`` (``taas.report`` where it is made)."""
     if base is None:
         from lightning.pytorch.loggers.logger import Logger as base
-    return _logger_class(base)()
+    made = _logger_class(base)()
+    made.report = report
+    return made
 
 
 @functools.cache
 def _logger_class(base: type) -> type:
-    import taas
-
     class TaasLogger(base):  # Lightning's Logger, chosen at run time
         """Lightning's metrics to the taas cell's live chart."""
+
+        report: Callable[..., None]
 
         @property
         def name(self) -> str:
@@ -41,12 +43,12 @@ def _logger_class(base: type) -> type:
             pass  # the chart draws metrics; hyperparameters are the cell's own loggers' business
 
         def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-            taas.report(step=step, **{name: value for name, value in metrics.items() if name != "epoch"})
+            self.report(step=step, **{name: value for name, value in metrics.items() if name != "epoch"})
 
     return TaasLogger
 
 
-def add_to_trainers(module: ModuleType) -> None:
+def add_to_trainers(module: ModuleType, report: Callable[..., None]) -> None:
     """Wrap ``module.Trainer.__init__`` so a Trainer that logs also logs to the chart."""
     from importlib import import_module
 
@@ -59,6 +61,6 @@ def add_to_trainers(module: ModuleType) -> None:
         original(self, *args, **kwargs)
         taas_logger = _logger_class(base)
         if kwargs.get("logger", True) is not False and not any(isinstance(each, taas_logger) for each in self.loggers):
-            self.loggers = [*self.loggers, taas_logger()]
+            self.loggers = [*self.loggers, logger(report, base)]
 
     trainer.__init__ = __init__

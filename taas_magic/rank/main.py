@@ -10,13 +10,14 @@ stdin. The rank then:
 2. receives the run spec and the closure (both verified before unpickling; the closure's
    tensor bytes are mapped from one shared memory file, not copied: transfer/);
 3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
-4. rank 0 sends back what the cell bound (rank/returns.py); a failing rank sends its traceback;
+4. rank 0 sends back what the cell bound (transfer/returns.py); a failing rank sends its traceback;
 5. exits through ``startup.finish`` (0, or 1 when the cell raised), so no atexit hook or
    non-daemon thread of the cell can hang the run.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import signal
@@ -24,11 +25,13 @@ import sys
 import types
 
 from taas_magic import wire
-from taas_magic.handoff import ReceivedClosure, receive_closure
-from taas_magic.rank import execute, lifeline, lightning, reports, returns, shell, stacks, startup
-from taas_magic.rank.import_hooks import when_imported
+from taas_magic.autopsy import dump as stacks
+from taas_magic.import_hooks import when_imported
+from taas_magic.output import reports
+from taas_magic.rank import execute, lifeline, lightning, shell, startup
 from taas_magic.runspec import RunSpec
-from taas_magic.transfer import cudaipc, memfile
+from taas_magic.transfer import cudaipc, memfile, returns
+from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
@@ -76,7 +79,8 @@ def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> typ
     shell.configure(module, (lambda kind, msg: channel.send(kind, wire.dumps(msg))) if forwards_display else None)
     when_imported("IPython", shell.on_ipython_import)
     for package in ("lightning.pytorch", "pytorch_lightning"):
-        when_imported(package, lightning.add_to_trainers)  # self.log(...) in the live chart
+        # self.log(...) in the live chart
+        when_imported(package, functools.partial(lightning.add_to_trainers, report=reports.report))
     if spec.device == "cuda":
         from taas_magic.rank.devices import bind_gpu
 
@@ -93,9 +97,9 @@ def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> typ
 def _load_closure(spec: RunSpec, channel: wire.BlockingChannel, received: ReceivedClosure) -> tuple[dict, dict]:
     """The closure's values, and the prepared loaders by feed index; reports and exits if they cannot load."""
     try:
-        from taas_magic.feed.proxy import prepared_loaders
+        from taas_magic.rank.loaders import prepared_loaders
 
-        loaders = prepared_loaders(list(spec.feeds), channel)
+        loaders = prepared_loaders(spec.feeds, channel)
         return received.load(loaders.__getitem__), loaders
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
@@ -122,7 +126,7 @@ def _run(spec: RunSpec, channel: wire.BlockingChannel, module: types.ModuleType)
 
 def _send_results(spec: RunSpec, channel: wire.BlockingChannel, namespace: dict, before: dict[str, int],
                   closure: dict, received: ReceivedClosure, loaders: dict, final: object) -> None:
-    """Rank 0: what the cell bound or changed, and its final value (rank/returns.py)."""
+    """Rank 0: what the cell bound or changed, and its final value (transfer/returns.py)."""
     private = shell.hidden_names() | {"get_ipython", "__builtins__"}
     names, deleted = returns.changed_names(namespace, before, private)
     has_final = final is not execute.NO_VALUE and not spec.suppress_final

@@ -21,7 +21,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-from taas_magic.relay import display_marker
+from taas_magic.output.relay import display_marker
 
 Forward = Callable[[str, dict], None]
 

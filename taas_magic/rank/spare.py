@@ -22,7 +22,7 @@ import sys
 # What DDP construction imports, so a warm cell does not pay for it either, then what the
 # rank itself imports once it has its cell (the closure loader, the cell's ``taas`` module).
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.distributed_c10d",
-                "taas", "taas_magic.feed.proxy", "taas_magic.rank.devices")
+                "taas", "taas_magic.rank.loaders", "taas_magic.rank.devices")
 
 
 namespace_ready = False  # a GPU spare for rank 1 or above entered its namespaces while single-threaded
@@ -53,11 +53,11 @@ def warm_up(gpu: int | None = None) -> None:
 
     A spare bound to GPU 1 or above will be rank 1 or above, which the write rule isolates:
     its CUDA context starts threads, after which ``unshare`` is refused, so it enters its
-    namespaces now (rank/isolation.py) and only mounts the overlay once a cell takes it.
+    namespaces now (writes/namespace.py) and only mounts the overlay once a cell takes it.
     """
     global namespace_ready
     if gpu is not None and gpu > 0:
-        from taas_magic.rank.isolation import IsolationUnavailable, enter_namespace
+        from taas_magic.writes.namespace import IsolationUnavailable, enter_namespace
 
         try:
             enter_namespace()

@@ -30,10 +30,10 @@ from taas_magic.rank import lifeline
 
 def isolate_writes(repository: str, layer: str, write_mode: str | None, who: str) -> None:
     """Divert this process's writes under the repository (overlay, else Python-level)."""
-    from taas_magic.rank import divert
+    from taas_magic.writes import divert
 
     if write_mode == "overlay":
-        from taas_magic.rank.isolation import IsolationUnavailable, divert_writes
+        from taas_magic.writes.namespace import IsolationUnavailable, divert_writes
 
         try:
             divert_writes(repository, layer, in_namespace=spare_namespace())

@@ -19,6 +19,10 @@ use the same three pieces:
 (torch's CUDA IPC handles in the frame, each receiver copying onto its own GPU), where the
 run offers it; any failure falls back to the memory file, which serves everything else.
 
+The kernel's and the rank's ends: ``handoff.py`` sends the closure and answers the ranks'
+requests for it; ``returns.py`` is rank 0 sending what the cell bound; ``results.py`` is the
+kernel binding it in the notebook. ``records.py`` is the data workers' element format.
+
 ``unwrap.py`` says which wrappers (DistributedDataParallel, ``torch.compile``'s
 OptimizedModule, FSDP) travel as the module they wrap.
 """

@@ -31,7 +31,7 @@ Contract:
   ends (the ranks are gone by then), so the kernel's storage is freed normally when the
   notebook drops it and never waits in torch's "limbo" for a consumer that died.
 
-Who falls back, and how (handoff.py, rank/returns.py, results.py):
+Who falls back, and how (handoff.py, transfer/returns.py, results.py):
 
 - Closure (kernel -> ranks): the kernel keeps its packing, hence every exported storage,
   until the cell ends. A rank that cannot open a handle (any exception: another device
@@ -62,8 +62,8 @@ import os
 import sys
 from typing import Any, Iterable, Sequence
 
-from ..tempdirs import SHM
-from .pack import Blob
+from taas_magic.tempdirs import SHM
+from taas_magic.transfer.pack import Blob
 
 VARIABLE = "TAAS_CUDA_IPC"  # "0" (or off/false/no): never use CUDA IPC; the memory file serves
 RELEASE_SECONDS = 60.0  # how long rank 0 keeps its exported tensors for the kernel's answer

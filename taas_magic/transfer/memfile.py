@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .. import tempdirs
-from ..tempdirs import SHM
-from ..wire import AuthenticationError
-from .pack import Blob
+from taas_magic import tempdirs
+from taas_magic.tempdirs import SHM
+from taas_magic.transfer.pack import Blob
+from taas_magic.wire import AuthenticationError
 
 ALIGN = 64
 CHUNK = 8 << 20

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import cloudpickle
 
-from .unwrap import same, unwrap
+from taas_magic.transfer.unwrap import same, unwrap
 
 # Objects whose identity never matters across names (immutable, or pickled by reference).
 _NO_IDENTITY = frozenset((

@@ -28,7 +28,7 @@ import sys
 import warnings
 from typing import Any, Callable, Sequence
 
-from .pack import Blob, Segment
+from taas_magic.transfer.pack import Blob, Segment
 
 FINAL = "<final value>"  # the segment holding the cell's final expression
 Resolve = Callable[[Any], Any]

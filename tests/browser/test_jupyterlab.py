@@ -29,7 +29,7 @@ pytest.importorskip("jupyterlab", reason="the browser test needs JupyterLab (pip
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
-from taas_magic.rankenv import AUTO_CPU_RANKS, visible_gpu_count  # noqa: E402
+from taas_magic.launch.rankenv import AUTO_CPU_RANKS, visible_gpu_count  # noqa: E402
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [

@@ -3,6 +3,7 @@ line with its straggler, a no-op outside a run, and a rank reporting 100,000 tim
 
 import re
 
+
 def _displays(ran, prefix: str) -> list[tuple[str, dict]]:
     """(message type, content) of the displays whose display_id starts with ``prefix``."""
     return [(message.type, message.content) for message in ran.messages

@@ -2,7 +2,7 @@
 
 import pytest
 
-from taas_magic.rankenv import visible_gpu_count
+from taas_magic.launch.rankenv import visible_gpu_count
 
 pytestmark = pytest.mark.skipif(visible_gpu_count() > 0, reason="the CPU host's behaviour; tests/gpu covers GPU hosts")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from taas_magic.rankenv import AUTO_CPU_RANKS, visible_gpu_count
+from taas_magic.launch.rankenv import AUTO_CPU_RANKS, visible_gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
 

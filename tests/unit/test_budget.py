@@ -1,6 +1,6 @@
 """The cell's output budget: head lines shown, the middle in a log, the tail at the end."""
 
-from taas_magic.budget import OutputBudget
+from taas_magic.output.budget import OutputBudget
 
 
 def _run(monkeypatch, tmp_path, chunks, **limits):

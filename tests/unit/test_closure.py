@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from taas_magic.closure import select_closure, serialise_closure
-from taas_magic.freenames import free_names
+from taas_magic.cell.closure import select_closure, serialise_closure
+from taas_magic.cell.freenames import free_names
 from taas_magic.errors import ClosureError
 
 

@@ -1,7 +1,7 @@
 """The kernel's data bookkeeping, driven as the workers and ranks would drive it."""
 
 from taas_magic.feed.coordinator import FeedCoordinator
-from taas_magic.feed.plan import ITERABLE, MAP, FeedPlan
+from taas_magic.runspec import ITERABLE, MAP, FeedPlan
 
 
 def _plan(kind=MAP, length=7, units=7, ranks=2, workers=2, shuffle=False, ahead=2):

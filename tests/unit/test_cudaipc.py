@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from taas_magic import wire
-from taas_magic.closure import serialise_closure
-from taas_magic.handoff import ClosureHandoff, answer_host_copy, closure_route, receive_closure
-from taas_magic.rank import returns
-from taas_magic.results import apply_results, cuda_line, take_device_copies
+from taas_magic.cell.closure import serialise_closure
+from taas_magic.kernel.supervisor import _Loop
 from taas_magic.runspec import RunSpec
-from taas_magic.supervisor import _Loop
-from taas_magic.transfer import cudaipc, memfile, unpack
+from taas_magic.transfer import cudaipc, memfile, returns, unpack
+from taas_magic.transfer.handoff import ClosureHandoff, answer_host_copy, closure_route, receive_closure
 from taas_magic.transfer.pack import pack
+from taas_magic.transfer.results import apply_results, cuda_line, take_device_copies
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only contract (a GPU host runs tests/gpu)")
 

@@ -5,7 +5,7 @@ import builtins
 
 import pytest
 
-from taas_magic.freenames import free_names
+from taas_magic.cell.freenames import free_names
 
 
 def free(source: str) -> set[str]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from taas_magic import wire
-from taas_magic.closure import serialise_closure
-from taas_magic.handoff import ClosureHandoff, receive_closure
+from taas_magic.cell.closure import serialise_closure
+from taas_magic.transfer.handoff import ClosureHandoff, receive_closure
 
 
 class _Frames:

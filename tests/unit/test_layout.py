@@ -10,8 +10,13 @@ def _modules() -> dict[str, ast.Module]:
     return {str(path.relative_to(PACKAGE.parent)): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
 
 
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def _imported(path: str, tree: ast.Module) -> set[str]:
-    """Absolute names of the taas_magic modules a module imports (relative imports resolved)."""
+    """The taas_magic modules a module imports: ``from taas_magic import wire`` names ``taas_magic.wire``."""
     package = path.removesuffix(".py").replace("/", ".").rsplit(".", 1)[0]
     found = set()
     for node in ast.walk(tree):
@@ -20,18 +25,74 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+            found.update(f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return {name for name in found if name.startswith("taas_magic")}
 
 
-def test_data_plane_imports_nothing_above_it():
-    upward = {"taas_magic.supervisor", "taas_magic.magics", "taas_magic.rank.main"}
+# The stages a cell flows through, in order; then the features that have a kernel half and a
+# rank half; under them all, the ground of contracts (the modules at the top of the package).
+STAGES = ["cell", "kernel", "launch", "feed", "rank"]
+FEATURES = ["transfer", "output", "autopsy", "writes"]
+GROUND_MOST = 10  # modules at the top level of taas_magic/, __init__.py included
+
+
+def _room(module: str) -> str:
+    """``cell``, ``kernel``, ..., ``transfer``, ...; ``ground`` for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else "ground"
+
+
+def _may_import(room: str) -> set[str]:
+    """A stage imports later stages and the features (the kernel also runs the cell stage); a
+    feature imports only the ground; the ground imports only itself."""
+    if room in STAGES:
+        later = set(STAGES[STAGES.index(room) + 1:]) | set(FEATURES) | {"ground"}
+        return later | ({"cell"} if room == "kernel" else set())
+    return {"ground"}
+
+
+def _module_name(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def test_the_rooms_are_the_stages_the_features_and_the_ground():
+    folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert folders == set(STAGES) | set(FEATURES), folders
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= GROUND_MOST, top
+
+
+def test_imports_run_down_the_floors():
+    upward = []
     for path, tree in _modules().items():
-        if path.startswith("taas_magic/feed/"):
-            assert not _imported(path, tree) & upward, (path, _imported(path, tree) & upward)
+        if path == "taas_magic/__init__.py":
+            continue  # the extension's entry point: it loads the magic (kernel) and the input transformer (cell)
+        room = _room(_module_name(path))
+        for name in _imported(path, tree):
+            target = _room(name)
+            if name != "taas_magic" and target != room and target not in _may_import(room):
+                upward.append(f"{path} ({room}) imports {name} ({target})")
+    assert not upward, upward
+
+
+def test_no_module_imports_itself_through_others():
+    modules = {_module_name(path): tree for path, tree in _modules().items()}
+    edges = {name: {target for target in _imported(name.replace(".", "/") + ".py", tree) if target in modules} - {name}
+             for name, tree in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        assert name not in path, "import cycle: " + " -> ".join(path[path.index(name):] + [name])
+        if name in done:
+            return
+        for target in edges[name]:
+            visit(target, path + [name])
+        done.add(name)
+
+    for name in modules:
+        visit(name, [])
 
 
 def test_temp_dir_helpers_and_prctl_are_written_once():
@@ -65,10 +126,10 @@ def test_no_function_is_longer_than_sixty_lines():
 
 def test_the_magic_and_the_supervisor_never_ask_which_backend():
     concrete = {"LocalRankGroup", "RayRankGroup", "LocalBackend", "ClusterBackend", "ClusterLaunch"}
-    supervisor = _modules()["taas_magic/supervisor.py"]
+    supervisor = _modules()["taas_magic/kernel/supervisor.py"]
     assert not {node.id for node in ast.walk(supervisor) if isinstance(node, ast.Name)} & concrete
-    assert not _imported("taas_magic/supervisor.py", supervisor) & {"taas_magic.launch.local", "taas_magic.launch.ray"}
-    magics = _modules()["taas_magic/magics.py"]
+    assert not _imported("taas_magic/kernel/supervisor.py", supervisor) & {"taas_magic.launch.local", "taas_magic.launch.ray"}
+    magics = _modules()["taas_magic/kernel/magics.py"]
     naming = [node.name for node in ast.walk(magics) if isinstance(node, ast.FunctionDef)
               and any(isinstance(n, ast.Name) and n.id in concrete for n in ast.walk(node))]
     assert naming == ["_backend"], naming  # the one place that chooses

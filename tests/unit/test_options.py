@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from traitlets import TraitError
 
-from taas_magic.magics import TaasMagics
-from taas_magic.pragma import OPTIONS, PragmaError, parse_options, usage
-from taas_magic.status import HELP, LINE_COMMANDS
+from taas_magic.cell.pragma import OPTIONS, PragmaError, parse_options, usage
+from taas_magic.kernel.magics import TaasMagics
+from taas_magic.kernel.status import HELP, LINE_COMMANDS
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

@@ -1,7 +1,7 @@
 import pytest
 
-from taas_magic.pragma import PragmaError, PragmaOptions, parse_cell, parse_options
-from taas_magic.transformer import route_taas_cell
+from taas_magic.cell.pragma import PragmaError, PragmaOptions, parse_cell, parse_options
+from taas_magic.cell.transformer import route_taas_cell
 
 VALID = [
     ("--gpus 8", PragmaOptions(gpus=8)),

@@ -3,7 +3,7 @@ import socket
 import pytest
 
 from taas_magic.errors import LaunchError
-from taas_magic.rankenv import RankChoice, choose_ranks, idle_cores, plan_devices, rank_environment, reserve_port
+from taas_magic.launch.rankenv import RankChoice, choose_ranks, idle_cores, plan_devices, rank_environment, reserve_port
 
 
 def test_cpu_when_the_host_has_no_gpu():

@@ -1,7 +1,7 @@
 import io
 
+from taas_magic.output.relay import OutputRelay, display_marker
 from taas_magic.peers import RANK, Peer, PeerIds
-from taas_magic.relay import OutputRelay, display_marker
 
 RANK_0, RANK_1 = Peer(RANK, 0), Peer(RANK, 1)
 

@@ -1,4 +1,4 @@
-"""taas.report in a rank (rank/reports.py): numbers and tensors become plain numbers, in order and
+"""taas.report in a rank (output/reports.py): numbers and tensors become plain numbers, in order and
 numbered as reported; a value whose copy to the host is still in flight holds back its report and
 the ones after it, never reorders them; flush waits for it. No CUDA needed: the copies in flight
 are :class:`reports.Staged` values with fake events."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from taas_magic import wire
-from taas_magic.rank import reports
+from taas_magic.output import reports
 
 
 class Channel:

@@ -10,10 +10,11 @@ import time
 import psutil
 import pytest
 
-from taas_magic import checkpoints, stacks
+from taas_magic import checkpoints
+from taas_magic.autopsy import stacks
 from taas_magic.errors import RankFailed, RunTimeout, WorkerFailed
+from taas_magic.kernel.restarts import how, refusal, restart_line
 from taas_magic.procs import kill_tagged
-from taas_magic.restarts import how, refusal, restart_line
 
 
 def _raised(line: int, kind: str = "ValueError") -> RankFailed:

@@ -134,7 +134,7 @@ def test_the_page_map_tells_pages_read_from_pages_written(tmp_path):
     import ctypes
     import mmap
 
-    from taas_magic.rank.returns import _pages_untouched
+    from taas_magic.transfer.returns import _pages_untouched
 
     path = tmp_path / "shipped"
     path.write_bytes(b"x" * (64 * mmap.PAGESIZE))

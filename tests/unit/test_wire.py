@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from taas_magic import wire
-from taas_magic.server import RankServer
+from taas_magic.kernel.server import RankServer
 
 
 class _Detonator:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import RankFailed, RunError, RunTimeout, WorkerFailed
+from taas_magic.errors import RankFailed, RunError, RunTimeout, WorkerFailed
 
 
 def _nothing(*_: object) -> None:

@@ -19,7 +19,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from .errors import LaunchError
+from taas_magic.errors import LaunchError
 
 LOOPBACK = "127.0.0.1"
 

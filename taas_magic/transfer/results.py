@@ -1,7 +1,7 @@
 """Rank 0's names -> the notebook namespace; its final expression -> the cell's ``Out``.
 
 The ``result`` frame (authenticated) holds the pickle's segments, where each tensor's
-bytes are, and the digests of the memory file rank 0 wrote (rank/returns.py). The
+bytes are, and the digests of the memory file rank 0 wrote (transfer/returns.py). The
 kernel maps that file shared, checks it, removes its name at once (the mapping keeps
 the pages, which are then the only copy) and builds every tensor on it. A tensor
 rank 0 left untouched is built on the kernel's own storage instead.
@@ -24,10 +24,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-from . import wire
-from .transfer import cudaipc, memfile, unpack
-from .transfer.pack import Packing
-from .wire import AuthenticationError
+from taas_magic import wire
+from taas_magic.transfer import cudaipc, memfile, unpack
+from taas_magic.transfer.pack import Packing
+from taas_magic.wire import AuthenticationError
 
 
 def _short(type_name: str) -> str:

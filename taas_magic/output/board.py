@@ -1,6 +1,6 @@
 """What the cell shows of a run while it trains: a live chart and a per-rank health line.
 
-Every rank sends what ``taas.report`` collected in batches (rank/reports.py). Here, in the
+Every rank sends what ``taas.report`` collected in batches (output/reports.py). Here, in the
 kernel, the :class:`Board` keeps every rank's reports and publishes two displays, each
 updated in place (``update_display_data``):
 
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from html import escape
 
-from .relay import Publish
+from taas_magic.output.relay import Publish
 
 CHART_SECONDS = 0.5
 HEALTH_SECONDS = 2.0

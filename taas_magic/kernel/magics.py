@@ -19,33 +19,34 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
-from . import checkpoints, stacks, wire
-from .board import Board
-from .budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
-from .cellcode import CellCode, earlier_cells, translate
-from .closure import select_closure, serialise_closure
-from .cluster import Cluster, address_from_environment
-from .errors import ClusterError, RunInterrupted
-from .feed.run import DataPlane, DataRun, default_cache_ram, describe_registered
-from .handoff import HANDOFF_BYTES, ClosureHandoff, closure_route
-from .isolation import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
-from .launch.backend import Backend, ClusterBackend, LocalBackend, rank_environments
-from .launch.base import LaunchPlan, RankGroup
-from .launch.spares import SparePool
-from .peers import Peer, PeerIds
-from .pragma import MAX_RESTARTS, PragmaOptions, parse_cell, parse_size
-from .procs import OWNER_VARIABLE, kill_tagged
-from .rankenv import RankChoice, choose_ranks, visible_gpu_count
-from .relay import OutputRelay
-from .restarts import Attempts
-from .results import apply_results
-from .runspec import RunSpec
-from .server import RankServer
-from .status import LastRun, header_line, help_text, status_text
-from .supervisor import RunOutcome, run_ranks
-from .tempdirs import remove_tree
-from .transfer import cudaipc, memfile
-from .transfer.pack import Packing
+from taas_magic import checkpoints, wire
+from taas_magic.autopsy import stacks
+from taas_magic.cell.cellcode import CellCode, earlier_cells, translate
+from taas_magic.cell.closure import select_closure, serialise_closure
+from taas_magic.cell.pragma import MAX_RESTARTS, PragmaOptions, parse_cell, parse_size
+from taas_magic.errors import ClusterError, RunInterrupted
+from taas_magic.kernel.cluster import Cluster, address_from_environment
+from taas_magic.kernel.dataplane import DataPlane, DataRun, default_cache_ram, describe_registered
+from taas_magic.kernel.restarts import Attempts
+from taas_magic.kernel.server import RankServer
+from taas_magic.kernel.status import LastRun, header_line, help_text, status_text
+from taas_magic.kernel.supervisor import RunOutcome, run_ranks
+from taas_magic.launch.backend import Backend, ClusterBackend, LocalBackend, rank_environments
+from taas_magic.launch.base import LaunchPlan, RankGroup
+from taas_magic.launch.rankenv import RankChoice, choose_ranks, visible_gpu_count
+from taas_magic.launch.spares import SparePool
+from taas_magic.output.board import Board
+from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
+from taas_magic.output.relay import OutputRelay
+from taas_magic.peers import Peer, PeerIds
+from taas_magic.procs import OWNER_VARIABLE, kill_tagged
+from taas_magic.runspec import RunSpec
+from taas_magic.tempdirs import remove_tree
+from taas_magic.transfer import cudaipc, memfile
+from taas_magic.transfer.handoff import HANDOFF_BYTES, ClosureHandoff, closure_route
+from taas_magic.transfer.pack import Packing
+from taas_magic.transfer.results import apply_results
+from taas_magic.writes.rule import MODES, OVERLAY, ScratchLayers, WriteRule, choose_rule, find_repository, probe_overlay
 
 INLINE_ALWAYS = 1 << 62  # a threshold no closure reaches: its bytes travel in the frames
 
@@ -207,7 +208,7 @@ class TaasMagics(Magics):
             run_id=run_id, sys_path=tuple(sys.path), source=code.source, display_source=code.display_source,
             filename=code.filename, device=backend.devices.device, output=options.output or self.output,
             suppress_final=code.suppress_final, kernel_pid=os.getpid(), result_file_bytes=file_bytes,
-            feeds=tuple(data.rank_feeds()) if data is not None else (), cells=earlier_cells(self._shell, packing.skeleton),
+            feeds=data.rank_feeds() if data is not None else (), cells=earlier_cells(self._shell, packing.skeleton),
             # CUDA tensors by CUDA IPC: only among processes of this host on its GPUs, the kernel's CUDA in use
             cuda_ipc=backend.memory_files and backend.devices.device == "cuda" and cudaipc.kernel_ready(),
         )

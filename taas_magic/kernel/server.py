@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from . import wire
-from .rankenv import LOOPBACK
+from taas_magic import wire
+from taas_magic.launch.rankenv import LOOPBACK
 
 
 @dataclass

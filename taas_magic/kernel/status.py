@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .pragma import OPTIONS, PragmaOptions
-from .rankenv import DevicePlan
+from taas_magic.cell.pragma import OPTIONS, PragmaOptions
+from taas_magic.launch.rankenv import DevicePlan
 
 LINE_COMMANDS = (
     ("%taas status", "the last run, the devices seen, the defaults, the write rule"),

@@ -18,9 +18,9 @@ import collections
 import threading
 from typing import Any
 
-from .. import wire
-from .plan import MAP, FeedPlan
-from .records import SegmentReader
+from taas_magic import wire
+from taas_magic.runspec import MAP, FeedPlan, RankFeed
+from taas_magic.transfer.records import SegmentReader
 
 CREDIT = 4  # elements a rank asks for ahead of the one it is consuming
 
@@ -112,9 +112,9 @@ class PreparedLoader:
         return f"<taas prepared loader {self._plan.describe()}>"
 
 
-def prepared_loaders(feeds: list[dict], channel: wire.BlockingChannel) -> dict[int, PreparedLoader]:
+def prepared_loaders(feeds: tuple[RankFeed, ...], channel: wire.BlockingChannel) -> dict[int, PreparedLoader]:
     """Feed index -> the :class:`PreparedLoader` the closure's ``("taas-feed", i)`` resolves to."""
     if not feeds:
         return {}
     client = FeedClient(channel)
-    return {feed["plan"].feed: PreparedLoader(feed["plan"], feed["original"], client) for feed in feeds}
+    return {feed.plan.feed: PreparedLoader(feed.plan, feed.original, client) for feed in feeds}

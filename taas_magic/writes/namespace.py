@@ -88,7 +88,7 @@ def divert_writes(repository: str, scratch: str, in_namespace: bool = False) -> 
     mount_overlay(repository, scratch)
 
 
-if __name__ == "__main__":  # the kernel's probe: python -m taas_magic.rank.isolation LOWER SCRATCH
+if __name__ == "__main__":  # the kernel's probe: python -m taas_magic.writes.namespace LOWER SCRATCH
     import sys
 
     try:

@@ -4,7 +4,7 @@
 GIL: it walks every thread's frames and writes them to a file descriptor. So a rank blocked
 in C code that holds the GIL (a collective, a C extension) still answers, where anything
 written in Python (a thread, a signal handler) would wait forever. The kernel's half is
-``taas_magic/stacks.py``; the file is owner-only, named by the kernel in the rank's
+``taas_magic/autopsy/stacks.py``; the file is owner-only, named by the kernel in the rank's
 environment (``TAAS_STACKS_FILE``). A ``main 0x...`` line names the main thread, written
 once the handler is armed, so the kernel signals only a rank that will answer.
 """

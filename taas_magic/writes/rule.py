@@ -3,7 +3,7 @@
 The repository is, in order: what ``%taas config repo PATH`` set, the ``TAAS_REPO``
 environment variable, the top of the git work tree holding the kernel's working
 directory, or that directory itself. Ranks other than 0 get a private scratch layer
-each (rank/isolation.py mounts it over the repository); the layers are read for the
+each (writes/namespace.py mounts it over the repository); the layers are read for the
 report and removed when the cell ends.
 
 Whether this host allows the overlay is probed once per kernel, in a throwaway process.
@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .tempdirs import remove_tree, sweep_orphans
+from taas_magic.tempdirs import remove_tree, sweep_orphans
 
 OVERLAY = "overlay"
 PYTHON = "python"
@@ -47,7 +47,7 @@ def probe_overlay() -> str | None:
     lower, scratch = tempfile.mkdtemp(prefix="taas-probe-"), tempfile.mkdtemp(prefix="taas-probe-")
     try:
         run = subprocess.run(
-            [sys.executable, "-m", "taas_magic.rank.isolation", lower, scratch],
+            [sys.executable, "-m", "taas_magic.writes.namespace", lower, scratch],
             capture_output=True, text=True, timeout=30,
         )
     finally:

@@ -1,7 +1,7 @@
 """The hang autopsy: where every rank still running is, when ``--timeout`` fires or the cell is interrupted.
 
-Each rank arms Python's faulthandler on :data:`~taas_magic.rank.stacks.STACK_SIGNAL`
-(rank/stacks.py), which dumps every thread's frames from C, without the GIL, so a rank
+Each rank arms Python's faulthandler on :data:`~taas_magic.autopsy.dump.STACK_SIGNAL`
+(autopsy/dump.py), which dumps every thread's frames from C, without the GIL, so a rank
 blocked in C code holding it answers too. Here, on the host of the ranks (the kernel, or a
 cluster host's agent), :func:`take` signals every armed rank and collects the dumps within
 a deadline; then, in the kernel, :func:`describe` shows each rank's stacks with the cell's
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from .rank.stacks import MAIN_PREFIX, STACK_SIGNAL
-from .tempdirs import spill_root, sweep_orphans
+from taas_magic.autopsy.dump import MAIN_PREFIX, STACK_SIGNAL
+from taas_magic.tempdirs import spill_root, sweep_orphans
 
 DIR_PREFIX = "taas-stacks-"
 ANSWER_SECONDS = 1.0  # at most this long for the dumps (the issue's budget is 2 s per stop)

@@ -209,7 +209,7 @@ class Diversion:
 
 def install(repository: str, layer: str) -> Diversion:
     """Divert this process's Python-level writes under ``repository`` into ``layer``."""
-    from taas_magic.rank.import_hooks import when_imported
+    from taas_magic.import_hooks import when_imported
 
     diversion = Diversion(repository, layer)
     builtins.open = io.open = diversion.open

@@ -16,8 +16,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ClusterError
-from .launch.placement import Node
+from taas_magic.errors import ClusterError
+from taas_magic.launch.placement import Node
 
 ENV_VAR = "TAAS_CLUSTER"
 INSTALL_HINT = 'the cluster mode needs Ray: pip install "taas-magic[ray]"'

@@ -26,8 +26,8 @@ import re
 import time
 from typing import IO, Callable
 
-from .budget import OutputBudget
-from .peers import RANK, Peer, PeerIds
+from taas_magic.output.budget import OutputBudget
+from taas_magic.peers import RANK, Peer, PeerIds
 
 RANK_0 = Peer(RANK, 0)
 

@@ -34,9 +34,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import wire
-from .transfer import cudaipc, memfile, unpack
-from .transfer.pack import Packing
+from taas_magic import wire
+from taas_magic.transfer import cudaipc, memfile, unpack
+from taas_magic.transfer.pack import Packing
 
 HANDOFF_BYTES = memfile.INLINE_BYTES
 _LIVE: dict[str, "ClosureHandoff"] = {}  # run id -> the handoff whose CUDA tensors ranks may ask for in host memory

@@ -14,7 +14,7 @@ are re-imported in the ranks; tensor and array bytes travel beside the pickle, n
 
 Loaders registered with ``taas.register`` are *externals*: wherever the closure reaches
 one (a name, a dict of loaders, a function's default), it is pickled as a reference
-``("taas-feed", i)`` that the rank resolves to its prepared loader (feed/proxy.py).
+``("taas-feed", i)`` that the rank resolves to its prepared loader (rank/loaders.py).
 Which externals were reached is how the kernel knows which loaders the cell uses.
 """
 
@@ -24,9 +24,9 @@ import ast
 import re
 from typing import Any, Mapping, Sequence
 
-from .errors import ClosureError
-from .freenames import free_names
-from .transfer.pack import Packing, pack
+from taas_magic.cell.freenames import free_names
+from taas_magic.errors import ClosureError
+from taas_magic.transfer.pack import Packing, pack
 
 _IPYTHON_PRIVATE = re.compile(r"^_+$|^_i+$|^_i?\d+$|^__.*__$")
 

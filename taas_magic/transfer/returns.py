@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from taas_magic import wire
-from taas_magic.handoff import ReceivedClosure, segment_digests
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile
+from taas_magic.transfer.handoff import ReceivedClosure, segment_digests
 from taas_magic.transfer.pack import Packing, Segment, pack
 from taas_magic.transfer.unpack import FINAL
 

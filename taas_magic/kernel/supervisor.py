@@ -31,19 +31,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
-from . import wire
-from .board import Board
-from .errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
-from .feed.coordinator import Send
-from .feed.run import DataPlane
-from .handoff import answer_host_copy
-from .launch.base import RankGroup
-from .peers import RANK, WORKER, Peer, PeerIds
-from .relay import OutputRelay, Publish
-from .restarts import Attempts, refusal, restart_line
-from .results import take_device_copies
-from .server import PendingPeer, RankConnection, RankServer
-from .transfer import cudaipc
+from taas_magic import wire
+from taas_magic.errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
+from taas_magic.feed.coordinator import Send
+from taas_magic.kernel.dataplane import DataPlane
+from taas_magic.kernel.restarts import Attempts, refusal, restart_line
+from taas_magic.kernel.server import PendingPeer, RankConnection, RankServer
+from taas_magic.launch.base import RankGroup
+from taas_magic.output.board import Board
+from taas_magic.output.relay import OutputRelay, Publish
+from taas_magic.peers import RANK, WORKER, Peer, PeerIds
+from taas_magic.transfer import cudaipc
+from taas_magic.transfer.handoff import answer_host_copy
+from taas_magic.transfer.results import take_device_copies
 
 POLL_SECONDS = 0.05
 COURIER_POLL_SECONDS = 0.005

@@ -10,7 +10,7 @@ Every other cell passes through untouched.
 
 from __future__ import annotations
 
-from .pragma import is_pragma_line
+from taas_magic.cell.pragma import is_pragma_line
 
 MAGIC_LINE = "%%taas\n"
 

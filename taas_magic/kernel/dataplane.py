@@ -17,18 +17,19 @@ from typing import Any, Callable, Mapping
 
 import cloudpickle
 
-from .. import wire
-from ..isolation import WriteRule
-from ..launch.base import LaunchPlan, RankGroup
-from ..launch.local import WORKER_COMMAND, LocalRankGroup
-from ..peers import WORKER, Peer, PeerIds
-from ..procs import OWNER_VARIABLE
-from ..relay import Publish
-from ..tempdirs import ram_root
-from .coordinator import FeedCoordinator
-from .plan import FeedPlan, loader_kind, plan_feed
-from .progress import ProgressLine
-from .segments import SEGMENT_BYTES, CacheDirs
+from taas_magic import wire
+from taas_magic.feed.coordinator import FeedCoordinator
+from taas_magic.feed.plan import loader_kind, plan_feed
+from taas_magic.feed.progress import ProgressLine
+from taas_magic.feed.segments import SEGMENT_BYTES, CacheDirs
+from taas_magic.launch.base import LaunchPlan, RankGroup
+from taas_magic.launch.local import WORKER_COMMAND, LocalRankGroup
+from taas_magic.output.relay import Publish
+from taas_magic.peers import WORKER, Peer, PeerIds
+from taas_magic.procs import OWNER_VARIABLE
+from taas_magic.runspec import FeedPlan, RankFeed
+from taas_magic.tempdirs import ram_root
+from taas_magic.writes.rule import WriteRule
 
 MIN_SEGMENT_BYTES = 1 << 20
 DEFAULT_CACHE_RAM = 4 << 30
@@ -100,9 +101,9 @@ class DataRun:
         self.seed = seed
         self.dirs: CacheDirs | None = None
 
-    def rank_feeds(self) -> list[dict]:
-        """What each rank needs to build its prepared loaders (spec["feeds"])."""
-        return [{"plan": plan, "original": self.originals[plan.feed]} for plan in self.plans]
+    def rank_feeds(self) -> tuple[RankFeed, ...]:
+        """What each rank needs to build its prepared loaders (``spec.feeds``)."""
+        return tuple(RankFeed(plan, self.originals[plan.feed]) for plan in self.plans)
 
     def header(self) -> str:
         plural = "s" if self.workers != 1 else ""

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from IPython.core.displayhook import DisplayHook
 from IPython.core.inputtransformer2 import TransformerManager
 
-from .errors import TaasError
-from .transformer import route_taas_cell
+from taas_magic.cell.transformer import route_taas_cell
+from taas_magic.errors import TaasError
 
 
 @dataclass(frozen=True)

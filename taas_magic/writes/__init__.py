@@ -1,0 +1,1 @@
+"""Only rank 0 writes to the repository: the kernel's rule and report (rule.py), the rank's namespace and overlay (namespace.py), and the Python fallback (divert.py)."""
