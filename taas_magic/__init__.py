@@ -7,12 +7,17 @@ removes all of it. This module imports nothing heavy: ranks import the package t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
+
 __version__ = "0.1.0"
 
-_loaded: dict = {}
+_loaded: dict[str, Any] = {}
 
 
-def load_ipython_extension(ipython) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     from taas_magic.cell.transformer import route_taas_cell
     from taas_magic.kernel.magics import TaasMagics
 
@@ -24,7 +29,7 @@ def load_ipython_extension(ipython) -> None:
     _loaded.update(shell=ipython, magics=magics)
 
 
-def unload_ipython_extension(ipython) -> None:
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
     from taas_magic.cell.transformer import route_taas_cell
 
     magics = _loaded.get("magics")

@@ -28,6 +28,7 @@ Every class defines ``__reduce__`` so it survives pickling.
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 
 class TaasError(Exception):
@@ -47,7 +48,7 @@ class ClosureError(TaasError):
         )
         self.name, self.type_name, self.reason = name, type_name, reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.name, self.type_name, self.reason))
 
 
@@ -55,7 +56,7 @@ class DataPlanError(TaasError):
     """The registered loaders cannot serve this run as asked (no ``len()`` and no ``--units``,
     fewer elements than ranks); nothing was launched."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), self.args)
 
 
@@ -63,14 +64,14 @@ class ClusterError(TaasError):
     """``%taas cluster`` (or ``$TAAS_CLUSTER``) cannot attach: Ray is not installed, or no
     cluster answers at the address; the kernel keeps the mode it had."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), self.args)
 
 
 class LaunchError(TaasError):
     """The ranks could not be started; nothing is left running."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), self.args)
 
 
@@ -129,7 +130,7 @@ class RankFailed(RunError):
         self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
         self.signature = signature  # a Python exception's (type, innermost notebook file, line): restarts.py
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines, self.signature))
 
     def _render_traceback_(self) -> list[str]:
@@ -152,7 +153,7 @@ class WorkerFailed(RunError):
         self.worker, self.host, self.summary = worker, host, summary
         self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.worker, self.host, self.summary, self.traceback_text, self.last_lines))
 
     @classmethod
@@ -191,7 +192,7 @@ class RunTimeout(RunError):
         )
         self.timeout, self.running = timeout, tuple(running)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.timeout, self.running))
 
 
@@ -207,7 +208,7 @@ class RunInterrupted(KeyboardInterrupt):
     def _render_traceback_(self) -> list[str]:
         return ["KeyboardInterrupt"]
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), self.args)
 
 

@@ -11,7 +11,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 
 class _CallbackLoader(importlib.abc.Loader):
@@ -19,14 +19,14 @@ class _CallbackLoader(importlib.abc.Loader):
         self._loader = loader
         self._callback = callback
 
-    def create_module(self, spec):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         self._callback(module)
 
-    def __getattr__(self, name: str):  # get_data, is_package, ... for importlib.resources & co
+    def __getattr__(self, name: str) -> Any:  # get_data, is_package, ... for importlib.resources & co
         return getattr(self._loader, name)
 
 
@@ -34,7 +34,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self.callbacks: dict[str, Callable[[ModuleType], None]] = {}
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None,
+                  ) -> importlib.machinery.ModuleSpec | None:
         callback = self.callbacks.pop(fullname, None)
         if callback is None:
             return None

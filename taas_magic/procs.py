@@ -61,7 +61,7 @@ def reap(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def stop_groups(procs: Sequence[subprocess.Popen], ladder=LADDER) -> StopReport:
+def stop_groups(procs: Sequence[subprocess.Popen], ladder: Sequence[tuple[signal.Signals, float]] = LADDER) -> StopReport:
     """Stop every process group in ``procs``; return what it took."""
     report = StopReport()
     for sig, grace in ladder:

@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import tempfile
+from typing import Callable
 
 SHM = "/dev/shm"
 
@@ -39,7 +40,7 @@ def memory_dir(size: int) -> str:
 def remove_tree(path: str) -> None:
     """rmtree that also clears overlayfs's mode-000 work directories."""
 
-    def make_writable_and_retry(function, target, _excinfo):
+    def make_writable_and_retry(function: Callable[[str], object], target: str, _excinfo: object) -> None:
         parent = os.path.dirname(target)
         for item in (parent, target):
             try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.inputtransformer2 import TransformerManager
+from IPython.core.interactiveshell import InteractiveShell
 
 from taas_magic.cell.transformer import route_taas_cell
 from taas_magic.errors import TaasError
@@ -29,7 +30,7 @@ class CellCode:
     suppress_final: bool  # the cell ends with ';', as IPython's displayhook honours
 
 
-def _transformer_manager(shell) -> TransformerManager:
+def _transformer_manager(shell: InteractiveShell) -> TransformerManager:
     manager = TransformerManager()
     own = shell.input_transformer_manager
     manager.cleanup_transforms = [t for t in own.cleanup_transforms if t is not route_taas_cell]
@@ -38,7 +39,7 @@ def _transformer_manager(shell) -> TransformerManager:
     return manager
 
 
-def translate(shell, display_source: str) -> CellCode:
+def translate(shell: InteractiveShell, display_source: str) -> CellCode:
     """Translate the cell's IPython syntax to Python and parse it.
 
     Raises:
@@ -56,7 +57,7 @@ def translate(shell, display_source: str) -> CellCode:
     return CellCode(display_source, source, tree, filename, DisplayHook.semicolon_at_end_of_expression(source))
 
 
-def earlier_cells(shell, pickled: bytes) -> dict[str, tuple[int, list[str]]]:
+def earlier_cells(shell: InteractiveShell, pickled: bytes) -> dict[str, tuple[int, list[str]]]:
     """The notebook cells whose code the pickle carries: file name -> (execution count, lines).
 
     A function defined in ``In[3]`` keeps that cell's file name as its code's filename;

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import sys
+from types import ModuleType
 from typing import Any, Iterator
 
 from taas_magic.runspec import MAP, FeedPlan
@@ -37,7 +38,7 @@ def seed_worker(seed: int, worker: int) -> None:
         numpy.random.seed((seed + worker) % 2**32)
 
 
-def _data_module():
+def _data_module() -> ModuleType | None:
     return sys.modules.get("torch.utils.data")
 
 

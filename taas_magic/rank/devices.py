@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from types import ModuleType
+from typing import Any, Callable
 
 
 def bind_gpu() -> None:
@@ -32,7 +33,7 @@ def serve_nccl_with_gloo(dist: ModuleType) -> None:
             continue
 
         @functools.wraps(original)
-        def wrapper(*args, __original=original, **kwargs):
+        def wrapper(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
             if "backend" in kwargs:
                 kwargs["backend"] = _cpu_backend(kwargs["backend"])
             elif args and __original.__name__ == "init_process_group":

@@ -25,6 +25,7 @@ import select
 import signal
 import threading
 import time
+from typing import IO
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -136,7 +137,7 @@ def die_with_parent(parent_pid: int) -> None:
         kill_own_group()
 
 
-def flush_periodically(stream, interval: float) -> None:
+def flush_periodically(stream: IO[str], interval: float) -> None:
     """Flush ``stream`` every ``interval`` seconds from a daemon thread (output stays live)."""
 
     def flush() -> None:

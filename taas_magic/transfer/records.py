@@ -33,7 +33,7 @@ def aligned(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _raw_tensor(obj: Any):
+def _raw_tensor(obj: Any) -> Any:
     """The uint8 view of a plain dense CPU tensor's data, or None to pickle it in-band."""
     torch = sys.modules.get("torch")
     if torch is None or type(obj) is not torch.Tensor:
@@ -44,7 +44,7 @@ def _raw_tensor(obj: Any):
     return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
 
 
-def _raw_array(obj: Any):
+def _raw_array(obj: Any) -> Any:
     numpy = sys.modules.get("numpy")
     if numpy is None or type(obj) is not numpy.ndarray or obj.dtype.hasobject:
         return None
@@ -63,7 +63,7 @@ class _SkeletonPickler(pickle.Pickler):
         self.size = aligned(offset + nbytes)
         return offset
 
-    def persistent_id(self, obj: Any):
+    def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         raw = _raw_tensor(obj)
         if raw is not None:
             nbytes = raw.numel()

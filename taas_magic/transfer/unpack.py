@@ -32,6 +32,7 @@ from taas_magic.transfer.pack import Blob, Segment
 
 FINAL = "<final value>"  # the segment holding the cell's final expression
 Resolve = Callable[[Any], Any]
+Failed = tuple[str, str, str]  # (name, type, reason) of a value that could not be loaded
 _MEMO_PUTS = {"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"}
 
 
@@ -177,7 +178,7 @@ def _load_fast(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -
     return {segment.name: unpickler.load() for segment in segments}
 
 
-def _load_recovering(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve):
+def _load_recovering(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -> tuple[dict[str, Any], list[Failed]]:
     stream = io.BytesIO(skeleton)
     unpickler = _RecoveringUnpickler(stream, resolve)
     values: dict[str, Any] = {}
@@ -202,7 +203,7 @@ def _load_recovering(skeleton: bytes, segments: Sequence[Segment], resolve: Reso
     return values, failed
 
 
-def load(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+def load(skeleton: bytes, segments: Sequence[Segment], resolve: Resolve) -> tuple[dict[str, Any], list[Failed]]:
     """Every segment's value by name, and (name, type, reason) for each that could not be loaded."""
     with warnings.catch_warnings():  # the sender built these values already: its libraries' deprecations are not news
         for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):

@@ -27,7 +27,10 @@ import builtins
 import io
 import os
 import shutil
-from typing import Any
+from types import ModuleType
+from typing import Any, Callable, Union
+
+Path = Union[str, "os.PathLike[str]"]  # what the patched functions accept for a path
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
@@ -109,7 +112,7 @@ class Diversion:
         self._log(relative)
 
     # -- the patched functions -----------------------------------------------------------
-    def open(self, file, mode="r", *args, **kwargs):
+    def open(self, file: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if self.relative(file) is None:
             return self.real_open(file, mode, *args, **kwargs)
         writes = any(flag in mode for flag in "wax+")
@@ -117,7 +120,7 @@ class Diversion:
         target = self.for_writing(file, copy_up=copy_up) if writes else self.for_reading(file)
         return self.real_open(target, mode, *args, **kwargs)
 
-    def os_open(self, path, flags, mode=0o777, *, dir_fd=None):
+    def os_open(self, path: Path, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
         if dir_fd is not None or self.relative(path) is None:
             return self.real["open"](path, flags, mode, dir_fd=dir_fd)
         if flags & _WRITE_FLAGS:
@@ -126,26 +129,26 @@ class Diversion:
             target = self.for_reading(path)
         return self.real["open"](target, flags, mode)
 
-    def remove(self, path, *, dir_fd=None):
+    def remove(self, path: Path, *, dir_fd: int | None = None) -> None:
         if dir_fd is not None or self.relative(path) is None:
             return self.real["remove"](path, dir_fd=dir_fd)
         self.real["lstat"](self.for_reading(path))  # FileNotFoundError as without taas
         self._delete(path, is_dir=False)
 
-    def rmdir(self, path, *, dir_fd=None):
+    def rmdir(self, path: Path, *, dir_fd: int | None = None) -> None:
         if dir_fd is not None or self.relative(path) is None:
             return self.real["rmdir"](path, dir_fd=dir_fd)
         if self.listdir(path):
             raise OSError(39, "Directory not empty", path)
         self._delete(path, is_dir=True)
 
-    def rmtree(self, path, *args, **kwargs):
+    def rmtree(self, path: Path, *args: Any, **kwargs: Any) -> None:
         if self.relative(path) is None:
             return self.real_rmtree(path, *args, **kwargs)
         self.real["lstat"](self.for_reading(path))
         self._delete(path, is_dir=True)
 
-    def rename(self, src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+    def rename(self, src: Path, dst: Path, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
         if src_dir_fd is not None or dst_dir_fd is not None or (self.relative(src) is None and self.relative(dst) is None):
             return self.real["rename"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         source = self.for_reading(src)
@@ -162,30 +165,30 @@ class Diversion:
             shutil.copy2(source, target)
         self._delete(src, is_dir=os.path.isdir(source))
 
-    def mkdir(self, path, mode=0o777, *, dir_fd=None):
+    def mkdir(self, path: Path, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
         if dir_fd is not None or self.relative(path) is None:
             return self.real["mkdir"](path, mode, dir_fd=dir_fd)
         if os.path.lexists(self.for_reading(path)):
             raise FileExistsError(17, "File exists", path)
         self.real["mkdir"](self.for_writing(path, copy_up=False), mode)
 
-    def chmod(self, path, mode, *, dir_fd=None, follow_symlinks=True):
+    def chmod(self, path: Path, mode: int, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> None:
         if dir_fd is not None or self.relative(path) is None:
             return self.real["chmod"](path, mode, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
         self.real["lstat"](self.for_reading(path))
         self.real["chmod"](self.for_writing(path, copy_up=True), mode, follow_symlinks=follow_symlinks)
 
-    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
+    def stat(self, path: Path, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> os.stat_result:
         if dir_fd is None:
             path = self.for_reading(path)
         return self.real["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
 
-    def lstat(self, path, *, dir_fd=None):
+    def lstat(self, path: Path, *, dir_fd: int | None = None) -> os.stat_result:
         if dir_fd is None:
             path = self.for_reading(path)
         return self.real["lstat"](path, dir_fd=dir_fd)
 
-    def listdir(self, path="."):
+    def listdir(self, path: Path = ".") -> list[str]:
         relative = self.relative(path)
         if relative is None:
             return self.real["listdir"](path)
@@ -198,8 +201,8 @@ class Diversion:
             names.update(self.real["listdir"](upper))
         return sorted(name for name in names if not self._is_deleted(os.path.normpath(os.path.join(relative, name))))
 
-    def torch_save(self, real_save):
-        def save(obj, f, *args, **kwargs):
+    def torch_save(self, real_save: Callable[..., None]) -> Callable[..., None]:
+        def save(obj: object, f: Any, *args: Any, **kwargs: Any) -> None:
             if isinstance(f, (str, bytes, os.PathLike)):
                 f = self.for_writing(f, copy_up=False)
             return real_save(obj, f, *args, **kwargs)
@@ -212,18 +215,23 @@ def install(repository: str, layer: str) -> Diversion:
     from taas_magic.import_hooks import when_imported
 
     diversion = Diversion(repository, layer)
-    builtins.open = io.open = diversion.open
-    os.open = diversion.os_open
-    os.remove = os.unlink = diversion.remove
-    os.rename, os.replace = diversion.rename, diversion.rename
-    os.mkdir, os.rmdir, os.chmod = diversion.mkdir, diversion.rmdir, diversion.chmod
-    os.stat, os.lstat, os.listdir = diversion.stat, diversion.lstat, diversion.listdir
-    shutil.rmtree = diversion.rmtree  # type: ignore[assignment]  # replacing it with the diverting one is the point
+    patched: list[tuple[ModuleType, str, Callable[..., Any]]] = [
+        (builtins, "open", diversion.open), (io, "open", diversion.open), (os, "open", diversion.os_open),
+        (os, "remove", diversion.remove), (os, "unlink", diversion.remove),
+        (os, "rename", diversion.rename), (os, "replace", diversion.rename),
+        (os, "mkdir", diversion.mkdir), (os, "rmdir", diversion.rmdir), (os, "chmod", diversion.chmod),
+        (os, "stat", diversion.stat), (os, "lstat", diversion.lstat), (os, "listdir", diversion.listdir),
+        (shutil, "rmtree", diversion.rmtree),
+    ]
+    for module, name, function in patched:
+        setattr(module, name, function)  # narrower signatures than the originals': replacing them is the point
 
-    def patch_torch(torch_module) -> None:
+    def patch_torch(torch_module: ModuleType) -> None:
         import torch.serialization as serialization
 
-        torch_module.save = serialization.save = diversion.torch_save(serialization.save)
+        save = diversion.torch_save(serialization.save)
+        setattr(torch_module, "save", save)  # noqa: B010 - torch's stubs say it is not assignable; it is
+        serialization.save = save
 
     when_imported("torch", patch_torch)
     return diversion
