@@ -152,8 +152,24 @@ class Kernel:
 
 
 def wait_until_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    return alive
+    """The processes still running after ``timeout``. An orphaned zombie counts as gone: it has
+    exited, and only waits for PID 1 (not ours) to read its status, which it does when it will
+    (once more than 5 s late on a loaded machine). A zombie whose parent is alive still counts:
+    that parent failed to reap it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, alive = psutil.wait_procs(processes, timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        alive = [process for process in alive if not _exited(process)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        processes = alive
+
+
+def _exited(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE and process.ppid() == 1
+    except psutil.NoSuchProcess:
+        return True
 
 
 def in_ci() -> bool:
