@@ -21,6 +21,7 @@ from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
 from taas_magic import checkpoints, wire
 from taas_magic.autopsy import stacks
+from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.cellcode import CellCode, earlier_cells, translate
 from taas_magic.cell.closure import select_closure, serialise_closure
 from taas_magic.cell.pragma import MAX_RESTARTS, PragmaOptions, parse_cell, parse_size
@@ -214,10 +215,13 @@ class TaasMagics(Magics):
         )
         rule = self._write_rule()
         root = self.checkpoint_dir or os.path.join(rule.repository, ".taas", "checkpoints")
+        spec = dataclasses.replace(spec, checkpoints=os.path.join(os.path.realpath(os.path.expanduser(root)), run_id),
+                                   keep_checkpoints=self.keep_checkpoints,
+                                   seed=data.seed if data is not None else secrets.randbits(31))
         run = _Run(options, spec, packing, registered, data, backend, rule,
                    options.timeout if options.timeout is not None else self.timeout,
                    options.restarts if options.restarts is not None else self.restarts,
-                   os.path.join(os.path.realpath(os.path.expanduser(root)), run_id))
+                   spec.checkpoints)
         tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
         route = closure_route(packing, spec.cuda_ipc, file_bytes)
         lines = [header_line(options, backend.devices, run_id, len(packing.skeleton) + tensor_bytes, route, run.restarts,
@@ -234,6 +238,7 @@ class TaasMagics(Magics):
         server = RankServer(wire.new_key(), len(peers), run.backend.listen_host)
         layers = ScratchLayers(peers.ranks, peers.workers)
         stacks_dir = stacks.make_dir(run.spec.run_id)
+        run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, stacks_dir=stacks_dir))
         handoff: ClosureHandoff | None = None
         outcome = None
         started = time.monotonic()
@@ -290,8 +295,9 @@ class TaasMagics(Magics):
         def start_ranks(attempt: int) -> RankGroup:
             if attempt:
                 run.backend.recover()  # a host that went away: its ranks are placed elsewhere
-            envs = self._rank_envs(run, layers, stacks_dir, owner, attempt)
-            return run.backend.start_ranks(LaunchPlan(peers.ranks, envs, os.getcwd(), handshake), server.key)
+            envs = self._rank_envs(run, layers, owner, attempt)
+            files = [stack_file(stacks_dir, rank) for rank in range(peers.ranks)]
+            return run.backend.start_ranks(LaunchPlan(peers.ranks, envs, os.getcwd(), handshake, files), server.key)
 
         def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
             kill_tagged(owner)
@@ -308,14 +314,11 @@ class TaasMagics(Magics):
 
             taas._last_metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing
 
-    def _rank_envs(self, run: _Run, layers: ScratchLayers, stacks_dir: str, owner: str,
-                   attempt: int) -> list[dict[str, str]]:
-        """torchrun's variables, the write rule, and what restarts, checkpoints and the autopsy need."""
+    def _rank_envs(self, run: _Run, layers: ScratchLayers, owner: str, attempt: int) -> list[dict[str, str]]:
+        """torchrun's variables (restarts too), the owner tag, and the write rule (applied before the spec arrives)."""
         envs = rank_environments(run.backend, dict(os.environ), run.spec.run_id)
-        for rank, env in enumerate(envs):
-            env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(run.restarts),
-                       TAAS_CHECKPOINTS=run.checkpoints, TAAS_KEEP_CHECKPOINTS=str(self.keep_checkpoints),
-                       TAAS_STACKS_FILE=os.path.join(stacks_dir, f"rank-{rank}"))
+        for env in envs:
+            env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(run.restarts))
             env[OWNER_VARIABLE] = owner
         for rank, layer in layers.dirs.items():
             envs[rank].update(TAAS_REPOSITORY=run.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=run.rule.mode)

@@ -159,7 +159,7 @@ class ClusterBackend:
         return {"CUDA_VISIBLE_DEVICES": self._launch.host_gpu_ids(rank)}  # LOCAL_RANK indexes the host's GPUs
 
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
-        return self._launch.start(plan.envs, plan.cwd, plan.handshake, key)
+        return self._launch.start(plan, key)
 
     def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
         launch = self._launch

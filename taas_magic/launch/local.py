@@ -81,7 +81,7 @@ class LocalRank:
 class LocalRankGroup:
     """N rank processes (or M data worker processes) on this host."""
 
-    def __init__(self, ranks: list[LocalRank], stack_files: Sequence[str | None] = ()):
+    def __init__(self, ranks: list[LocalRank], stack_files: Sequence[str] = ()):
         self.ranks = ranks
         self.stack_files = list(stack_files)  # where each rank's autopsy lands (autopsy/dump.py)
         self._closed = False
@@ -126,7 +126,7 @@ class LocalRankGroup:
             unused = [LocalRank(k, p) for k, p in enumerate(warm) if p is not None and k >= len(ranks)]
             cls(unused).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
-        return cls(ranks, [env.get("TAAS_STACKS_FILE") for env in plan.envs])
+        return cls(ranks, plan.stack_files)
 
     def stop(self, graceful: bool = True) -> list[str]:
         return stop_groups([rank.process for rank in self.ranks], LADDER if graceful else RESTART_LADDER).signals

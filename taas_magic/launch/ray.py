@@ -357,13 +357,9 @@ class ClusterLaunch:
             for s in self.shares
         )
 
-    def start(self, envs: Sequence[dict], cwd: str, handshake: str, key: bytes) -> RayRankGroup:
+    def start(self, plan: LaunchPlan, key: bytes) -> RayRankGroup:
         hosts = [
-            (
-                agent,
-                LaunchPlan(share.ranks, envs[share.first_rank:share.first_rank + share.ranks], cwd, handshake),
-                share.node.label,
-            )
+            (agent, plan.part(share.first_rank, share.ranks), share.node.label)
             for agent, share in zip(self.agents, self.shares)
         ]
         return RayRankGroup.start(self.ray, hosts, self.kernel_address, key)
