@@ -8,6 +8,7 @@ which launcher is in use (as torch's ``PContext`` and httpx's ``BaseTransport``)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Mapping, Protocol, Sequence
 
 
@@ -51,3 +52,9 @@ class RankGroup(Protocol):
 
     def close(self) -> None:
         """Idempotent: stop what still runs, reap everything, release every fd."""
+
+    def __enter__(self) -> "RankGroup": ...
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        """:meth:`close`: a group is a context manager, closed on leaving it whatever happened."""

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Sequence
 
 from taas_magic.errors import LaunchError
@@ -136,6 +137,13 @@ class LocalRankGroup:
 
         files = dict(enumerate(self.stack_files))
         return take({rank: (self.ranks[rank].process.pid, path) for rank in ranks if (path := files.get(rank))})
+
+    def __enter__(self) -> "LocalRankGroup":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._closed:

@@ -20,6 +20,7 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Callable, Sequence
 
 from taas_magic import wire
@@ -239,6 +240,13 @@ class RayRankGroup:
         except Exception:  # noqa: BLE001 - a host that does not answer: its ranks show as not answering
             pass
         return dumps
+
+    def __enter__(self) -> "RayRankGroup":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
 
     def close(self) -> None:
         """This attempt's processes are stopped and reaped on every host. The agents stay for a
