@@ -28,6 +28,7 @@ _registered: list[Any] = []
 # subprocess the cell starts inherits the environment but is not a rank.
 _IN_RANK = False
 _DEVICE = "cpu"  # in a rank: "cuda" when it has its own GPU (set by the rank bootstrap)
+_SEED = 0  # in a rank: the run's seed (set by the rank bootstrap from the run spec)
 _last_metrics: list[dict] = []  # in the kernel: the last run's rank-0 reports (set by the magic)
 
 
@@ -79,7 +80,7 @@ def registered() -> list[Any]:
 
 
 def get_worker_info() -> Any:
-    """Inside a rank, torch's ``WorkerInfo(id=RANK, num_workers=WORLD_SIZE)``; else ``None``."""
+    """Inside a rank, torch's ``WorkerInfo(id=RANK, num_workers=WORLD_SIZE, seed=run seed + RANK)``; else ``None``."""
     if not _IN_RANK:
         return None
     from torch.utils.data._utils.worker import WorkerInfo
@@ -88,7 +89,7 @@ def get_worker_info() -> Any:
     return WorkerInfo(
         id=rank,
         num_workers=int(os.environ["WORLD_SIZE"]),
-        seed=int(os.environ.get("TAAS_SEED", "0")) + rank,
+        seed=_SEED + rank,
         dataset=None,  # type: ignore[arg-type]  # a rank has no dataset of its own
     )
 
@@ -110,8 +111,8 @@ def save_checkpoint(obj: Any) -> str | None:
     from taas_magic import checkpoints
 
     folder = checkpoints.run_folder()
-    assert folder is not None  # the kernel names it in every rank's environment
-    return checkpoints.save(obj, folder, int(os.environ.get("TAAS_KEEP_CHECKPOINTS", "2")))
+    assert folder is not None  # the kernel names it in every rank's spec
+    return checkpoints.save(obj, folder, checkpoints.kept())
 
 
 def load_checkpoint(map_location: Any = None) -> Any:

@@ -137,10 +137,9 @@ def checkpoint_costs(megabytes: int, repeats: int) -> dict[str, list[float]]:
 
 
 HUNG_RANK = """\
-import os, sys, time
-os.environ["TAAS_STACKS_FILE"] = sys.argv[1]
-from taas_magic.rank import stacks
-stacks.arm()
+import sys, time
+from taas_magic.autopsy import dump
+dump.arm(sys.argv[1])
 def waiting():
     time.sleep(300)
 waiting()

@@ -14,6 +14,11 @@ are never touched (remove ``.taas/checkpoints`` yourself when you no longer want
 first), mapped to the rank's own device; in the notebook, after the cell, the newest of
 the kernel's last run. The cluster mode needs the root on a file system every host sees,
 as Ray Train's ``storage_path`` does.
+
+Which folder is "this run's" is process state, set once: in a rank by its bootstrap from
+the run spec (:func:`use_run`, rank/main.py), in the kernel after each run
+(:func:`finished_run`). Nothing is read from the environment, so a process the cell
+starts (which inherits it) never writes into the run's folder by mistake.
 """
 
 from __future__ import annotations
@@ -25,18 +30,32 @@ from typing import Any
 PREFIX, SUFFIX = "checkpoint-", ".pt"
 _NAME = re.compile(rf"^{PREFIX}(\d+){re.escape(SUFFIX)}$")
 
-_last_run: str | None = None  # in the kernel: the last run's folder
+DEFAULT_KEEP = 2
+
+_run_folder: str | None = None  # in a rank: its run's folder; in the kernel: the last run's
+_keep = DEFAULT_KEEP  # in a rank: how many of its run's newest checkpoints are kept
+
+
+def use_run(folder: str, keep: int) -> None:
+    """A rank, from its run spec: :func:`save` and :func:`load` use this folder, keeping ``keep``."""
+    global _run_folder, _keep
+    _run_folder, _keep = folder or None, keep
 
 
 def finished_run(folder: str) -> None:
     """The kernel, after a run: :func:`newest` outside a rank reads this run's folder."""
-    global _last_run
-    _last_run = folder
+    global _run_folder
+    _run_folder = folder
 
 
 def run_folder() -> str | None:
-    """This run's folder in a rank (its environment says); the last run's in the kernel."""
-    return os.environ.get("TAAS_CHECKPOINTS") or _last_run
+    """This run's folder in a rank; the last run's in the kernel (None before the first)."""
+    return _run_folder
+
+
+def kept() -> int:
+    """How many checkpoints this rank's run keeps."""
+    return _keep
 
 
 def _numbered(folder: str) -> list[tuple[int, str]]:

@@ -1,9 +1,15 @@
 """What every rank of a run receives before its closure: one frozen value, read by attribute,
 and the plan of each registered loader it reads (the arithmetic of its passes: feed/plan.py).
 
-The kernel builds it (magics.py) and sends it pickled in the authenticated ``spec``
+The kernel builds it (kernel/run.py) and sends it pickled in the authenticated ``spec``
 frame; the rank (rank/main.py) reads ``spec.source``, ``spec.device``, ... This module
 imports nothing, so a rank pays nothing to unpickle it.
+
+Run data reaches a rank here and nowhere else: where its stacks file is (the hang
+autopsy), its checkpoint folder and how many to keep, the run's seed. The environment
+carries only what a person's code reads (torchrun's variables, ``TAAS_OWNER``) and what a
+process needs before it has a channel to read the spec on (the write rule, a data
+worker's identity: rank/startup.py).
 """
 
 from __future__ import annotations
@@ -85,3 +91,7 @@ class RunSpec:
     cuda_ipc: bool = False  # CUDA tensors cross by CUDA IPC, both ways (same host, kernel CUDA ready: transfer/cudaipc.py)
     feeds: tuple[RankFeed, ...] = ()  # the registered loaders the cell uses (kernel/dataplane.py rank_feeds)
     cells: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # earlier cells' lines (cellcode.py)
+    stacks_dir: str = ""  # where rank k arms its hang autopsy: autopsy/dump.py stack_file (empty: no autopsy)
+    checkpoints: str = ""  # this run's checkpoint folder (checkpoints.py; empty: taas.save_checkpoint has none)
+    keep_checkpoints: int = 2  # the newest kept in it
+    seed: int = 0  # the run's seed: the data workers' (kernel/dataplane.py), rank k's WorkerInfo seed + k

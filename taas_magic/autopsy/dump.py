@@ -4,9 +4,11 @@
 GIL: it walks every thread's frames and writes them to a file descriptor. So a rank blocked
 in C code that holds the GIL (a collective, a C extension) still answers, where anything
 written in Python (a thread, a signal handler) would wait forever. The kernel's half is
-``taas_magic/autopsy/stacks.py``; the file is owner-only, named by the kernel in the rank's
-environment (``TAAS_STACKS_FILE``). A ``main 0x...`` line names the main thread, written
-once the handler is armed, so the kernel signals only a rank that will answer.
+``taas_magic/autopsy/stacks.py``; the file is owner-only, ``<run's stacks dir>/rank-<k>``
+(:func:`stack_file`: the kernel names the folder in the run spec, and the launcher that
+reads the dumps uses the same name). A ``main 0x...`` line names the main thread, written
+once the handler is armed, so the kernel signals only a rank that will answer; a file
+that cannot be opened leaves that rank without an autopsy, and the run goes on.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ STACK_SIGNAL = signal.SIGRTMIN + 5  # a real-time signal nothing else here uses 
 MAIN_PREFIX = "main "
 
 
-def arm() -> None:
-    """Answer STACK_SIGNAL with every thread's stack, appended to ``$TAAS_STACKS_FILE``."""
-    path = os.environ.pop("TAAS_STACKS_FILE", None)
+def stack_file(stacks_dir: str, rank: int) -> str:
+    """Where rank ``rank`` of a run whose stacks folder is ``stacks_dir`` writes its dumps."""
+    return os.path.join(stacks_dir, f"rank-{rank}")
+
+
+def arm(path: str) -> None:
+    """Answer STACK_SIGNAL with every thread's stack, appended to ``path`` (empty: no autopsy)."""
     if not path:
         return
     try:

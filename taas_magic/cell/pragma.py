@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Mapping, Union
 
 from IPython.core.error import UsageError
 
@@ -70,6 +70,25 @@ class PragmaOptions:
 
 
 @dataclass(frozen=True)
+class RunSettings:
+    """A run's options, each decided once (:func:`settle`): the pragma's value where it gave
+    one, else the session's setting, else the table's default."""
+
+    gpus: int  # --gpus auto made a number (rankenv.choose_ranks)
+    device: str
+    cpus: int
+    units: int | None  # None: one pass of the loader
+    cache_ram: int | None  # None: decided by the host (min(4G, half of /dev/shm free))
+    ahead: int
+    timeout: float | None  # None: no timeout
+    restarts: int
+    per_host: int | None  # None: as many as each host has free
+    place_timeout: float
+    output: str
+    configs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class TaasCell:
     """A parsed taas cell: its options and its body with the person's line numbers kept.
 
@@ -86,25 +105,97 @@ def is_pragma_line(line: str) -> bool:
     return PRAGMA_RE.match(line) is not None
 
 
-def _int_value(option: str, token: str, minimum: int, maximum: int | None = None) -> int:
-    try:
-        value = int(token, 10)
-    except ValueError:
-        raise PragmaError(f"{option} needs an integer, got {token!r}") from None
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
-        raise PragmaError(f"{option} must be {bound}, got {token!r}")
-    return value
+class Count:
+    """A whole number in ``least..most`` (no upper bound when ``most`` is None)."""
+
+    def __init__(self, least: int, most: int | None = None):
+        self.least, self.most = least, most
+
+    def parse(self, flag: str, token: str) -> int:
+        try:
+            value = int(token, 10)
+        except ValueError:
+            raise PragmaError(f"{flag} needs an integer, got {token!r}") from None
+        if not self._within(value):
+            bound = f"{self.least}..{self.most}" if self.most is not None else f">= {self.least}"
+            raise PragmaError(f"{flag} must be {bound}, got {token!r}")
+        return value
+
+    def _within(self, value: int) -> bool:
+        return value >= self.least and (self.most is None or value <= self.most)
+
+    def refusal(self, value: object) -> str | None:
+        if isinstance(value, int) and self._within(value):
+            return None
+        return f"{self.least}..{self.most}" if self.most is not None else f"at least {self.least}"
+
+    def from_setting(self, value: object) -> object:
+        return value
 
 
-def _timeout_value(option: str, token: str) -> float:
-    try:
-        value = float(token)
-    except ValueError:
-        raise PragmaError(f"{option} needs a number of seconds, got {token!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise PragmaError(f"{option} must be a positive number of seconds, got {token!r}")
-    return value
+class Seconds:
+    """A positive, finite number of seconds."""
+
+    def parse(self, flag: str, token: str) -> float:
+        try:
+            value = float(token)
+        except ValueError:
+            raise PragmaError(f"{flag} needs a number of seconds, got {token!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise PragmaError(f"{flag} must be a positive number of seconds, got {token!r}")
+        return value
+
+    def refusal(self, value: object) -> str | None:
+        accepted = value is None or (isinstance(value, (int, float)) and value > 0)
+        return None if accepted else "a positive number of seconds"
+
+    def from_setting(self, value: object) -> object:
+        return value
+
+
+class Size:
+    """A size in bytes, ``512M``, ``4G`` (a setting's empty string: decided by the host)."""
+
+    def parse(self, flag: str, token: str) -> int:
+        value = parse_size(token)
+        if value is None:
+            raise PragmaError(f"{flag} needs a size such as 512M or 4G, got {token!r}")
+        return value
+
+    def refusal(self, value: object) -> str | None:
+        accepted = isinstance(value, str) and (not value or parse_size(value) is not None)
+        return None if accepted else "a size such as 512M or 4G (or empty: automatic)"
+
+    def from_setting(self, value: object) -> object:
+        return parse_size(value) if isinstance(value, str) and value else None
+
+
+class Choice:
+    """One word of a fixed few."""
+
+    def __init__(self, *words: str):
+        self.words = words
+
+    def parse(self, flag: str, token: str) -> str:
+        if token not in self.words:
+            raise PragmaError(f"{flag} must be one of {', '.join(self.words)}, got {token!r}")
+        return token
+
+    def refusal(self, value: object) -> str | None:
+        return None if value in self.words else f"one of {', '.join(self.words)}"
+
+    def from_setting(self, value: object) -> object:
+        return value
+
+
+class RankCount(Count):
+    """``--gpus``: N >= 1, or AUTO (resolved against the host or the cluster before anything starts)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def parse(self, flag: str, token: str) -> int | str:  # type: ignore[override]  # AUTO too
+        return AUTO if token == AUTO else super().parse(flag, token)
 
 
 def parse_size(token: str) -> int | None:
@@ -115,68 +206,91 @@ def parse_size(token: str) -> int | None:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def _size_value(option: str, token: str) -> int:
-    value = parse_size(token)
-    if value is None:
-        raise PragmaError(f"{option} needs a size such as 512M or 4G, got {token!r}")
-    return value
-
-
-def _gpus_value(option: str, token: str) -> int | str:
-    return AUTO if token == AUTO else _int_value(option, token, 1)
-
-
-def _device_value(option: str, token: str) -> str:
-    if token not in DEVICES:
-        raise PragmaError(f"{option} must be one of {', '.join(DEVICES)}, got {token!r}")
-    return token
-
-
-def _output_value(option: str, token: str) -> str:
-    if token not in OUTPUT_MODES:
-        raise PragmaError(f"{option} must be one of {', '.join(OUTPUT_MODES)}, got {token!r}")
-    return token
+Value = Union[Count, Seconds, Size, Choice]
 
 
 @dataclass(frozen=True)
 class Option:
-    """One pragma option: its flag, what its value is called, the field it sets, and its help."""
+    """One pragma option: its flag, what its value is called, the field it sets, and its help;
+    its default, and the ``TaasMagics`` setting (``%config``) that replaces that default for a
+    session, if it has one."""
 
     flag: str
     metavar: str
     field: str
-    parse: Callable[[str, str], object]
+    value: Value
     help: str
     required: bool = False
+    default: object = None
+    setting: str | None = None
+
+    def parse(self, token: str) -> object:
+        return self.value.parse(self.flag, token)
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--gpus", "N|auto", "gpus", _gpus_value,
+    Option("--gpus", "N|auto", "gpus", RankCount(),
            "required, N >= 1 or auto: the number of ranks, one per GPU (CPU + gloo where the host has no GPU); "
            "auto: one per GPU of this host, 2 CPU ranks where it has none", required=True),
-    Option("--device", "auto|cpu|cuda", "device", _device_value,
+    Option("--device", "auto|cpu|cuda", "device", Choice(*DEVICES),
            "auto (default): the host's GPUs if it has any, else CPU; cpu: CPU ranks with gloo even where GPUs exist "
-           "(the ranks see none); cuda: GPUs, an error where there are none"),
-    Option("--cpus", "M", "cpus", lambda opt, tok: _int_value(opt, tok, 1, MAX_CPUS),
-           f"1..{MAX_CPUS}, default 1: data workers preparing the loaders registered with taas.register"),
-    Option("--units", "K", "units", lambda opt, tok: _int_value(opt, tok, 1),
+           "(the ranks see none); cuda: GPUs, an error where there are none", default=AUTO),
+    Option("--cpus", "M", "cpus", Count(1, MAX_CPUS),
+           f"1..{MAX_CPUS}, default 1: data workers preparing the loaders registered with taas.register", default=1),
+    Option("--units", "K", "units", Count(1),
            "K >= 1: elements the data workers extract in all (default: one pass of the loader)"),
-    Option("--cache-ram", "SIZE", "cache_ram", _size_value,
-           "prepared elements kept in RAM (512M, 4G; powers of 1024); the rest spills to disk"),
-    Option("--ahead", "E", "ahead", lambda opt, tok: _int_value(opt, tok, 2),
-           "E >= 2, default 16: elements per rank that may wait before the data workers pause"),
-    Option("--timeout", "SECONDS", "timeout", _timeout_value,
-           "stop every rank after this long and name the ranks still running"),
-    Option("--restarts", "K", "restarts", lambda opt, tok: _int_value(opt, tok, 0, MAX_RESTARTS),
-           f"0..{MAX_RESTARTS}, default 0: when the run fails, start every rank again up to K times in this cell"),
-    Option("--per-host", "G", "per_host", lambda opt, tok: _int_value(opt, tok, 1),
+    Option("--cache-ram", "SIZE", "cache_ram", Size(),
+           "prepared elements kept in RAM (512M, 4G; powers of 1024); the rest spills to disk", setting="cache_ram"),
+    Option("--ahead", "E", "ahead", Count(2),
+           "E >= 2, default 16: elements per rank that may wait before the data workers pause",
+           default=16, setting="ahead"),
+    Option("--timeout", "SECONDS", "timeout", Seconds(),
+           "stop every rank after this long and name the ranks still running", setting="timeout"),
+    Option("--restarts", "K", "restarts", Count(0, MAX_RESTARTS),
+           f"0..{MAX_RESTARTS}, default 0: when the run fails, start every rank again up to K times in this cell",
+           default=0, setting="restarts"),
+    Option("--per-host", "G", "per_host", Count(1),
            "cluster mode: at most G ranks on any host"),
-    Option("--place-timeout", "SECONDS", "place_timeout", _timeout_value,
-           "cluster mode: how long to wait for the cluster's GPUs (default 60)"),
-    Option("--output", "rank0|all", "output", _output_value,
-           "rank0 (default): only rank 0's output reaches the cell; all: every rank's, prefixed [rank k]"),
+    Option("--place-timeout", "SECONDS", "place_timeout", Seconds(),
+           "cluster mode: how long to wait for the cluster's GPUs (default 60)", default=60.0, setting="place_timeout"),
+    Option("--output", "rank0|all", "output", Choice(*OUTPUT_MODES),
+           "rank0 (default): only rank 0's output reaches the cell; all: every rank's, prefixed [rank k]",
+           default="rank0", setting="output"),
 )
 _BY_FLAG = {option.flag: option for option in OPTIONS}
+SETTINGS = {option.setting: option for option in OPTIONS if option.setting is not None}  # TaasMagics name -> option
+
+
+def option(flag: str) -> Option:
+    """The table's row for ``flag``."""
+    return _BY_FLAG[flag]
+
+
+def settle(options: PragmaOptions, session: Mapping[str, object], ranks: int) -> RunSettings:
+    """The run's settings: the pragma over the session over the defaults, ``ranks`` for ``--gpus``.
+
+    ``session`` holds the ``TaasMagics`` value of every option that has a setting (already
+    validated by :func:`setting_refusal`).
+    """
+    values: dict[str, object] = {}
+    for row in OPTIONS:
+        value = getattr(options, row.field)
+        if value is None and row.setting is not None:
+            value = row.value.from_setting(session[row.setting])
+        values[row.field] = row.default if value is None else value
+    values["gpus"] = ranks
+    return RunSettings(configs=options.configs, **values)  # type: ignore[arg-type]  # each row holds its field's type
+
+
+def setting_refusal(name: str, value: object) -> str | None:
+    """What the session setting ``name`` accepts, when ``value`` is not among it; None when it is."""
+    return SETTINGS[name].value.refusal(value)
+
+
+def shown_defaults(session: Mapping[str, object]) -> list[tuple[str, object]]:
+    """Each option's session default as ``%taas status`` shows it (``auto``: the host decides)."""
+    shown = [(row.flag, session[row.setting]) for row in OPTIONS if row.setting is not None]
+    return [(flag, "auto" if value == "" else value) for flag, value in shown]
 
 
 def usage() -> str:
@@ -208,7 +322,7 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
                 raise PragmaError(f"{name} needs a value")
             raw = tokens[i + 1]
             i += 2
-        values[name] = _BY_FLAG[name].parse(name, raw)
+        values[name] = _BY_FLAG[name].parse(raw)
     for option in OPTIONS:
         if option.required and option.flag not in values:
             raise PragmaError(f"{option.flag} {option.metavar} is required")

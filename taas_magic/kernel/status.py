@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from taas_magic.cell.pragma import OPTIONS, PragmaOptions
+from taas_magic.cell.pragma import OPTIONS, RunSettings
 from taas_magic.launch.rankenv import DevicePlan
 
 LINE_COMMANDS = (
@@ -45,7 +45,7 @@ the other ranks' writes there are diverted to a private layer, thrown away after
 
 @dataclass
 class LastRun:
-    options: PragmaOptions
+    settings: RunSettings
     devices: DevicePlan
     run_id: str
     closure_names: tuple[str, ...]
@@ -59,19 +59,22 @@ def _devices_text(devices: DevicePlan, ranks: object) -> str:
     return "CPU (--device cpu), backend gloo" if devices.chosen else "CPU, backend gloo"
 
 
-def header_line(options: PragmaOptions, devices: DevicePlan, run_id: str, closure_bytes: int, route: str = "",
-                restarts: int = 0, why: str | None = None) -> str:
-    """The run's first line; ``route`` says how the closure's tensor bytes travel (handoff.closure_route)."""
-    ranks = f"taas: {options.gpus} rank(s)" + (f" ({why})" if why else "")
-    parts = [ranks, _devices_text(devices, options.gpus)]
-    if options.configs:
-        parts.append("config " + ", ".join(options.configs))
+def closure_size(nbytes: int, route: str = "") -> str:
+    """``closure 1.2 MB (one shared file)``: ``route`` says how its tensor bytes travel (handoff.closure_route)."""
+    text = f"closure {nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"closure {nbytes} B"
+    return f"{text} ({route})" if route else text
+
+
+def header_line(settings: RunSettings, devices: DevicePlan, run_id: str, closure: str, why: str | None = None) -> str:
+    """The run's first line; ``closure`` as :func:`closure_size` says it, ``why`` the ranks were chosen so."""
+    ranks = f"taas: {settings.gpus} rank(s)" + (f" ({why})" if why else "")
+    parts = [ranks, _devices_text(devices, settings.gpus)]
+    if settings.configs:
+        parts.append("config " + ", ".join(settings.configs))
     parts.append(f"run {run_id}")
-    if restarts:
-        parts.append(f"restarts up to {restarts}")
-    parts.append(f"closure {closure_bytes / 1e6:.1f} MB" if closure_bytes >= 1e5 else f"closure {closure_bytes} B")
-    if route:
-        parts[-1] += f" ({route})"
+    if settings.restarts:
+        parts.append(f"restarts up to {settings.restarts}")
+    parts.append(closure)
     line = " · ".join(parts)
     if devices.notice:
         line += f"\ntaas: {devices.notice}"
@@ -82,19 +85,21 @@ def help_text() -> str:
     return HELP
 
 
-def status_text(last: LastRun | None, gpus_seen: int, defaults: dict, registered: Sequence[str] = ()) -> str:
+def status_text(last: LastRun | None, gpus_seen: int, defaults: Sequence[tuple[str, object]],
+                registered: Sequence[str] = ()) -> str:
+    """``defaults``: each option's session default, by flag (pragma.shown_defaults)."""
     lines = [f"devices seen: {gpus_seen} GPU(s)" if gpus_seen else "devices seen: no GPU (ranks run on CPU with gloo)"]
-    lines.append("defaults: " + ", ".join(f"--{name} {value}" for name, value in defaults.items()))
+    lines.append("defaults: " + ", ".join(f"{flag} {value}" for flag, value in defaults))
     lines.append("registered loaders: " + ("; ".join(registered) or "none (taas.register(loader) adds one)"))
     if last is None:
         lines.append("last run: none yet")
     else:
-        options = last.options
+        settings = last.settings
         lines.append(
-            f"last run: {last.run_id}, --gpus {options.gpus}, {_devices_text(last.devices, options.gpus)}, "
+            f"last run: {last.run_id}, --gpus {settings.gpus}, {_devices_text(last.devices, settings.gpus)}, "
             f"{last.seconds:.2f} s, {last.outcome}"
         )
-        if options.configs:
-            lines.append("  config: " + ", ".join(options.configs))
+        if settings.configs:
+            lines.append("  config: " + ", ".join(settings.configs))
         lines.append("  names sent: " + (", ".join(last.closure_names) or "none"))
     return "\n".join(lines)

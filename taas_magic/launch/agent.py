@@ -23,6 +23,7 @@ rank started from a pool thread could be killed by the pool, or outlive the agen
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import tempfile
@@ -96,14 +97,14 @@ class HostAgent:
         """
         cwd = plan.cwd if os.path.isdir(plan.cwd) else tempfile.gettempdir()
         layers = [env["TAAS_WRITE_LAYER"] for env in plan.envs if env.get("TAAS_WRITE_LAYER")]
-        stacks = {os.path.dirname(env["TAAS_STACKS_FILE"]) for env in plan.envs if env.get("TAAS_STACKS_FILE")}
+        stacks = {os.path.dirname(path) for path in plan.stack_files}
         self._owners = {env[OWNER_VARIABLE] for env in plan.envs if env.get(OWNER_VARIABLE)}
         self._first_rank = first_rank
         for path in [*layers, *stacks, *dirs]:
             if not os.path.isdir(path):  # another host: its scratch layer or cache lives here
                 os.makedirs(path, mode=0o700)
                 self._made_dirs.append(path)
-        local_plan = LaunchPlan(plan.world_size, plan.envs, cwd, plan.handshake)
+        local_plan = dataclasses.replace(plan, cwd=cwd)
         if command:
             self.group = LocalRankGroup.start(local_plan, command, "data worker")
         else:

@@ -11,19 +11,38 @@ above it (magics.py, supervisor.py) asks which one is in use. A backend answers:
 - starting the ranks and the data workers (the cluster mode carries elements between
   hosts with a courier);
 - releasing everything when the cell ends (the reserved port, the agents and the
-  placement group; a local backend refills the warm spares).
+  placement group; a local backend refills the warm spares). A backend is a context
+  manager: leaving it releases it (kernel/run.py holds it so).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Protocol
+from types import TracebackType
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 
 from taas_magic.launch.base import LaunchPlan, RankGroup
 from taas_magic.launch.local import LocalRankGroup
-from taas_magic.launch.placement import RankSlot
+from taas_magic.launch.placement import Node, RankSlot
 from taas_magic.launch.rankenv import LOOPBACK, DevicePlan, idle_cores, plan_devices, rank_environment, reserve_port
 from taas_magic.launch.spares import SparePool
+
+if TYPE_CHECKING:
+    from taas_magic.launch.ray import ClusterLaunch
+
+PlaneT = TypeVar("PlaneT")  # what starting the data workers makes (kernel/dataplane.py's DataPlane)
+WorkerLaunch = Callable[[LaunchPlan, "tuple[str, ...]"], RankGroup]  # starts the workers elsewhere, given their cache folders
+# DataRun.start with the run's arguments bound: (launch, courier) -> the data plane
+StartData = Callable[[Optional[WorkerLaunch], Optional[Callable[[], object]]], PlaneT]
+
+
+class ClusterView(Protocol):
+    """What placing ranks asks of an attached cluster (kernel/cluster.py's Cluster)."""
+
+    @property
+    def ray(self) -> object: ...
+
+    def nodes(self) -> list[Node]: ...
 
 # A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster).
 CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
@@ -48,8 +67,9 @@ class Backend(Protocol):
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
         """Start the ranks of ``plan``."""
 
-    def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
-        """Start the data workers through ``start`` (DataRun.start with the run's arguments bound)."""
+    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
+        """Start the data workers through ``start`` (DataRun.start with the run's arguments bound);
+        ``cache_ram`` bounds what another host keeps of their elements."""
 
     def standby(self, may_restart: bool) -> None:
         """Every rank of an attempt connected: ready what may come next while it runs (the
@@ -62,6 +82,12 @@ class Backend(Protocol):
     def release(self) -> None:
         """Whatever happened: give back what the run held (idempotent: the run releases as soon
         as its ranks are gone, the cell again whatever happened)."""
+
+    def __enter__(self) -> "Backend": ...
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        """:meth:`release`."""
 
 
 class LocalBackend:
@@ -90,8 +116,8 @@ class LocalBackend:
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
         return LocalRankGroup.start(plan, spares=self._spares, gpus=self._spare_gpus())
 
-    def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
-        return start()
+    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
+        return start(None, None)
 
     def standby(self, may_restart: bool) -> None:
         """Warm spares while the attempt runs: for its restart (--restarts), and for the next cell
@@ -122,6 +148,13 @@ class LocalBackend:
         if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
             self._fill(self._refill())
 
+    def __enter__(self) -> "LocalBackend":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.release()
+
 
 class ClusterBackend:
     """Ranks are processes under one agent per host of a Ray cluster (launch/ray.py)."""
@@ -130,7 +163,7 @@ class ClusterBackend:
     loopback_only = False
 
     @classmethod
-    def place(cls, cluster: Any, gpus: int, per_host: int | None, wait: float) -> "ClusterBackend":
+    def place(cls, cluster: ClusterView, gpus: int, per_host: int | None, wait: float) -> "ClusterBackend":
         """Plan which hosts run which ranks and hold their GPUs (within ``wait`` seconds);
         raises, holding nothing, when the cluster cannot (launch/placement.py, launch/ray.py)."""
         from taas_magic.launch.placement import plan_hosts
@@ -139,7 +172,7 @@ class ClusterBackend:
         shares = plan_hosts(cluster.nodes(), gpus, per_host)
         return cls(ClusterLaunch(cluster.ray, shares, wait, cluster.nodes), (cluster, gpus, per_host, wait))
 
-    def __init__(self, launch: Any, request: tuple[Any, int, int | None, float]):
+    def __init__(self, launch: "ClusterLaunch", request: tuple[ClusterView, int, int | None, float]):
         self._launch = launch  # a ClusterLaunch: the cluster's GPUs are held
         self._request = request  # (cluster, gpus, per_host, wait): to place again when a host is lost
         self.devices = DevicePlan("cuda", len(launch.slots), "nccl") if launch.has_cuda else CLUSTER_CPU
@@ -159,12 +192,11 @@ class ClusterBackend:
         return {"CUDA_VISIBLE_DEVICES": self._launch.host_gpu_ids(rank)}  # LOCAL_RANK indexes the host's GPUs
 
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
-        return self._launch.start(plan.envs, plan.cwd, plan.handshake, key)
+        return self._launch.start(plan, key)
 
-    def start_data(self, data: Any, start: Callable[..., Any], key: bytes) -> Any:
+    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
         launch = self._launch
-        plane = start(launch=lambda plan, dirs: launch.start_workers(plan, key, dirs),
-                      courier=lambda: launch.courier(data.cache_ram))
+        plane = start(lambda plan, dirs: launch.start_workers(plan, key, dirs), lambda: launch.courier(cache_ram))
         print(f"taas: data {launch.worker_layout}", flush=True)
         return plane
 
@@ -189,6 +221,13 @@ class ClusterBackend:
             return
         self._released = True
         self._launch.release()  # agents killed, GPUs given back
+
+    def __enter__(self) -> "ClusterBackend":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.release()
 
 
 def rank_environments(backend: Backend, base: dict[str, str], run_id: str) -> list[dict[str, str]]:

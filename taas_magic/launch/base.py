@@ -7,7 +7,8 @@ which launcher is in use (as torch's ``PContext`` and httpx's ``BaseTransport``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Mapping, Protocol, Sequence
 
 
@@ -19,6 +20,12 @@ class LaunchPlan:
     envs: Sequence[Mapping[str, str]]  # one environment per rank, index = RANK
     cwd: str
     handshake: str  # rank/startup.py's Handshake line, written on each rank's stdin (never in its environment)
+    stack_files: Sequence[str] = field(default=())  # where each rank's autopsy lands (autopsy/dump.py), index = RANK
+
+    def part(self, first: int, count: int) -> "LaunchPlan":
+        """Ranks ``first`` .. ``first + count - 1`` of this plan (one host's share), renumbered from 0."""
+        return LaunchPlan(count, self.envs[first:first + count], self.cwd, self.handshake,
+                          self.stack_files[first:first + count])
 
 
 class RankProcess(Protocol):
@@ -45,3 +52,9 @@ class RankGroup(Protocol):
 
     def close(self) -> None:
         """Idempotent: stop what still runs, reap everything, release every fd."""
+
+    def __enter__(self) -> "RankGroup": ...
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        """:meth:`close`: a group is a context manager, closed on leaving it whatever happened."""

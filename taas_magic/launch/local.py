@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Sequence
 
 from taas_magic.errors import LaunchError
@@ -81,7 +82,7 @@ class LocalRank:
 class LocalRankGroup:
     """N rank processes (or M data worker processes) on this host."""
 
-    def __init__(self, ranks: list[LocalRank], stack_files: Sequence[str | None] = ()):
+    def __init__(self, ranks: list[LocalRank], stack_files: Sequence[str] = ()):
         self.ranks = ranks
         self.stack_files = list(stack_files)  # where each rank's autopsy lands (autopsy/dump.py)
         self._closed = False
@@ -126,7 +127,7 @@ class LocalRankGroup:
             unused = [LocalRank(k, p) for k, p in enumerate(warm) if p is not None and k >= len(ranks)]
             cls(unused).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
-        return cls(ranks, [env.get("TAAS_STACKS_FILE") for env in plan.envs])
+        return cls(ranks, plan.stack_files)
 
     def stop(self, graceful: bool = True) -> list[str]:
         return stop_groups([rank.process for rank in self.ranks], LADDER if graceful else RESTART_LADDER).signals
@@ -136,6 +137,13 @@ class LocalRankGroup:
 
         files = dict(enumerate(self.stack_files))
         return take({rank: (self.ranks[rank].process.pid, path) for rank in ranks if (path := files.get(rank))})
+
+    def __enter__(self) -> "LocalRankGroup":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._closed:

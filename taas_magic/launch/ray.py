@@ -20,6 +20,7 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Callable, Sequence
 
 from taas_magic import wire
@@ -240,6 +241,13 @@ class RayRankGroup:
             pass
         return dumps
 
+    def __enter__(self) -> "RayRankGroup":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
     def close(self) -> None:
         """This attempt's processes are stopped and reaped on every host. The agents stay for a
         restart (ClusterLaunch.release ends them); one that does not answer is killed now."""
@@ -357,13 +365,9 @@ class ClusterLaunch:
             for s in self.shares
         )
 
-    def start(self, envs: Sequence[dict], cwd: str, handshake: str, key: bytes) -> RayRankGroup:
+    def start(self, plan: LaunchPlan, key: bytes) -> RayRankGroup:
         hosts = [
-            (
-                agent,
-                LaunchPlan(share.ranks, envs[share.first_rank:share.first_rank + share.ranks], cwd, handshake),
-                share.node.label,
-            )
+            (agent, plan.part(share.first_rank, share.ranks), share.node.label)
             for agent, share in zip(self.agents, self.shares)
         ]
         return RayRankGroup.start(self.ray, hosts, self.kernel_address, key)

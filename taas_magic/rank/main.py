@@ -8,7 +8,9 @@ stdin. The rank then:
    write rule (ranks other than 0 get their copy-on-write view of the repository),
    lifeline, the authenticated channel;
 2. receives the run spec and the closure (both verified before unpickling; the closure's
-   tensor bytes are mapped from one shared memory file, not copied: transfer/);
+   tensor bytes are mapped from one shared memory file, not copied: transfer/); from the
+   spec on, the kernel can read where the rank is (the hang autopsy, autopsy/dump.py), and
+   the run's data (checkpoint folder, seed) comes from the spec, never the environment;
 3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
 4. rank 0 sends back what the cell bound (transfer/returns.py); a failing rank sends its traceback;
 5. exits through ``startup.finish`` (0, or 1 when the cell raised), so no atexit hook or
@@ -24,7 +26,7 @@ import signal
 import sys
 import types
 
-from taas_magic import wire
+from taas_magic import checkpoints, wire
 from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
@@ -65,11 +67,13 @@ def _own_output() -> None:
 
 
 def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> types.ModuleType:
-    """A fresh ``__main__`` for the cell, IPython's stand-ins, the rank's device, its sources."""
+    """A fresh ``__main__`` for the cell, IPython's stand-ins, the rank's device, its sources, its run's data."""
     import taas
 
     taas._IN_RANK = True
     taas._DEVICE = spec.device
+    taas._SEED = spec.seed
+    checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     taas.report = reports.report  # the cell's taas.report: one call, one append
     reports.start(channel)
     module = types.ModuleType("__main__")
@@ -155,9 +159,9 @@ def _send_results(spec: RunSpec, channel: wire.BlockingChannel, namespace: dict,
 
 def main() -> None:
     channel = startup.begin(spare="--spare" in sys.argv)
-    stacks.arm()  # from here on the kernel can read where this rank is (the hang autopsy)
     rank = int(os.environ["RANK"])
-    spec: RunSpec = wire.loads_verified(channel.expect("spec"))
+    spec: RunSpec = wire.loads_verified(channel.expect("spec"))  # the kernel sends it as soon as we connect
+    stacks.arm(stacks.stack_file(spec.stacks_dir, rank) if spec.stacks_dir else "")  # the hang autopsy, from here on
     received = receive_closure(channel, keep_original=rank == 0, own_gpu=spec.device == "cuda")
     sys.path[:] = spec.sys_path
     sys.argv = ["taas-rank"]

@@ -1,6 +1,7 @@
 import os
 import select
 import sys
+import time
 
 import pytest
 
@@ -31,3 +32,38 @@ def _what_fd_is(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return "closed"
+
+
+ARMED_AND_WAITING = (
+    "import sys, time\n"
+    "from taas_magic.autopsy import dump\n"
+    "sys.stdin.readline()\n"
+    "dump.arm(sys.argv[1])\n"
+    "def waiting_here():\n"
+    "    time.sleep(60)\n"
+    "waiting_here()\n"
+)
+
+
+def test_a_rank_armed_at_its_plans_stack_file_answers_the_autopsy(tmp_path):
+    """The stack file travels in the plan (and the spec), not the environment: the launcher reads the dump there."""
+    path = str(tmp_path / "rank-0")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TAAS_")}
+    plan = LaunchPlan(1, [env], os.getcwd(), "HOST PORT KEY", [path])
+    group = LocalRankGroup.start(plan, command=(sys.executable, "-c", ARMED_AND_WAITING, path))
+    try:
+        deadline = time.monotonic() + 30
+        while not (os.path.exists(path) and os.path.getsize(path)):
+            assert time.monotonic() < deadline, "the rank never armed"
+            time.sleep(0.05)
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+        assert "waiting_here" in group.stacks([0])[0]
+    finally:
+        group.close()
+
+
+def test_a_plans_part_is_one_hosts_ranks_renumbered_from_zero():
+    plan = LaunchPlan(4, [{"RANK": str(rank)} for rank in range(4)], "/cwd", "H P K", [f"f{rank}" for rank in range(4)])
+    part = plan.part(1, 2)
+    assert (part.world_size, [env["RANK"] for env in part.envs], list(part.stack_files)) == (2, ["1", "2"], ["f1", "f2"])
+    assert (part.cwd, part.handshake) == ("/cwd", "H P K")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from traitlets import TraitError
 
-from taas_magic.cell.pragma import OPTIONS, PragmaError, parse_options, usage
+from taas_magic.cell.pragma import OPTIONS, PragmaError, PragmaOptions, parse_options, usage
 from taas_magic.kernel.magics import TaasMagics
 from taas_magic.kernel.status import HELP, LINE_COMMANDS
 
@@ -66,3 +66,59 @@ def test_a_setting_with_an_invalid_value_is_refused_naming_what_is_accepted(sett
             setattr(magics, setting, value)
     finally:
         magics.spares.close()
+
+
+SESSION = {"cache_ram": "2G", "ahead": 8, "timeout": 30.0, "restarts": 1, "place_timeout": 5.0, "output": "all"}
+
+
+def test_a_runs_settings_are_the_pragmas_then_the_sessions_then_the_tables_defaults():
+    from taas_magic.cell.pragma import settle
+
+    assert set(SESSION) == {option.setting for option in OPTIONS if option.setting}
+    given = settle(parse_options("--gpus auto --ahead 4 --output rank0 --cpus 2"), SESSION, ranks=3)
+    assert (given.gpus, given.ahead, given.output, given.cpus) == (3, 4, "rank0", 2)  # the pragma's
+    assert (given.cache_ram, given.timeout, given.restarts, given.place_timeout) == (2 << 30, 30.0, 1, 5.0)  # the session's
+    automatic = dict(SESSION, cache_ram="", timeout=None)
+    plain = settle(parse_options("--gpus 1"), automatic, ranks=1)
+    assert (plain.cache_ram, plain.timeout, plain.device, plain.units, plain.per_host) == (None, None, "auto", None, None)
+
+
+def test_every_session_default_is_a_setting_made_from_its_options_row():
+    magics = TaasMagics(shell=None)
+    try:
+        for option in OPTIONS:
+            if option.setting is None:  # no session setting: the pragma's own default is the table's
+                assert option.required or getattr(PragmaOptions(gpus=1), option.field) == option.default, option.flag
+                continue
+            trait = magics.traits()[option.setting]
+            assert trait.default_value == ("" if option.default is None and option.field == "cache_ram" else option.default)
+            assert f"Default for {option.flag}" in trait.help
+    finally:
+        magics.spares.close()
+
+
+def test_status_shows_every_options_session_default_from_the_table():
+    from taas_magic.cell.pragma import shown_defaults
+    from taas_magic.kernel.status import status_text
+
+    defaults = shown_defaults(dict(SESSION, cache_ram=""))
+    line = next(line for line in status_text(None, 0, defaults).splitlines() if line.startswith("defaults: "))
+    assert line == "defaults: --cache-ram auto, --ahead 8, --timeout 30.0, --restarts 1, --place-timeout 5.0, --output all"
+
+
+def test_the_readme_names_each_options_session_setting_in_its_row():
+    table = README.split("| option | meaning |", 1)[1].split("\n\n", 1)[0]
+    for option in OPTIONS:
+        if option.setting is not None:
+            row = next(line for line in table.splitlines() if line.startswith(f"| `{option.flag} "))
+            assert f"`TaasMagics.{option.setting}`" in row, option.flag
+
+
+@pytest.mark.parametrize(("text", "after_two_ranks"), [("off", 0), ("auto", 2), ("0", 0), ("5", 5)])
+def test_warm_is_parsed_in_one_place(text, after_two_ranks):
+    from taas_magic.kernel.settings import Warm
+
+    assert Warm.parse(text).after(2) == after_two_ranks
+    for bad in ("", "-1", "some", "2.5"):
+        with pytest.raises(ValueError):
+            Warm.parse(bad)
