@@ -180,7 +180,11 @@ if os.fork() == 0:  # a double fork: the daemon's parent exits, the daemon is no
     os.write(write, str(grandchild).encode())
     os._exit(0)
 pids.append(int(os.read(read, 64)))
-open({pids!r} + f"/{{os.environ['RANK']}}", "w").write(" ".join(map(str, pids)))
+mine = {pids!r} + f"/{{os.environ['RANK']}}"
+open(mine + ".part", "w").write(" ".join(map(str, pids)))
+os.rename(mine + ".part", mine)
+while not all(os.path.exists({pids!r} + f"/{{rank}}") for rank in (0, 1)):
+    time.sleep(0.01)  # both ranks have their daemons before either one ends the run
 {ending}
 """
 
