@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 RANK = "rank"
 WORKER = "worker"
+STREAMS = ("stdout", "stderr")
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,22 @@ class PeerIds:
 
     def all(self) -> list[Peer]:
         return [self.peer(wire_id) for wire_id in range(len(self))]
+
+
+@dataclass(frozen=True)
+class HubChannels:
+    """The numbering of the cluster's output hub channels (launch/ray.py, launch/agent.py):
+    each rank's stdout and stderr, then one control channel per host."""
+
+    ranks: int
+    hosts: int
+
+    def __len__(self) -> int:
+        return len(STREAMS) * self.ranks + self.hosts
+
+    @staticmethod
+    def stream(rank: int, stream: str) -> int:
+        return len(STREAMS) * rank + STREAMS.index(stream)
+
+    def control(self, host: int) -> int:
+        return len(STREAMS) * self.ranks + host

@@ -2,13 +2,17 @@
 
 IMPORTANT: nothing read from a socket is unpickled before it is authenticated.
 
-Handshake (the rank connects, the kernel listens on loopback)::
+Handshake (the peer connects, the kernel listens: on loopback in the local mode)::
 
-    kernel -> rank : nonce (32 random bytes, fresh per connection)
-    rank -> kernel : HMAC(key, "taas-hello" | nonce | rank) | rank (4 bytes)
+    kernel -> peer : nonce (32 random bytes, fresh per connection)
+    peer -> kernel : HMAC(key, "taas-hello" | nonce | id) | id (4 bytes)
 
 The kernel checks the MAC with ``hmac.compare_digest`` and drops the connection on
-any mismatch, having read a fixed 36 bytes and unpickled nothing.
+any mismatch, having read a fixed 36 bytes and unpickled nothing. This one pair,
+:func:`connect` and :class:`Hello` (or :func:`accept` where blocking is fine), serves every
+listener of a run: the rank server (ranks and data workers, ids from ``peers.PeerIds``)
+and the cluster's output hub (the agents' output and control channels, ids from
+``peers.HubChannels``).
 
 Frames, both directions::
 
@@ -35,7 +39,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 KEY_SIZE = 32
 NONCE_SIZE = 32
@@ -73,19 +77,86 @@ def new_key() -> bytes:
     return secrets.token_bytes(KEY_SIZE)
 
 
-def hello_mac(key: bytes, nonce: bytes, rank: int) -> bytes:
-    return hmac.new(key, b"taas-hello" + nonce + RANK.pack(rank), hashlib.sha256).digest()
+def hello_mac(key: bytes, nonce: bytes, peer_id: int) -> bytes:
+    return hmac.new(key, b"taas-hello" + nonce + RANK.pack(peer_id), hashlib.sha256).digest()
 
 
 def check_hello(key: bytes, nonce: bytes, hello: bytes) -> int:
-    """Return the rank a hello claims, or raise AuthenticationError."""
+    """Return the id a hello claims, or raise AuthenticationError."""
     if len(hello) != HELLO_SIZE:
         raise AuthenticationError("short handshake")
-    mac, rank_bytes = hello[:MAC_SIZE], hello[MAC_SIZE:]
-    (rank,) = RANK.unpack(rank_bytes)
-    if not hmac.compare_digest(mac, hello_mac(key, nonce, rank)):
+    mac, id_bytes = hello[:MAC_SIZE], hello[MAC_SIZE:]
+    (peer_id,) = RANK.unpack(id_bytes)
+    if not hmac.compare_digest(mac, hello_mac(key, nonce, peer_id)):
         raise AuthenticationError("handshake MAC mismatch")
-    return rank
+    return peer_id
+
+
+def connect(address: tuple[str, int], key: bytes, peer_id: int, timeout: float | None = None) -> tuple[socket.socket, bytes]:
+    """The peer's end of the hello: connect, read the listener's nonce, prove the key for
+    ``peer_id``. Returns the blocking socket (TCP_NODELAY) and the nonce its frames are signed under."""
+    sock = socket.create_connection(address, timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = _recv_exactly(sock, NONCE_SIZE)
+        sock.sendall(hello_mac(key, nonce, peer_id) + RANK.pack(peer_id))
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return sock, nonce
+
+
+@dataclass
+class Hello:
+    """The listener's end of one connection's hello, read as its bytes arrive, never blocking.
+
+    :meth:`greet` sends the nonce; :meth:`read` takes what has arrived: the id the peer
+    proved (``valid`` must accept it too), None while bytes are missing, or
+    AuthenticationError (or OSError), after which the caller closes the socket.
+    """
+
+    sock: socket.socket
+    nonce: bytes
+    received: bytearray
+
+    @classmethod
+    def greet(cls, sock: socket.socket) -> "Hello":
+        nonce = new_nonce()
+        sock.send(nonce)  # 32 bytes into an empty socket buffer: never partial
+        return cls(sock, nonce, bytearray())
+
+    def read(self, key: bytes, valid: Callable[[int], bool]) -> int | None:
+        try:
+            chunk = self.sock.recv(HELLO_SIZE - len(self.received))
+        except (BlockingIOError, socket.timeout):
+            return None
+        if not chunk:
+            raise ConnectionError("the peer closed the connection during the handshake")
+        self.received += chunk
+        if len(self.received) < HELLO_SIZE:
+            return None
+        peer_id = check_hello(key, self.nonce, bytes(self.received))
+        if not valid(peer_id):
+            raise AuthenticationError(f"unknown or repeated peer id {peer_id}")
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return peer_id
+
+
+def accept(listener: socket.socket, key: bytes, valid: Callable[[int], bool], timeout: float) -> tuple[socket.socket, int] | None:
+    """Accept one connection and read its hello, blocking at most ``timeout``: the socket
+    (blocking) and the id it proved, or None (the connection was closed: it failed the hello)."""
+    sock, _ = listener.accept()
+    sock.settimeout(timeout)
+    try:
+        hello = Hello.greet(sock)
+        while (peer_id := hello.read(key, valid)) is None:
+            pass
+    except (OSError, AuthenticationError):
+        sock.close()
+        return None
+    sock.settimeout(None)
+    return sock, peer_id
 
 
 def encode_body(kind: str, data: bytes) -> bytes:
@@ -178,13 +249,9 @@ class BlockingChannel:
         self._send_lock = threading.Lock()  # the cell may display() from its own threads
 
     @classmethod
-    def connect(cls, host: str, port: int, key: bytes, rank: int) -> "BlockingChannel":
-        sock = socket.create_connection((host, port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = _recv_exactly(sock, NONCE_SIZE)
-        sock.sendall(hello_mac(key, nonce, rank) + RANK.pack(rank))
-        codec = FrameCodec(key, nonce, outgoing=RANK_TO_KERNEL, incoming=KERNEL_TO_RANK)
-        return cls(sock, codec)
+    def connect(cls, host: str, port: int, key: bytes, peer_id: int) -> "BlockingChannel":
+        sock, nonce = connect((host, port), key, peer_id)
+        return cls(sock, FrameCodec(key, nonce, outgoing=RANK_TO_KERNEL, incoming=KERNEL_TO_RANK))
 
     def send(self, kind: str, data: bytes) -> None:
         with self._send_lock:

@@ -9,18 +9,13 @@ connect once.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 from taas_magic import wire
 from taas_magic.launch.rankenv import LOOPBACK
 
-
-@dataclass
-class PendingPeer:
-    sock: socket.socket
-    nonce: bytes
-    received: bytearray = field(default_factory=bytearray)
+PendingPeer = wire.Hello  # a connection that has not yet proven the run's key
 
 
 @dataclass
@@ -55,13 +50,11 @@ class RankServer:
         except BlockingIOError:
             return None
         sock.setblocking(False)
-        nonce = wire.new_nonce()
         try:
-            sock.send(nonce)
+            return wire.Hello.greet(sock)
         except OSError:
             sock.close()
             return None
-        return PendingPeer(sock, nonce)
 
     def read_hello(self, peer: PendingPeer) -> RankConnection | None | bool:
         """Advance a handshake: a connection, None (needs more bytes), or False (refused).
@@ -69,26 +62,14 @@ class RankServer:
         A refused peer must be passed to :meth:`drop` (after the caller stops watching it).
         """
         try:
-            chunk = peer.sock.recv(wire.HELLO_SIZE - len(peer.received))
-        except BlockingIOError:
+            peer_id = peer.read(self.key, lambda claimed: 0 <= claimed < self.world_size and claimed not in self._connected)
+        except (OSError, wire.AuthenticationError):
+            return False
+        if peer_id is None:
             return None
-        except OSError:
-            chunk = b""
-        if not chunk:
-            return False
-        peer.received += chunk
-        if len(peer.received) < wire.HELLO_SIZE:
-            return None
-        try:
-            rank = wire.check_hello(self.key, peer.nonce, bytes(peer.received))
-        except wire.AuthenticationError:
-            return False
-        if not 0 <= rank < self.world_size or rank in self._connected:
-            return False
-        self._connected.add(rank)
-        peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._connected.add(peer_id)
         codec = wire.FrameCodec(self.key, peer.nonce, outgoing=wire.KERNEL_TO_RANK, incoming=wire.RANK_TO_KERNEL)
-        return RankConnection(rank, peer.sock, codec, wire.FrameReader(codec))
+        return RankConnection(peer_id, peer.sock, codec, wire.FrameReader(codec))
 
     def readmit(self, ids: Iterable[int]) -> None:
         """Those peers were restarted: their new processes may connect (and prove the key) again."""

@@ -35,28 +35,16 @@ from taas_magic.feed.segments import CacheDirs, SegmentWriter
 from taas_magic.launch.base import LaunchPlan
 from taas_magic.launch.local import LocalRankGroup
 from taas_magic.launch.rankenv import reserve_port, visible_gpu_count
+from taas_magic.peers import STREAMS, HubChannels
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.tempdirs import remove_tree
 
-STREAMS = ("stdout", "stderr")
-
-
-def channel_id(rank: int, stream: str) -> int:
-    """The hub's number for one rank's stream; control channels come after all of them."""
-    return 2 * rank + STREAMS.index(stream)
-
 
 def connect_channel(address: tuple[str, int], key: bytes, channel: int, timeout: float = 30) -> socket.socket:
-    sock = socket.create_connection(address, timeout=timeout)
-    nonce = b""
-    while len(nonce) < wire.NONCE_SIZE:
-        chunk = sock.recv(wire.NONCE_SIZE - len(nonce))
-        if not chunk:
-            sock.close()
-            raise ConnectionError("taas: the kernel's output hub closed the connection during the handshake")
-        nonce += chunk
-    sock.sendall(wire.hello_mac(key, nonce, channel) + wire.RANK.pack(channel))
-    sock.settimeout(None)
+    try:
+        sock, _ = wire.connect(address, key, channel, timeout)
+    except ConnectionError as exc:
+        raise ConnectionError(f"taas: the kernel's output hub closed the connection during the handshake ({exc})") from None
     return sock
 
 
@@ -112,7 +100,7 @@ class HostAgent:
         outputs = []
         for local in self.group.ranks:
             for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
-                sock = connect_channel(hub, key, channel_id(first_rank + local.rank, stream))
+                sock = connect_channel(hub, key, HubChannels.stream(first_rank + local.rank, stream))
                 self._sockets.append(sock)
                 outputs.append((local.rank, fd, sock))
         control_sock = connect_channel(hub, key, control)

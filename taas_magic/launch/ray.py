@@ -25,10 +25,11 @@ from typing import Any, Callable, Sequence
 
 from taas_magic import wire
 from taas_magic.errors import LaunchError
-from taas_magic.launch.agent import HostAgent, channel_id
+from taas_magic.launch.agent import HostAgent
 from taas_magic.launch.base import LaunchPlan
 from taas_magic.launch.courier import Courier
 from taas_magic.launch.placement import HostShare, Node, RankSlot, describe_free, worker_blocks
+from taas_magic.peers import HubChannels
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
 LOST_HOST_PATIENCE = 10.0  # seconds an agent may take to answer before its host counts as gone
@@ -100,25 +101,11 @@ class OutputHub:
             selector.close()
 
     def _accept_one(self, deadline: float) -> None:
-        sock, _ = self.listener.accept()
-        sock.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-        try:
-            nonce = wire.new_nonce()
-            sock.sendall(nonce)
-            hello = b""
-            while len(hello) < wire.HELLO_SIZE:
-                chunk = sock.recv(wire.HELLO_SIZE - len(hello))
-                if not chunk:
-                    raise ConnectionError("closed")
-                hello += chunk
-            channel = wire.check_hello(self.key, nonce, hello)
-            if not 0 <= channel < self.channels or channel in self.connected:
-                raise wire.AuthenticationError("unknown or repeated channel")
-        except (OSError, wire.AuthenticationError):
-            sock.close()
-            return
-        sock.settimeout(None)
-        self.connected[channel] = sock
+        accepted = wire.accept(self.listener, self.key, lambda claimed: claimed < self.channels and claimed not in self.connected,
+                               timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        if accepted is not None:
+            sock, channel = accepted
+            self.connected[channel] = sock
 
     def close(self) -> None:
         self.listener.close()
@@ -195,23 +182,24 @@ class RayRankGroup:
         host by host from 0; return once all their output channels are connected."""
         world = sum(plan.world_size for _, plan, _ in hosts)
         agents = [agent for agent, _, _ in hosts]
-        hub = OutputHub(hub_address, key, 2 * world + len(hosts))
+        channels = HubChannels(world, len(hosts))
+        hub = OutputHub(hub_address, key, len(channels))
         group = cls(ray, agents, hub, [])
         try:
             starting, first = [], 0
             for index, (agent, plan, _) in enumerate(hosts):
-                starting.append(agent.start.remote(plan, first, hub.address, key, 2 * world + index, **start_options))
+                starting.append(agent.start.remote(plan, first, hub.address, key, channels.control(index), **start_options))
                 first += plan.world_size
             hub.collect(time.monotonic() + timeout, starting, ray)
             first = 0
             for index, (_, plan, label) in enumerate(hosts):
-                control = HostControl(hub.connected[2 * world + index], label)
+                control = HostControl(hub.connected[channels.control(index)], label)
                 for local in range(plan.world_size):
                     rank = first + local
                     group.ranks.append(RayRank(
                         rank, label,
-                        hub.connected[channel_id(rank, "stdout")].fileno(),
-                        hub.connected[channel_id(rank, "stderr")].fileno(),
+                        hub.connected[channels.stream(rank, "stdout")].fileno(),
+                        hub.connected[channels.stream(rank, "stderr")].fileno(),
                         control, local,
                     ))
                 first += plan.world_size

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from taas_magic.peers import RANK, WORKER, Peer, PeerIds
+from taas_magic.peers import RANK, WORKER, HubChannels, Peer, PeerIds
 
 PACKAGE = Path(__file__).resolve().parents[2] / "taas_magic"
 
@@ -20,7 +20,14 @@ def test_wire_ids_number_ranks_then_workers_and_round_trip():
 
 
 def test_no_module_but_peers_does_arithmetic_on_peer_ids():
-    offsets = re.compile(r"world_size \+ |- self\.world_size|first_peer|ranks \+ worker")
+    offsets = re.compile(r"world_size \+ |- self\.world_size|first_peer|ranks \+ worker|2 \* (world|rank)")
     found = [f"{path.relative_to(PACKAGE)}:{number}" for path in PACKAGE.rglob("*.py") if path.name != "peers.py"
              for number, line in enumerate(path.read_text().splitlines(), 1) if offsets.search(line)]
     assert not found, found
+
+
+def test_hub_channels_number_each_ranks_streams_then_each_hosts_control():
+    channels = HubChannels(ranks=3, hosts=2)
+    streams = [channels.stream(rank, stream) for rank in range(3) for stream in ("stdout", "stderr")]
+    controls = [channels.control(host) for host in range(2)]
+    assert streams + controls == list(range(len(channels))) == list(range(8))

@@ -123,3 +123,31 @@ def test_rank_with_key_connects_and_exchanges_frames():
     channel.close()
     connection.sock.close()
     server.close()
+
+
+def test_the_blocking_accept_serves_the_hub_with_the_same_hello():
+    """One hello for every listener: the cluster's output hub accepts a peer that proves the key
+    for an id it still expects, and closes one that does not (wrong key, repeated id)."""
+    key = wire.new_key()
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()[:2]
+    taken: set[int] = set()
+
+    def accept_one() -> tuple[socket.socket, int] | None:
+        accepted = wire.accept(listener, key, lambda claimed: claimed < 4 and claimed not in taken, timeout=5)
+        if accepted is not None:
+            taken.add(accepted[1])
+        return accepted
+
+    results: list = []
+    for attempt_key, channel in ((key, 2), (wire.new_key(), 3), (key, 2)):
+        thread = threading.Thread(target=lambda: results.append(accept_one()))
+        thread.start()
+        sock, _ = wire.connect(address, attempt_key, channel, timeout=5)
+        thread.join(5)
+        if results[-1] is None:
+            assert sock.recv(1) == b""  # the hub closed it, having unpickled nothing
+        sock.close()
+    assert [result if result is None else result[1] for result in results] == [2, None, None]
+    results[0][0].close()
+    listener.close()
