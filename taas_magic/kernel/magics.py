@@ -19,7 +19,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
-from taas_magic import checkpoints, wire
+from taas_magic import checkpoints, protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.cell.cellcode import CellCode, earlier_cells, translate
 from taas_magic.cell.closure import select_closure, serialise_closure
@@ -37,7 +37,7 @@ from taas_magic.launch.rankenv import RankChoice, choose_ranks, visible_gpu_coun
 from taas_magic.launch.spares import SparePool
 from taas_magic.output.board import Board
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
-from taas_magic.output.relay import OutputRelay
+from taas_magic.output.relay import OutputRelay, publisher
 from taas_magic.peers import Peer, PeerIds
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.runspec import RunSpec
@@ -274,17 +274,21 @@ class TaasMagics(Magics):
         budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
         relay = OutputRelay(run.spec.output, peers, {"stdout": sys.stdout, "stderr": sys.stderr}, budget=budget)
         data = run.data
+        publish = publisher(self._shell.display_pub)
+        # The spec as protocol.py's frame (bodies[0] is the spec pickled bare, by _run): TODO(o) once
+        # _run sends protocol.encode(Spec(run.spec)) itself, pass bodies as they are.
+        to_ranks = [protocol.encode(protocol.Spec(run.spec)), *bodies[1:]]
 
         def greeting(peer: Peer) -> list[bytes]:
             if peer.is_rank:
-                return bodies
+                return to_ranks
             assert data is not None  # a data worker exists only with a data plan
             return data.greeting(peer.index)
 
         def start_data() -> DataPlane:
             assert data is not None
             start = functools.partial(data.start, run.spec.run_id, handshake, peers, layers.worker_dirs,
-                                      run.rule, self._publish)
+                                      run.rule, publish)
             return run.backend.start_data(data, start, server.key)
 
         def start_ranks(attempt: int) -> RankGroup:
@@ -298,9 +302,9 @@ class TaasMagics(Magics):
             memfile.remove_run(os.getpid(), run.spec.run_id)
 
         explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
-        board = Board(peers.ranks, self._publish)
+        board = Board(peers.ranks, publish)
         try:
-            return run_ranks(start_ranks, server, peers, greeting, relay, self._publish, run.timeout,
+            return run_ranks(start_ranks, server, peers, greeting, relay, publish, run.timeout,
                              start_data if data is not None else None,
                              Attempts(run.restarts, between, run.backend.standby), explain, board)
         finally:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
-from taas_magic import wire
+from taas_magic import protocol, wire
 from taas_magic.errors import RankFailed, RunError, RunTimeout, WorkerFailed, describe_exit
 from taas_magic.feed.coordinator import Send
 from taas_magic.kernel.dataplane import DataPlane
@@ -41,9 +41,21 @@ from taas_magic.launch.base import RankGroup
 from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay, Publish
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
-from taas_magic.transfer import cudaipc
+from taas_magic.protocol import (
+    ClearOutput,
+    ClosureHostWanted,
+    Display,
+    Done,
+    Exhausted,
+    Ready,
+    Report,
+    Result,
+    ToKernel,
+    Want,
+    WorkerFailure,
+)
 from taas_magic.transfer.handoff import answer_host_copy
-from taas_magic.transfer.results import take_device_copies
+from taas_magic.transfer.results import keep_result
 
 POLL_SECONDS = 0.05
 COURIER_POLL_SECONDS = 0.005
@@ -56,7 +68,7 @@ Greeting = Callable[[Peer], list[bytes]]  # the frames a peer gets once connecte
 
 @dataclass
 class RunOutcome:
-    result: dict | None  # rank 0's "result" message; None if rank 0 ended with sys.exit(0)
+    result: Result | None  # rank 0's results; None if rank 0 ended with sys.exit(0)
     exit_codes: dict[int, int]
 
 
@@ -88,8 +100,8 @@ class _Loop:
         self.failure_peer = Peer(RANK, 0)
         self.failure_silent = False  # the failing process died without reporting an error
         self.reported: set[Peer] = set()  # ranks that sent an error report
-        self.result: dict | None = None
-        self.displays: dict[tuple[Peer, int], tuple[str, dict]] = {}
+        self.result: Result | None = None
+        self.displays: dict[tuple[Peer, int], Display | ClearOutput] = {}
         self.on_all_connected: Callable[[], None] | None = None  # once per attempt
         self.board: Board | None = None  # the live chart and health line (board.py)
         relay.on_marker = self.on_marker
@@ -244,7 +256,7 @@ class _Loop:
             self._fail(self._failed(peer, f"sent a frame that failed authentication ({exc})"), peer)
             return
         for kind, body in frames:
-            self._on_frame(peer, kind, body)
+            self._on_frame(peer, protocol.decode(kind, body, ToKernel))
 
     def drain_connection(self, peer: Peer) -> None:
         """Read every frame a process sent before it exited (its error report, say)."""
@@ -263,40 +275,38 @@ class _Loop:
         connection.sock.close()
         self.connections.pop(self.ids.peer(connection.rank), None)
 
-    def _on_frame(self, peer: Peer, kind: str, body: memoryview) -> None:
-        message = wire.loads_verified(body)
+    def _on_frame(self, peer: Peer, frame: ToKernel) -> None:
         if not peer.is_rank:
-            self._on_worker_frame(peer, kind, message)
-        elif kind in ("display", "clear_output"):
-            self.displays[(peer, message["number"])] = (kind, message)
-        elif kind == "error":
-            self.reported.add(peer)
-            signature = message.get("signature")
-            self._fail(RankFailed(peer.index, self._host(peer), message["summary"], message["traceback"],
-                                  signature=tuple(signature) if signature else None), peer)
-        elif kind == "report":
-            if self.board is not None:
-                self.board.add(peer.index, message)
-        elif kind == "result" and peer.index == 0:
-            self._on_result(peer, message)
-        elif kind == cudaipc.CLOSURE_HOST:
-            reply, line = answer_host_copy(peer.index, message)
-            self.relay.notice(line)
-            self._reply(peer, reply)
-        elif kind == "want" and self.data is not None:
-            self._send_all(self.data.coordinator.on_rank(peer.index, message))
+            self._on_worker_frame(peer, frame)
+            return
+        match frame:
+            case Display() | ClearOutput():
+                self.displays[(peer, frame.number)] = frame
+            case protocol.RankError():
+                self.reported.add(peer)
+                self._fail(RankFailed(peer.index, self._host(peer), frame.summary, frame.traceback,
+                                      signature=frame.signature), peer)
+            case Report():
+                if self.board is not None:
+                    self.board.add(peer.index, frame)
+            case Result() if peer.index == 0:
+                self._on_result(peer, frame)
+            case ClosureHostWanted():
+                reply, line = answer_host_copy(peer.index, frame)
+                self.relay.notice(line)
+                self._reply(peer, reply)
+            case Want() if self.data is not None:
+                self._send_all(self.data.coordinator.on_rank(peer.index, frame))
 
-    def _on_result(self, peer: Peer, message: dict) -> None:
+    def _on_result(self, peer: Peer, message: Result) -> None:
         """Rank 0's results. CUDA storages it sent as CUDA IPC handles are copied now, while it waits
         with them alive, and it is told so; if they cannot be, it is asked to send them again through
-        host memory, and that second result is the one kept (results.take_device_copies)."""
-        taken = take_device_copies(message)
-        if taken is not None:
-            reply, whole = taken
+        host memory, and that second result is the one kept (results.keep_result)."""
+        kept, reply = keep_result(message)
+        if reply is not None:
             self._reply(peer, reply)
-            if not whole:
-                return
-        self.result = message
+        if kept is not None:
+            self.result = kept
 
     def _reply(self, peer: Peer, body: bytes) -> bool:
         """Send ``body`` to ``peer`` if it is connected (False if it is not)."""
@@ -309,13 +319,14 @@ class _Loop:
             pass  # it has exited; its exit code tells the rest
         return True
 
-    def _on_worker_frame(self, peer: Peer, kind: str, message) -> None:
+    def _on_worker_frame(self, peer: Peer, frame: ToKernel) -> None:
         assert self.data is not None
-        if kind == "failed":
-            name = self.data.coordinator.name_of(message["feed"])
-            self._fail(WorkerFailed.from_report(peer.index, self._host(peer), name, message), peer)
-            return
-        self._send_all(self.data.coordinator.on_worker(peer.index, kind, message))
+        match frame:
+            case WorkerFailure():
+                name = self.data.coordinator.name_of(frame.feed)
+                self._fail(WorkerFailed.from_report(peer.index, self._host(peer), name, frame), peer)
+            case Ready() | Exhausted() | Done():
+                self._send_all(self.data.coordinator.on_worker(peer.index, frame))
 
     def deliver_ready(self) -> None:
         """Cluster mode: pass on the deliveries whose elements reached their rank's host."""
@@ -325,10 +336,9 @@ class _Loop:
         if self.data is not None and self.data.courier is not None:
             sends = self.data.courier.route(sends)
         for send in sends:
-            peer = Peer(RANK if send.role == "rank" else WORKER, send.index)
-            body = wire.encode_body(send.kind, wire.dumps(send.message))
-            if not self._reply(peer, body) and peer not in self.exits:
-                self.queued.setdefault(peer, []).append(body)
+            body = protocol.encode(send.frame)
+            if not self._reply(send.to, body) and send.to not in self.exits:
+                self.queued.setdefault(send.to, []).append(body)
 
     def on_marker(self, peer: Peer, number: int) -> None:
         """A rank's display ``number`` belongs here in its text: publish it now."""
@@ -337,14 +347,14 @@ class _Loop:
         shown = self.displays.pop((peer, number), None)
         if shown is not None and self.relay.shows(peer):
             self.relay.flush(force=True)
-            self.publish(*shown)
+            self.publish(shown)
 
     def publish_leftovers(self) -> None:
         """Displays whose marker never came (the cell closed fd 1): show them last."""
         for key in sorted(self.displays, key=lambda key: (self.ids.wire_id(key[0]), key[1])):
             if self.relay.shows(key[0]):
                 self.relay.flush(force=True)
-                self.publish(*self.displays[key])
+                self.publish(self.displays[key])
         self.displays.clear()
 
     def _fail(self, failure: RunError, peer: Peer, silent: bool = False) -> None:
