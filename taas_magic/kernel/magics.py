@@ -19,7 +19,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Enum, Float, Int, TraitError, Unicode, validate
 
-from taas_magic import checkpoints, protocol, wire
+from taas_magic import checkpoints, wire
 from taas_magic.autopsy import stacks
 from taas_magic.cell.cellcode import CellCode, earlier_cells, translate
 from taas_magic.cell.closure import select_closure, serialise_closure
@@ -37,7 +37,7 @@ from taas_magic.launch.rankenv import RankChoice, choose_ranks, visible_gpu_coun
 from taas_magic.launch.spares import SparePool
 from taas_magic.output.board import Board
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
-from taas_magic.output.relay import OutputRelay, publisher
+from taas_magic.output.relay import OutputRelay
 from taas_magic.peers import Peer, PeerIds
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.runspec import RunSpec
@@ -269,14 +269,18 @@ class TaasMagics(Magics):
     def _supervise(self, run: _Run, peers: PeerIds, server: RankServer, layers: ScratchLayers, stacks_dir: str,
                    bodies: list[bytes]) -> RunOutcome:
         """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
+        from taas_magic import protocol
+        from taas_magic.kernel.supervisor import RunParts
+        from taas_magic.output.relay import publisher
+
         owner = f"{os.getpid()}-{run.spec.run_id}-ranks"
         handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
         budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
-        relay = OutputRelay(run.spec.output, peers, {"stdout": sys.stdout, "stderr": sys.stderr}, budget=budget)
+        streams = {"stdout": sys.stdout, "stderr": sys.stderr}
         data = run.data
         publish = publisher(self._shell.display_pub)
-        # The spec as protocol.py's frame (bodies[0] is the spec pickled bare, by _run): TODO(o) once
-        # _run sends protocol.encode(Spec(run.spec)) itself, pass bodies as they are.
+        # The spec as protocol.py's Spec frame: bodies[0] is the spec pickled bare by _run (outside this
+        # function); once _run sends protocol.encode(protocol.Spec(run.spec)), pass bodies as they are.
         to_ranks = [protocol.encode(protocol.Spec(run.spec)), *bodies[1:]]
 
         def greeting(peer: Peer) -> list[bytes]:
@@ -303,10 +307,12 @@ class TaasMagics(Magics):
 
         explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
         board = Board(peers.ranks, publish)
+        parts = RunParts(server, peers, greeting,
+                         lambda on_marker: OutputRelay(run.spec.output, peers, streams, budget=budget, on_marker=on_marker),
+                         publish, board, run.timeout, explain)
         try:
-            return run_ranks(start_ranks, server, peers, greeting, relay, publish, run.timeout,
-                             start_data if data is not None else None,
-                             Attempts(run.restarts, between, run.backend.standby), explain, board)
+            return run_ranks(parts, start_ranks, start_data if data is not None else None,
+                             Attempts(run.restarts, between, run.backend.standby))
         finally:
             import taas
 
