@@ -31,7 +31,7 @@ from tests.kernel_client import Kernel  # noqa: E402
 CELL = """\
 #pragma taas --gpus 2
 import os, statistics, time, torch, taas
-from taas_magic.rank import reports
+from taas_magic.output import reports
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -22,13 +22,19 @@
 IPython shows an exception through its ``_render_traceback_`` when it has one (as
 ipyparallel's RemoteError does): the lines are the rank's traceback, already pointing
 at the cell's own line numbers, not the kernel's frames that supervised it.
-Every class defines ``__reduce__`` so it survives pickling.
+Every class defines ``__reduce__`` so it survives pickling. A run's error is built whole:
+what the failing process printed last and the notes after it (why it was not restarted,
+where the ranks were) are constructor arguments, and :meth:`RunError.with_output` makes a
+new error with them rather than changing the one the supervisor first saw.
 """
 
 from __future__ import annotations
 
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from taas_magic.protocol import WorkerFailure
 
 
 class TaasError(Exception):
@@ -84,6 +90,11 @@ class RunError(TaasError):
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}", *self.notes]
 
+    def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "RunError":
+        """This failure as the cell shows it, a new error: the failing process's last lines of
+        output, and ``notes`` after its own. (A run error without a failing process keeps only its own.)"""
+        return self
+
 
 def describe_exit(code: int | None) -> str:
     """A person's words for a process exit code (negative means killed by a signal)."""
@@ -124,14 +135,21 @@ class RankFailed(RunError):
         traceback_text: str = "",
         last_lines: tuple[str, ...] = (),
         signature: tuple[str, str, int] | None = None,
+        notes: tuple[str, ...] = (),
     ):
         super().__init__(f"rank {rank} on {host} {summary}")
         self.rank, self.host, self.summary = rank, host, summary
         self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
         self.signature = signature  # a Python exception's (type, innermost notebook file, line): restarts.py
+        self.notes = tuple(notes)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines, self.signature))
+        return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines, self.signature,
+                             self.notes))
+
+    def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "RankFailed":
+        return RankFailed(self.rank, self.host, self.summary, self.traceback_text, last_lines, self.signature,
+                          (*self.notes, *notes))
 
     def _render_traceback_(self) -> list[str]:
         return _failure_report(f"rank {self.rank}", self.host, self.summary, "every rank was stopped",
@@ -148,34 +166,39 @@ class WorkerFailed(RunError):
         summary: str,
         traceback_text: str = "",
         last_lines: tuple[str, ...] = (),
+        notes: tuple[str, ...] = (),
     ):
         super().__init__(f"data worker {worker} on {host} {summary}")
         self.worker, self.host, self.summary = worker, host, summary
         self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
+        self.notes = tuple(notes)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.worker, self.host, self.summary, self.traceback_text, self.last_lines))
+        return (type(self), (self.worker, self.host, self.summary, self.traceback_text, self.last_lines, self.notes))
+
+    def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "WorkerFailed":
+        return WorkerFailed(self.worker, self.host, self.summary, self.traceback_text, last_lines, (*self.notes, *notes))
 
     @classmethod
-    def from_report(cls, worker: int, host: str, loader: str, report: dict) -> "WorkerFailed":
-        """From a worker's ``failed`` message: frames get the notebook's source lines here,
+    def from_report(cls, worker: int, host: str, loader: str, report: WorkerFailure) -> "WorkerFailed":
+        """From a worker's ``WorkerFailure`` frame: frames get the notebook's source lines here,
         where IPython's cells are in ``linecache``; taas's own frames are left out."""
         import linecache
         import os
 
         package = os.path.dirname(os.path.abspath(__file__)) + os.sep
         lines = ["Traceback (most recent call last):\n"]
-        for filename, lineno, name, line in report["frames"]:
+        for filename, lineno, name, line in report.frames:
             if os.path.abspath(filename).startswith(package):
                 continue
             lines.append(f'  File "{filename}", line {lineno}, in {name}\n')
-            line = line or linecache.getline(filename, lineno)
+            line = line or (linecache.getline(filename, lineno) if lineno is not None else "")
             if line and line.strip():
                 lines.append(f"    {line.strip()}\n")
-        exception = report["exception"].strip()
+        exception = report.exception.strip()
         raised = exception.splitlines()[-1] if exception else "an error"
-        summary = f"raised {raised} while preparing {report['element']} of {loader}"
-        return cls(worker, host, summary, "".join(lines) + report["exception"])
+        summary = f"raised {raised} while preparing {report.element} of {loader}"
+        return cls(worker, host, summary, "".join(lines) + report.exception)
 
     def _render_traceback_(self) -> list[str]:
         return _failure_report(f"data worker {self.worker}", self.host, self.summary,
@@ -185,15 +208,19 @@ class WorkerFailed(RunError):
 class RunTimeout(RunError):
     """``--timeout`` passed before every rank finished."""
 
-    def __init__(self, timeout: float, running: tuple[int, ...]):
+    def __init__(self, timeout: float, running: tuple[int, ...], notes: tuple[str, ...] = ()):
         ranks = ", ".join(str(rank) for rank in running) or "none"
         super().__init__(
             f"taas: the run passed --timeout {timeout:g}s; ranks still running: {ranks}. Every rank was stopped."
         )
         self.timeout, self.running = timeout, tuple(running)
+        self.notes = tuple(notes)  # where each rank was (the hang autopsy), then why it was not restarted
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.timeout, self.running))
+        return (type(self), (self.timeout, self.running, self.notes))
+
+    def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "RunTimeout":
+        return RunTimeout(self.timeout, self.running, (*self.notes, *notes))  # no process failed: no last lines
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -1,7 +1,7 @@
 """The kernel's bookkeeping for the data workers: pure state, no I/O.
 
-The supervisor hands it what workers and ranks send and sends what it returns
-(:class:`Send`). Per feed (registered loader the cell uses) it keeps:
+The supervisor hands it the frames workers and ranks send (protocol.py: Ready, Exhausted,
+Done, Want) and sends what it returns (:class:`Send`: a frame and its peer). Per feed (registered loader the cell uses) it keeps:
 
 - where every extracted element lives (one 64-bit word each: segment id and offset),
   by fresh pass, so that replayed passes can be served without the loader;
@@ -25,6 +25,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from taas_magic.peers import RANK, WORKER, Peer
+from taas_magic.protocol import Done, Elements, End, Exhausted, Horizon, NextPass, Ready, Stop, ToPeer, Want
 from taas_magic.runspec import MAP, FeedPlan, delivered_length
 
 END = -2
@@ -33,10 +35,16 @@ OFFSET_BITS = 40
 
 @dataclass(frozen=True)
 class Send:
-    role: str  # "rank" or "worker"
-    index: int
-    kind: str
-    message: Any
+    to: Peer
+    frame: ToPeer
+
+
+def _to_worker(worker: int, frame: ToPeer) -> Send:
+    return Send(Peer(WORKER, worker), frame)
+
+
+def _to_rank(rank: int, frame: ToPeer) -> Send:
+    return Send(Peer(RANK, rank), frame)
 
 
 class _Pass:
@@ -171,17 +179,17 @@ class FeedCoordinator:
         return self.feeds[feed].plan.name if feed in self.feeds else "the registered loaders"
 
     # -- from workers -------------------------------------------------------------------
-    def on_worker(self, worker: int, kind: str, message: Any) -> list[Send]:
-        if kind == "done":
-            self.workers_done.add(worker)
-            return []
-        feed = self.feeds[message[0]]
-        sends: list[Send] = []
-        if kind == "ready":
-            _, pass_no, j, path, offset = message
-            sends += self._on_ready(feed, worker, pass_no, j, feed.encode(path, offset))
-        elif kind == "exhausted":
-            sends += self._on_exhausted(feed, worker, message[1])
+    def on_worker(self, worker: int, frame: Ready | Exhausted | Done) -> list[Send]:
+        match frame:
+            case Done():
+                self.workers_done.add(worker)
+                return []
+            case Ready(feed=feed_id, pass_no=pass_no, index=j, path=path, offset=offset):
+                feed = self.feeds[feed_id]
+                sends = self._on_ready(feed, worker, pass_no, j, feed.encode(path, offset))
+            case Exhausted(feed=feed_id, pass_no=pass_no):
+                feed = self.feeds[feed_id]
+                sends = self._on_exhausted(feed, worker, pass_no)
         return sends + self._pump(feed) + self._horizon(feed)
 
     def _on_ready(self, feed: _Feed, worker: int, pass_no: int, j: int | None, location: int) -> list[Send]:
@@ -214,13 +222,13 @@ class FeedCoordinator:
         if this.length == 0:  # the loader has nothing (left) for a pass: the fresh passes end here
             return self._finish_iterable(feed, pass_no)
         feed.fresh_pass(pass_no + 1)
-        return [Send("worker", w, "pass", (feed.plan.feed, pass_no + 1)) for w in range(feed.plan.workers)]
+        return [_to_worker(w, NextPass(feed.plan.feed, pass_no + 1)) for w in range(feed.plan.workers)]
 
     def _finish_iterable(self, feed: _Feed, fresh_count: int) -> list[Send]:
         feed.finished = True
         feed.fresh_count = fresh_count
         del feed.passes[fresh_count:]
-        return [Send("worker", w, "stop", (feed.plan.feed,)) for w in range(feed.plan.workers)]
+        return [_to_worker(w, Stop(feed.plan.feed)) for w in range(feed.plan.workers)]
 
     def restart_ranks(self) -> None:
         """New rank processes (--restarts) read every feed from its first element again: each is
@@ -231,9 +239,8 @@ class FeedCoordinator:
             feed.delivered_fresh = 0  # "waiting" counts what these ranks have not had yet
 
     # -- from ranks -----------------------------------------------------------------------
-    def on_rank(self, rank: int, message: Any) -> list[Send]:
-        feed_id, pass_no, credit = message
-        feed = self.feeds[feed_id]
+    def on_rank(self, rank: int, want: Want) -> list[Send]:
+        feed, pass_no, credit = self.feeds[want.feed], want.pass_no, want.credit
         cursor = feed.cursors[rank]
         if pass_no != cursor.pass_no:
             cursor.pass_no, cursor.position, cursor.credit, cursor.ended = pass_no, 0, credit, False
@@ -262,9 +269,9 @@ class FeedCoordinator:
                 else:
                     feed.delivered_fresh += 1
             if batch:
-                sends.append(Send("rank", rank, "elements", (feed.plan.feed, cursor.pass_no, batch)))
+                sends.append(_to_rank(rank, Elements(feed.plan.feed, cursor.pass_no, batch)))
             if ended:
-                sends.append(Send("rank", rank, "end", (feed.plan.feed, cursor.pass_no)))
+                sends.append(_to_rank(rank, End(feed.plan.feed, cursor.pass_no)))
         return sends
 
     def _horizon(self, feed: _Feed) -> list[Send]:
@@ -276,7 +283,7 @@ class FeedCoordinator:
             return []
         feed.horizon = horizon
         return [
-            Send("worker", w, "horizon", (feed.plan.feed, horizon, feed.extracted, feed.arrived_by_worker[w]))
+            _to_worker(w, Horizon(feed.plan.feed, horizon, feed.extracted, feed.arrived_by_worker[w]))
             for w in range(feed.plan.workers)
             if w not in self.workers_done
         ]

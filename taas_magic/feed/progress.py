@@ -12,6 +12,7 @@ import time
 
 from taas_magic.feed.coordinator import FeedCoordinator
 from taas_magic.output.relay import Publish
+from taas_magic.protocol import Display
 
 INTERVAL = 0.5
 
@@ -66,12 +67,7 @@ class ProgressLine:
         if not force and now - self.last < INTERVAL:
             return
         self.last = now
-        self.publish("display", {
-            "data": {"text/plain": self.text(usage)},
-            "metadata": {},
-            "transient": {"display_id": self.display_id},
-            "update": self.shown,
-        })
+        self.publish(Display({"text/plain": self.text(usage)}, {}, {"display_id": self.display_id}, self.shown))
         self.shown = True
 
     def seconds_until_due(self, now: float) -> float:

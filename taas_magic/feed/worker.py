@@ -10,11 +10,12 @@ the kernel), then loops:
   the kernel moves the horizon as the ranks consume);
 - prepare it, append it to a segment (segments.py), tell the kernel where it is.
 
-Messages from the kernel: ``horizon`` (how far it may extract, and for iterable feeds
-how many elements arrived), ``pass`` (an iterable feed's next pass may start: every
-worker finished the previous one), ``stop`` (the feed has its K elements). A worker
-that fails sends its traceback as frames (the kernel fills in the notebook's source
-lines) with the element it was preparing, and exits 1; one with nothing left exits 0.
+Frames from the kernel (protocol.py): ``Horizon`` (how far it may extract, and for iterable
+feeds how many elements arrived), ``NextPass`` (an iterable feed's next pass may start:
+every worker finished the previous one), ``Stop`` (the feed has its K elements). A worker
+that fails sends its traceback as frames (``WorkerFailure``: the kernel fills in the
+notebook's source lines) with the element it was preparing, and exits 1; one with nothing
+left sends ``Done`` and exits 0.
 """
 
 from __future__ import annotations
@@ -23,9 +24,20 @@ import sys
 import traceback
 from typing import Any
 
-from taas_magic import wire
 from taas_magic.feed.extract import IterableSource, MapSource, make_source, seed_worker, set_worker_info
 from taas_magic.feed.segments import CacheDirs, SegmentWriter
+from taas_magic.protocol import (
+    Done,
+    Exhausted,
+    Horizon,
+    Job,
+    Loaders,
+    NextPass,
+    PeerChannel,
+    Ready,
+    Stop,
+    WorkerFailure,
+)
 from taas_magic.rank import startup
 from taas_magic.runspec import MAP, FeedPlan
 
@@ -55,46 +67,46 @@ class _Feed:
         return f"its element {self.in_pass} of pass {self.pass_no} (counting from 0)"
 
 
-def send_failure(channel: wire.BlockingChannel, feed: _Feed | None, exc: BaseException) -> None:
+def send_failure(channel: PeerChannel, feed: _Feed | None, exc: BaseException) -> None:
     """The traceback as frames (the kernel adds the notebook's source lines) and the element."""
     frames = [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)]
-    channel.send("failed", wire.dumps({
-        "feed": feed.plan.feed if feed else None,
-        "element": feed.describe_element() if feed else "its setup (loading the loaders)",
-        "frames": frames,
-        "exception": "".join(traceback.format_exception_only(type(exc), exc)),
-    }))
+    channel.send(WorkerFailure(
+        feed.plan.feed if feed else None,
+        feed.describe_element() if feed else "its setup (loading the loaders)",
+        frames,
+        "".join(traceback.format_exception_only(type(exc), exc)),
+    ))
 
 
 class Worker:
-    def __init__(self, channel: wire.BlockingChannel, job: dict, loaders: dict[int, Any]):
+    def __init__(self, channel: PeerChannel, job: Job, loaders: dict[int, Any]):
         self.channel = channel
-        self.worker = job["worker"]
-        workers = job["workers"]
-        seed_worker(job["seed"], self.worker)
-        self.writer = SegmentWriter(CacheDirs(*job["dirs"]), self.worker, job["ram_budget"], job["segment_bytes"])
+        self.worker = job.worker
+        seed_worker(job.seed, self.worker)
+        self.writer = SegmentWriter(CacheDirs(*job.dirs), self.worker, job.ram_budget, job.segment_bytes)
         self.feeds: dict[int, _Feed] = {}
         self.current: _Feed | None = None
-        for plan in job["plans"]:
+        for plan in job.plans:
             loader = loaders[plan.feed]
             if plan.kind != MAP:
-                set_worker_info(loader, self.worker, workers, plan.seed)
+                set_worker_info(loader, self.worker, job.workers, plan.seed)
             self.current = feed = _Feed(plan, make_source(plan, loader, self.worker))
             self.feeds[plan.feed] = feed
 
     # -- messages from the kernel ----------------------------------------------------------
     def _receive(self, block: bool) -> None:
         while self.channel.readable(None if block else 0.0):
-            kind, body = self.channel.recv()
-            message = wire.loads_verified(body)
-            feed = self.feeds[message[0]]
-            if kind == "horizon":
-                _, feed.horizon, feed.arrived, feed.counted = message
-            elif kind == "pass":
-                feed.pass_no, feed.in_pass, feed.waiting_for_pass = message[1], 0, False
-                feed.source.start_pass(feed.pass_no)
-            elif kind == "stop":
-                feed.done = True
+            frame = self.channel.receive()
+            match frame:
+                case Horizon():
+                    feed = self.feeds[frame.feed]
+                    feed.horizon, feed.arrived, feed.counted = frame.horizon, frame.arrived, frame.counted
+                case NextPass():
+                    feed = self.feeds[frame.feed]
+                    feed.pass_no, feed.in_pass, feed.waiting_for_pass = frame.pass_no, 0, False
+                    feed.source.start_pass(feed.pass_no)
+                case Stop():
+                    self.feeds[frame.feed].done = True
             block = False
 
     # -- extraction ------------------------------------------------------------------------------
@@ -122,7 +134,7 @@ class Worker:
             return False
         element = source.fetch(index)
         path, offset = self.writer.append(element)
-        self.channel.send("ready", wire.dumps((feed.plan.feed, feed.pass_no, j, path, offset)))
+        self.channel.send(Ready(feed.plan.feed, feed.pass_no, j, path, offset))
         feed.pending = None
         return True
 
@@ -134,11 +146,11 @@ class Worker:
         try:
             element = source.next_element()
         except StopIteration:
-            self.channel.send("exhausted", wire.dumps((feed.plan.feed, feed.pass_no)))
+            self.channel.send(Exhausted(feed.plan.feed, feed.pass_no))
             feed.waiting_for_pass = True
             return True
         path, offset = self.writer.append(element)
-        self.channel.send("ready", wire.dumps((feed.plan.feed, feed.pass_no, None, path, offset)))
+        self.channel.send(Ready(feed.plan.feed, feed.pass_no, None, path, offset))
         feed.sent += 1
         feed.in_pass += 1
         return True
@@ -155,18 +167,18 @@ class Worker:
             if not progressed:
                 self._receive(block=True)
         self.writer.close()
-        self.channel.send("done", wire.dumps((self.worker,)))
+        self.channel.send(Done(self.worker))
 
 def main() -> None:
     channel = startup.begin(worker=True)  # its dataset's code may write too: it gets a rank's write rule
-    job = wire.loads_verified(channel.expect("job"))
-    loaders_blob = channel.expect("loaders")
-    sys.path[:] = job["sys_path"]
+    job = channel.expect(Job)
+    pickles = channel.expect(Loaders).pickles
+    sys.path[:] = job.sys_path
     worker: Worker | None = None
     try:
         import cloudpickle
 
-        loaders = {feed: cloudpickle.loads(blob) for feed, blob in wire.loads_verified(loaders_blob).items()}
+        loaders = {feed: cloudpickle.loads(blob) for feed, blob in pickles.items()}
         worker = Worker(channel, job, loaders)
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, which stops the run

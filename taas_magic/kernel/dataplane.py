@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import cloudpickle
 
-from taas_magic import wire
+from taas_magic import protocol
 from taas_magic.feed.coordinator import FeedCoordinator
 from taas_magic.feed.plan import loader_kind, plan_feed
 from taas_magic.feed.progress import ProgressLine
@@ -115,18 +115,9 @@ class DataRun:
 
     def greeting(self, worker: int) -> list[bytes]:
         assert self.dirs is not None
-        job = {
-            "worker": worker,
-            "workers": self.workers,
-            "seed": self.seed,
-            "plans": self.plans,
-            "dirs": (self.dirs.ram, self.dirs.disk),
-            "ram_budget": self.cache_ram // self.workers,
-            "segment_bytes": self.segment_bytes(),
-            "sys_path": list(sys.path),
-        }
-        loaders = wire.dumps(self.originals)
-        return [wire.encode_body("job", wire.dumps(job)), wire.encode_body("loaders", loaders)]
+        job = protocol.Job(worker, self.workers, self.seed, self.plans, (self.dirs.ram, self.dirs.disk),
+                           self.cache_ram // self.workers, self.segment_bytes(), list(sys.path))
+        return [protocol.encode(job), protocol.encode(protocol.Loaders(self.originals))]
 
     def start(
         self, run_id: str, handshake: str, peers: PeerIds, layers: Mapping[int, str], rule: WriteRule, publish: Publish,

@@ -33,14 +33,14 @@ from taas_magic.kernel.restarts import Attempts
 from taas_magic.kernel.run import Run
 from taas_magic.kernel.settings import VALIDATED, Warm, option_trait, refuse
 from taas_magic.kernel.status import LastRun, closure_size, header_line, help_text, status_text
-from taas_magic.kernel.supervisor import RunOutcome, run_ranks
+from taas_magic.kernel.supervisor import RunOutcome, RunParts, run_ranks
 from taas_magic.launch.backend import Backend, ClusterBackend, LocalBackend
 from taas_magic.launch.base import RankGroup
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.launch.spares import SparePool
 from taas_magic.output.board import Board
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
-from taas_magic.output.relay import OutputRelay
+from taas_magic.output.relay import OutputRelay, publisher
 from taas_magic.peers import Peer
 from taas_magic.procs import kill_tagged
 from taas_magic.runspec import RunSpec
@@ -196,8 +196,9 @@ class TaasMagics(Magics):
         owner = run.owner
         handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
         budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
-        relay = OutputRelay(run.spec.output, peers, {"stdout": sys.stdout, "stderr": sys.stderr}, budget=budget)
+        streams = {"stdout": sys.stdout, "stderr": sys.stderr}
         data = run.data
+        publish = publisher(self._shell.display_pub)
 
         def greeting(peer: Peer) -> list[bytes]:
             if peer.is_rank:
@@ -208,7 +209,7 @@ class TaasMagics(Magics):
         def start_data() -> DataPlane:
             assert data is not None
             start = functools.partial(data.start, run.spec.run_id, handshake, peers, layers.worker_dirs,
-                                      run.rule, self._publish)
+                                      run.rule, publish)
             return run.backend.start_data(data.cache_ram, start, server.key)
 
         def start_ranks(attempt: int) -> RankGroup:
@@ -221,11 +222,13 @@ class TaasMagics(Magics):
             memfile.remove_run(os.getpid(), run.spec.run_id)
 
         explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
-        board = Board(peers.ranks, self._publish)
+        board = Board(peers.ranks, publish)
+        parts = RunParts(server, peers, greeting,
+                         lambda on_marker: OutputRelay(run.spec.output, peers, streams, budget=budget, on_marker=on_marker),
+                         publish, board, run.settings.timeout, explain)
         try:
-            return run_ranks(start_ranks, server, peers, greeting, relay, self._publish, run.settings.timeout,
-                             start_data if data is not None else None,
-                             Attempts(run.settings.restarts, between, run.backend.standby), explain, board)
+            return run_ranks(parts, start_ranks, start_data if data is not None else None,
+                             Attempts(run.settings.restarts, between, run.backend.standby))
         finally:
             import taas
 
@@ -288,18 +291,6 @@ class TaasMagics(Magics):
         self.cluster = attached
         self.spares.close()  # the cluster's agents start fresh ranks; local spares only hold memory
         print("taas: attached; " + "\n".join(self.cluster.status_lines()))
-
-    def _publish(self, kind: str, message: dict) -> None:
-        display_pub = self._shell.display_pub
-        if kind == "clear_output":
-            display_pub.clear_output(wait=message["wait"])
-            return
-        kwargs = {"metadata": message["metadata"]}
-        if message["transient"]:
-            kwargs["transient"] = message["transient"]
-        if message["update"]:
-            kwargs["update"] = True
-        display_pub.publish(message["data"], **kwargs)
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str):

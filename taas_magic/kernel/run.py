@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from types import TracebackType
 from typing import TypeVar
 
-from taas_magic import checkpoints, wire
+from taas_magic import checkpoints, protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
@@ -41,6 +41,7 @@ from taas_magic.launch.backend import Backend, rank_environments
 from taas_magic.launch.base import LaunchPlan
 from taas_magic.peers import PeerIds
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
+from taas_magic.protocol import Result
 from taas_magic.runspec import RunSpec
 from taas_magic.tempdirs import remove_tree
 from taas_magic.transfer import memfile
@@ -89,7 +90,7 @@ class Run:
         self._stack.callback(self.server.close)
         handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
         self._stack.callback(handoff.remove)
-        self.bodies = [wire.encode_body("spec", wire.dumps(self.spec)), handoff.body]
+        self.bodies = [protocol.encode(protocol.Spec(self.spec)), handoff.body]
         self._stack.callback(self._ranks_gone)
 
     # -- what the ranks are started with -------------------------------------------------------
@@ -126,7 +127,7 @@ class Run:
         """Release everything taken so far (a plan step that failed half-way)."""
         self._stack.close()
 
-    def bind_results(self, result: dict | None, namespace: dict) -> object:
+    def bind_results(self, result: Result | None, namespace: dict) -> object:
         """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""
         try:
             return apply_results(namespace, result, self.packing, self.registered)

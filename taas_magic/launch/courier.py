@@ -8,10 +8,13 @@ so the kernel's deliveries pass through a :class:`Courier` first.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable
 
 from taas_magic.errors import RunError
+from taas_magic.feed.coordinator import Send
+from taas_magic.protocol import Elements, End
 
 
 class Courier:
@@ -58,16 +61,16 @@ class Courier:
     def busy(self) -> bool:
         return bool(self.in_flight)
 
-    def route(self, sends: list) -> list:
+    def route(self, sends: list[Send]) -> list[Send]:
         """Sends to pass on now; deliveries wait (in order, per rank) for their copies."""
         out = []
         for send in sends:
-            if send.role != "rank" or send.kind not in ("elements", "end"):
+            if not send.to.is_rank or not isinstance(send.frame, (Elements, End)):
                 out.append(send)
                 continue
-            if send.kind == "elements":
-                self._fetch(send.index, send.message[2])
-            self.waiting.setdefault(send.index, []).append(send)
+            if isinstance(send.frame, Elements):
+                self._fetch(send.to.index, send.frame.places)
+            self.waiting.setdefault(send.to.index, []).append(send)
         return out + self.ready()
 
     def _fetch(self, rank: int, batch: list[tuple[str, int]]) -> None:
@@ -81,7 +84,7 @@ class Courier:
         result = self.host_agents[host].mirror.remote(self.ram_budget, *records)
         self.in_flight[result] = missing
 
-    def ready(self) -> list:
+    def ready(self) -> list[Send]:
         """Deliveries whose elements have all reached their rank's host, translated."""
         if self.in_flight:
             refs = list(self.in_flight)
@@ -100,12 +103,11 @@ class Courier:
             host = self.hosts[id(self.rank_agents[rank])]
             while queue:
                 send = queue[0]
-                if send.kind == "elements":
-                    feed, pass_no, batch = send.message
-                    places = [self.copies.get((host, path, offset)) for path, offset in batch]
+                if isinstance(send.frame, Elements):
+                    places = [self.copies.get((host, path, offset)) for path, offset in send.frame.places]
                     if None in places:
                         break
-                    send = type(send)(send.role, send.index, send.kind, (feed, pass_no, places))
+                    send = dataclasses.replace(send, frame=dataclasses.replace(send.frame, places=places))
                 out.append(send)
                 queue.pop(0)
         return out

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from html import escape
 
 from taas_magic.output.relay import Publish
+from taas_magic.protocol import Display, Report
 
 CHART_SECONDS = 0.5
 HEALTH_SECONDS = 2.0
@@ -60,21 +61,21 @@ class Board:
         self.dirty = False
         self.last_chart = self.last_health = 0.0
 
-    def add(self, rank: int, message: dict) -> None:
+    def add(self, rank: int, batch: Report) -> None:
         """A rank's batch: its reports (and perhaps its health)."""
         record = self.ranks[rank]
-        if message["reports"]:
-            record.batches.append((message["at"], len(message["reports"])))
-        for step, metrics in message["reports"]:
+        if batch.reports:
+            record.batches.append((batch.at, len(batch.reports)))
+        for step, metrics in batch.reports:
             if rank == 0:
                 record.reports.append({"step": step, **metrics})
             for name, value in metrics.items():
                 record.steps.setdefault(name, []).append(step)
                 record.values.setdefault(name, []).append(value)
             self.dirty = True
-        if message["health"] is not None:
-            previous = record.health[1] if record.health is not None else message["health"]
-            record.health = (previous, message["health"])
+        if batch.health is not None:
+            previous = record.health[1] if record.health is not None else batch.health
+            record.health = (previous, batch.health)
 
     def start(self) -> None:
         """The two displays, in their places above the ranks' output, before any rank runs."""
@@ -96,8 +97,7 @@ class Board:
             self._publish(self.health_id, {"text/plain": self.health_line()})
 
     def _publish(self, display_id: str, data: dict) -> None:
-        self.publish("display", {"data": data, "metadata": {}, "transient": {"display_id": display_id},
-                                 "update": display_id in self.shown})
+        self.publish(Display(data, {}, {"display_id": display_id}, display_id in self.shown))
         self.shown.add(display_id)
 
     def _chart_text(self) -> str:

@@ -24,15 +24,16 @@ import codecs
 import collections
 import re
 import time
-from typing import IO, Callable
+from typing import IO, Any, Callable
 
 from taas_magic.output.budget import OutputBudget
 from taas_magic.peers import RANK, Peer, PeerIds
+from taas_magic.protocol import ClearOutput, Display
 
 RANK_0 = Peer(RANK, 0)
 
-# A display message for the cell (display_data, update_display_data, clear_output), by kind.
-Publish = Callable[[str, dict], None]
+# Shows a display message in the cell (display_data, update_display_data, clear_output).
+Publish = Callable[[Display | ClearOutput], None]
 
 PARTIAL_KEEP = 4096  # characters of an unfinished line kept for error reports
 _LINE_END = re.compile(r"(?<=[\n\r])")
@@ -40,6 +41,24 @@ MARKER_PREFIX = "\x00taas-display:"
 _MARKER = re.compile(re.escape(MARKER_PREFIX) + "(\\d+)\x00")
 _MARKER_AT_END = re.compile(re.escape(MARKER_PREFIX) + "\\d+\x00$")
 _MARKER_HEAD = re.compile(re.escape(MARKER_PREFIX) + "\\d*")
+
+
+def publisher(display_pub: Any) -> Publish:
+    """What shows a rank's (or the kernel's own) display message through IPython's display
+    publisher, ``shell.display_pub``: as ipyparallel republishes a remote display_data."""
+
+    def publish(message: Display | ClearOutput) -> None:
+        if isinstance(message, ClearOutput):
+            display_pub.clear_output(wait=message.wait)
+            return
+        kwargs: dict[str, Any] = {"metadata": message.metadata}
+        if message.transient:
+            kwargs["transient"] = message.transient
+        if message.update:
+            kwargs["update"] = True
+        display_pub.publish(message.data, **kwargs)
+
+    return publish
 
 
 def display_marker(number: int) -> bytes:

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from taas_magic import wire
+from taas_magic.protocol import PeerChannel, Report
 
 SEND_SECONDS = 0.25
 HEALTH_SECONDS = 2.0
@@ -49,7 +49,7 @@ _pending: list[tuple[Any, dict]] = []
 _keep = _pending.append
 _sent = 0  # reports sent so far: a report without a step is numbered by its place
 _lock = threading.Lock()  # one sender at a time: the thread, or flush at the end
-_channel: wire.BlockingChannel | None = None
+_channel: PeerChannel | None = None
 
 
 def report(step: Any = None, **metrics: Any) -> None:
@@ -157,7 +157,7 @@ def _stage(value: Any) -> Any:
         return value  # a report never raises into the training loop for our sake
 
 
-def start(channel: wire.BlockingChannel) -> None:
+def start(channel: PeerChannel) -> None:
     """Send batches and health from a daemon thread, for the rest of the rank's life."""
     global _channel
     _channel = channel
@@ -207,8 +207,7 @@ def _send(health: bool) -> None:
         reports = [(_sent + i if step is None else step if type(step) is int else _number(step), metrics)
                    for i, (step, metrics) in enumerate(reports)]
         _sent += len(reports)
-        message = {"at": time.monotonic(), "reports": reports, "health": _health() if health else None}
-        _channel.send("report", wire.dumps(message))
+        _channel.send(Report(time.monotonic(), reports, _health() if health else None))
 
 
 def _convert(batch: list[tuple[Any, dict]]) -> list[tuple[Any, dict]]:

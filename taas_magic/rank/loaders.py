@@ -18,7 +18,7 @@ import collections
 import threading
 from typing import Any
 
-from taas_magic import wire
+from taas_magic.protocol import Elements, End, PeerChannel, Want
 from taas_magic.runspec import MAP, FeedPlan, RankFeed
 from taas_magic.transfer.records import SegmentReader
 
@@ -28,22 +28,22 @@ CREDIT = 4  # elements a rank asks for ahead of the one it is consuming
 class FeedClient:
     """A rank's end of the element stream; the channel's only reader during the cell."""
 
-    def __init__(self, channel: wire.BlockingChannel):
+    def __init__(self, channel: PeerChannel):
         self.channel = channel
         self.reader = SegmentReader()
-        self.inbox: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.inbox: dict[int, collections.deque[Elements | End]] = collections.defaultdict(collections.deque)
         self.lock = threading.Lock()
 
     def ask(self, feed: int, pass_no: int, credit: int) -> None:
-        self.channel.send("want", wire.dumps((feed, pass_no, credit)))
+        self.channel.send(Want(feed, pass_no, credit))
 
-    def next_message(self, feed: int) -> tuple[str, Any]:
-        """The next message for ``feed`` (others are kept for their own loaders)."""
+    def next_message(self, feed: int) -> Elements | End:
+        """The next frame for ``feed`` (others are kept for their own loaders)."""
         with self.lock:
             while not self.inbox[feed]:
-                kind, body = self.channel.recv()
-                message = wire.loads_verified(body)
-                self.inbox[message[0]].append((kind, message))
+                frame = self.channel.receive()
+                if isinstance(frame, (Elements, End)):  # the kernel sends nothing else during the cell
+                    self.inbox[frame.feed].append(frame)
             return self.inbox[feed].popleft()
 
 
@@ -73,12 +73,12 @@ class PreparedLoader:
             if self._current != pass_no:
                 return  # a newer pass of this loader started: this one was abandoned
             if not ready:
-                kind, message = client.next_message(plan.feed)
-                if message[1] != pass_no:
+                message = client.next_message(plan.feed)
+                if message.pass_no != pass_no:
                     continue  # left over from an abandoned pass
-                if kind == "end":
+                if isinstance(message, End):
                     return
-                ready.extend(message[2])
+                ready.extend(message.places)
                 continue
             path, offset = ready.popleft()
             element = client.reader.read(path, offset)
@@ -112,7 +112,7 @@ class PreparedLoader:
         return f"<taas prepared loader {self._plan.describe()}>"
 
 
-def prepared_loaders(feeds: tuple[RankFeed, ...], channel: wire.BlockingChannel) -> dict[int, PreparedLoader]:
+def prepared_loaders(feeds: tuple[RankFeed, ...], channel: PeerChannel) -> dict[int, PreparedLoader]:
     """Feed index -> the :class:`PreparedLoader` the closure's ``("taas-feed", i)`` resolves to."""
     if not feeds:
         return {}

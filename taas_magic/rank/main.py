@@ -26,10 +26,11 @@ import signal
 import sys
 import types
 
-from taas_magic import checkpoints, wire
+from taas_magic import checkpoints
 from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
+from taas_magic.protocol import PeerChannel, RankError, Spec
 from taas_magic.rank import execute, lifeline, lightning, shell, startup
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile, returns
@@ -40,7 +41,7 @@ FLUSH_SECONDS = 0.05
 STDOUT_BUFFER = 1 << 16
 
 
-def _send_error(channel: wire.BlockingChannel, summary: str, text: str,
+def _send_error(channel: PeerChannel, summary: str, text: str,
                 signature: tuple[str, str, int] | None = None) -> None:
     # The kernel stops every rank as soon as it reads this report: an interrupt
     # arriving now must not bury the report under a second traceback.
@@ -48,7 +49,7 @@ def _send_error(channel: wire.BlockingChannel, summary: str, text: str,
     startup.flush_output()
     reports.flush()
     try:
-        channel.send("error", wire.dumps({"summary": summary, "traceback": text, "signature": signature}))
+        channel.send(RankError(summary, text, signature))
     except OSError:
         pass  # the kernel already stopped listening (it is stopping us): nobody to tell
 
@@ -66,7 +67,7 @@ def _own_output() -> None:
     lifeline.flush_periodically(sys.stdout, FLUSH_SECONDS)
 
 
-def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> types.ModuleType:
+def _cell_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.ModuleType:
     """A fresh ``__main__`` for the cell, IPython's stand-ins, the rank's device, its sources, its run's data."""
     import taas
 
@@ -80,7 +81,7 @@ def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> typ
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
     forwards_display = rank == 0 or spec.output == "all"
-    shell.configure(module, (lambda kind, msg: channel.send(kind, wire.dumps(msg))) if forwards_display else None)
+    shell.configure(module, channel.send if forwards_display else None)
     when_imported("IPython", shell.on_ipython_import)
     for package in ("lightning.pytorch", "pytorch_lightning"):
         # self.log(...) in the live chart
@@ -98,7 +99,7 @@ def _cell_module(spec: RunSpec, channel: wire.BlockingChannel, rank: int) -> typ
     return module
 
 
-def _load_closure(spec: RunSpec, channel: wire.BlockingChannel, received: ReceivedClosure) -> tuple[dict, dict]:
+def _load_closure(spec: RunSpec, channel: PeerChannel, received: ReceivedClosure) -> tuple[dict, dict]:
     """The closure's values, and the prepared loaders by feed index; reports and exits if they cannot load."""
     try:
         from taas_magic.rank.loaders import prepared_loaders
@@ -111,7 +112,7 @@ def _load_closure(spec: RunSpec, channel: wire.BlockingChannel, received: Receiv
         startup.finish(EXIT_CELL_RAISED)
 
 
-def _run(spec: RunSpec, channel: wire.BlockingChannel, module: types.ModuleType) -> object:
+def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> object:
     """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
     try:
         final = execute.run_cell(spec.source, spec.filename, module)
@@ -128,7 +129,7 @@ def _run(spec: RunSpec, channel: wire.BlockingChannel, module: types.ModuleType)
         startup.finish(EXIT_CELL_RAISED)
 
 
-def _send_results(spec: RunSpec, channel: wire.BlockingChannel, namespace: dict, before: dict[str, int],
+def _send_results(spec: RunSpec, channel: PeerChannel, namespace: dict, before: dict[str, int],
                   closure: dict, received: ReceivedClosure, loaders: dict, final: object) -> None:
     """Rank 0: what the cell bound or changed, and its final value (transfer/returns.py)."""
     private = shell.hidden_names() | {"get_ipython", "__builtins__"}
@@ -147,20 +148,20 @@ def _send_results(spec: RunSpec, channel: wire.BlockingChannel, namespace: dict,
                         execute.format_cell_traceback(exc, spec.filename))
             startup.finish(EXIT_CELL_RAISED)
         startup.flush_output()
-        channel.send("result", wire.dumps(message))
-        if not message["ipc"]:
+        channel.send(message)
+        if not message.ipc:
             return
         why = returns.await_kernel(channel)  # our CUDA storages stay alive until the kernel has its copies
-        cudaipc.forget_counters(message["ipc"])
+        cudaipc.forget_counters(message.ipc)
         if why is None:
             return
-        memfile.remove(message["data"].path)  # the kernel dropped that message: the second one has every byte
+        memfile.remove(message.data.path)  # the kernel dropped that message: the second one has every byte
 
 
 def main() -> None:
     channel = startup.begin(spare="--spare" in sys.argv)
     rank = int(os.environ["RANK"])
-    spec: RunSpec = wire.loads_verified(channel.expect("spec"))  # the kernel sends it as soon as we connect
+    spec = channel.expect(Spec).spec  # the kernel sends it as soon as we connect
     stacks.arm(stacks.stack_file(spec.stacks_dir, rank) if spec.stacks_dir else "")  # the hang autopsy, from here on
     received = receive_closure(channel, keep_original=rank == 0, own_gpu=spec.device == "cuda")
     sys.path[:] = spec.sys_path

@@ -22,8 +22,9 @@ from types import ModuleType
 from typing import Any, Callable
 
 from taas_magic.output.relay import display_marker
+from taas_magic.protocol import ClearOutput, Display
 
-Forward = Callable[[str, dict], None]
+Forward = Callable[[Display | ClearOutput], None]
 
 _state: dict[str, Any] = {"shell": None, "module": None, "forward": None}
 _numbers = itertools.count()
@@ -34,14 +35,15 @@ def configure(module: ModuleType, forward: Forward | None) -> None:
     _state["module"], _state["forward"] = module, forward
 
 
-def _forward(kind: str, message: dict) -> None:
+def _forward(frame: Callable[[int], Display | ClearOutput]) -> None:
+    """Send the display ``frame(number)`` makes, then its marker on fd 1 (after the text before it)."""
     sys.stdout.flush()
     sys.stderr.flush()
     forward = _state["forward"]
     if forward is None:
         return
     number = next(_numbers)
-    forward(kind, dict(message, number=number))
+    forward(frame(number))
     os.write(1, display_marker(number))
 
 
@@ -55,13 +57,10 @@ def get_shell() -> Any:
 
     class ForwardingDisplayPublisher(DisplayPublisher):
         def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
-            _forward(
-                "display",
-                {"data": data, "metadata": metadata or {}, "transient": transient or {}, "update": update},
-            )
+            _forward(lambda number: Display(data, metadata or {}, transient or {}, update, number))
 
         def clear_output(self, wait=False):
-            _forward("clear_output", {"wait": wait})
+            _forward(lambda number: ClearOutput(wait, number))
 
     config = Config()
     config.HistoryManager.enabled = False

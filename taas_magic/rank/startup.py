@@ -11,7 +11,8 @@ order, because each step needs the one before:
    repository: before any thread starts, since ``unshare`` needs a single thread);
 4. holds the lifeline and dies with its parent (and, as a child subreaper, keeps what
    the cell starts among its descendants even when it leaves the session: finish ends them);
-5. connects to the kernel and proves the key (wire.py), as peer ``peer_id``.
+5. connects to the kernel and proves the key (wire.py), as peer ``peer_id``; the channel
+   then carries the typed frames of protocol.py.
 
 :func:`finish` flushes, reaps the watchdog and leaves with ``os._exit``, so no atexit
 hook or non-daemon thread of the cell can hang the run. The key never enters the
@@ -24,7 +25,7 @@ import os
 import sys
 from typing import NoReturn
 
-from taas_magic import wire
+from taas_magic import protocol, wire
 from taas_magic.rank import lifeline
 
 
@@ -57,7 +58,7 @@ def _apply_write_rule(who: str) -> None:
         isolate_writes(repository, layer, write_mode, who)
 
 
-def begin(*, worker: bool = False, spare: bool = False) -> wire.BlockingChannel:
+def begin(*, worker: bool = False, spare: bool = False) -> protocol.PeerChannel:
     """Steps 1 to 5 above; the connected, authenticated channel to the kernel."""
     lifeline.start_watchdog()  # first, while single-threaded: see lifeline.py
     lifeline.adopt_orphans()
@@ -75,7 +76,7 @@ def begin(*, worker: bool = False, spare: bool = False) -> wire.BlockingChannel:
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
     peer_id = int(os.environ["TAAS_PEER"] if worker else os.environ["RANK"])
-    return wire.BlockingChannel.connect(handshake.host, handshake.port, handshake.key, peer_id)
+    return protocol.PeerChannel(wire.BlockingChannel.connect(handshake.host, handshake.port, handshake.key, peer_id))
 
 
 def flush_output() -> None:

@@ -36,12 +36,12 @@ Who falls back, and how (handoff.py, transfer/returns.py, results.py):
 - Closure (kernel -> ranks): the kernel keeps its packing, hence every exported storage,
   until the cell ends. A rank that cannot open a handle (any exception: another device
   set, ``expandable_segments:True`` where ``pidfd_getfd`` on the kernel is refused, an
-  error of the driver) asks the kernel for a host copy (a ``closure-host`` frame); the
+  error of the driver) asks the kernel for a host copy (a ``ClosureHostWanted`` frame, protocol.py); the
   kernel writes one memory file of the exported blobs the first time it is asked, and
   answers every rank that asks with it. The other ranks keep their device copies.
 - Results (rank 0 -> kernel): rank 0 sends the handles in its ``result`` frame and waits
   (at most :data:`RELEASE_SECONDS`, or until the connection closes) for the kernel's
-  answer: ``released`` (the kernel holds its copies: rank 0 exits) or ``send-host``
+  answer: ``Released`` (the kernel holds its copies: rank 0 exits) or ``SendHost``
   (rank 0 writes those blobs to the memory file and sends the result again, today's way).
   A rank 0 killed while it waits dies by the kernel's stop ladder, as any rank does.
 
@@ -67,10 +67,6 @@ from taas_magic.transfer.pack import Blob
 
 VARIABLE = "TAAS_CUDA_IPC"  # "0" (or off/false/no): never use CUDA IPC; the memory file serves
 RELEASE_SECONDS = 60.0  # how long rank 0 keeps its exported tensors for the kernel's answer
-# Frame kinds (the frames are authenticated like every other, wire.py):
-RELEASED = "released"  # kernel -> rank 0: its copies are made, rank 0 may exit
-SEND_HOST = "send-host"  # kernel -> rank 0: send these blobs through host memory ({"why": str})
-CLOSURE_HOST = "closure-host"  # rank -> kernel ({"run", "why"}) and kernel -> rank ({"data"} or {"error"})
 
 Handle = tuple  # torch's _share_cuda_() tuple, 8 items
 

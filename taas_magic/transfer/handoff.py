@@ -18,7 +18,7 @@ With ``cuda_ipc`` (the ranks share this host and the kernel has CUDA: transfer/c
 the kernel's CUDA tensors are not written to the file: the frame carries their CUDA IPC
 handles, each keeping its place in the file at no size. Each rank opens them as soon as
 the frame arrives and, once bound to its GPU, copies them onto it (:meth:`ReceivedClosure.load`).
-A rank that cannot open them sends a ``closure-host`` frame; the kernel (the supervisor,
+A rank that cannot open them sends a ``ClosureHostWanted`` frame; the kernel (the supervisor,
 through :func:`answer_host_copy`, which finds the run's handoff by its id) writes those
 tensors to one more memory file the first time it is asked and answers every rank that
 asks with it. :func:`closure_route` says in words which way the bytes travel, for the header.
@@ -34,7 +34,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from taas_magic import wire
+from taas_magic import protocol
+from taas_magic.protocol import Closure, ClosureHostCopy, ClosureHostWanted, PeerChannel
 from taas_magic.transfer import cudaipc, memfile, unpack
 from taas_magic.transfer.pack import Packing
 
@@ -81,9 +82,9 @@ class ClosureHandoff:
             cudaipc.release(self.handles.values())
             raise
         self.path = self.data.path
-        message = {"skeleton": packing.skeleton, "segments": packing.segments, "digests": segment_digests(packing),
-                   "kinds": [blob.kind for blob in packing.blobs], "data": self.data, "ipc": self.handles, "run": run_id}
-        self.body = wire.encode_body("closure", wire.dumps(message))
+        frame = Closure(packing.skeleton, packing.segments, segment_digests(packing), [blob.kind for blob in packing.blobs],
+                        self.data, self.handles, run_id)
+        self.body = protocol.encode(frame)  # pickled once, sent to every rank
         if self.handles:
             _LIVE[run_id] = self
 
@@ -106,29 +107,29 @@ class ClosureHandoff:
         self.handles = {}
 
 
-def answer_host_copy(rank: int, request: dict) -> tuple[bytes, str]:
-    """Kernel: the ``closure-host`` frame answering rank ``rank``, which could not open the closure's
-    CUDA IPC handles, and the line that says so in the cell."""
-    handoff = _LIVE.get(request.get("run", ""))
-    reason = request.get("why", "")
+def answer_host_copy(rank: int, request: ClosureHostWanted) -> tuple[bytes, str]:
+    """Kernel: the :class:`ClosureHostCopy` frame answering rank ``rank``, which could not open the
+    closure's CUDA IPC handles, and the line that says so in the cell."""
+    handoff = _LIVE.get(request.run)
+    reason = request.why
     try:
         if handoff is None:
             raise LookupError("the kernel holds no CUDA tensors for this run")
-        reply: dict = {"data": handoff.host_copy()}
+        reply = ClosureHostCopy(data=handoff.host_copy())
         count, nbytes = cudaipc.tally(handoff.packing.blobs, handoff.handles)
         line = (f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}); "
                 f"its {count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came through host memory")
     except Exception as exc:  # noqa: BLE001 - the rank reports it when it loads its closure
-        reply = {"error": cudaipc.describe(exc)}
+        reply = ClosureHostCopy(error=cudaipc.describe(exc))
         line = f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}), nor get a host copy"
-    return wire.encode_body(cudaipc.CLOSURE_HOST, wire.dumps(reply)), line
+    return protocol.encode(reply), line
 
 
 @dataclass
 class ReceivedClosure:
     """The rank's side: what the kernel shipped, mapped and verified, ready to load."""
 
-    message: dict
+    message: Closure
     buffer: Any  # the mapped file (copy-on-write) or the frame's bytes
     pristine: bytes = b""  # a copy of small inline data, taken before the cell runs
     own_gpu: bool = False  # the rank binds its GPU before loading: CUDA tensors land there
@@ -139,11 +140,11 @@ class ReceivedClosure:
 
     @property
     def data(self) -> memfile.BlobData:
-        return self.message["data"]
+        return self.message.data
 
     @property
     def names(self) -> list[str]:
-        return [segment.name for segment in self.message["segments"]]
+        return [segment.name for segment in self.message.segments]
 
     def load(self, externals: Callable[[int], Any]) -> dict[str, Any]:
         """The closure's values by name (registered loaders resolved through ``externals``).
@@ -156,7 +157,7 @@ class ReceivedClosure:
         for k, index in enumerate(made):
             places[index] = ("made", k)
         blobs = unpack.Blobs(places, self.buffer, made=list(made.values()), own_gpu=self.own_gpu)
-        values, failed = unpack.load(self.message["skeleton"], self.message["segments"], unpack.resolver(blobs, externals))
+        values, failed = unpack.load(self.message.skeleton, self.message.segments, unpack.resolver(blobs, externals))
         if failed:
             name, type_name, reason = failed[0]
             raise RuntimeError(f"{name} ({type_name}) could not be loaded in the rank: {reason}")
@@ -164,7 +165,7 @@ class ReceivedClosure:
 
     def _device_tensors(self) -> dict[int, Any]:
         """The storages of the tensors that came by CUDA IPC, as this rank's own copies (by blob index)."""
-        handles = self.message.get("ipc") or {}
+        handles = self.message.ipc
         if self.made is None and handles:
             if self.failure:
                 raise RuntimeError(f"the closure's CUDA tensors could not reach this rank: {self.failure}")
@@ -195,20 +196,18 @@ class ReceivedClosure:
         return memfile.original_view(self.data)
 
 
-def _ask_host_copy(channel: wire.BlockingChannel, received: ReceivedClosure, why: str) -> None:
+def _ask_host_copy(channel: PeerChannel, received: ReceivedClosure, why: str) -> None:
     """This rank could not open the CUDA IPC handles: the kernel's host copy instead (mapped and verified)."""
-    channel.send(cudaipc.CLOSURE_HOST, wire.dumps({"run": received.message.get("run", ""), "why": why}))
-    kind, body = channel.recv()  # nothing else comes before: the rank has asked for nothing else yet
-    if kind != cudaipc.CLOSURE_HOST:
-        raise ConnectionError(f"expected the closure's host copy from the kernel, got a {kind!r} frame")
-    reply = wire.loads_verified(body)
-    if "error" in reply:
-        received.failure = f"CUDA IPC failed ({why}) and so did the host copy ({reply['error']})"
+    channel.send(ClosureHostWanted(received.message.run, why))
+    # nothing else comes before: the rank has asked for nothing else yet
+    reply = protocol.expect(channel.receive(), ClosureHostCopy, "the closure's host copy")
+    if reply.error:
+        received.failure = f"CUDA IPC failed ({why}) and so did the host copy ({reply.error})"
         return
-    received.host = (reply["data"], memfile.open_data(reply["data"], private=True))
+    received.host = (reply.data, memfile.open_data(reply.data, private=True))
 
 
-def receive_closure(channel: wire.BlockingChannel, keep_original: bool = False, own_gpu: bool = False) -> ReceivedClosure:
+def receive_closure(channel: PeerChannel, keep_original: bool = False, own_gpu: bool = False) -> ReceivedClosure:
     """Read the closure frame and map (and verify) its tensor bytes; nothing is unpickled yet.
 
     ``keep_original`` (rank 0): keep a copy of bytes that came in the frame, to tell later
@@ -219,16 +218,12 @@ def receive_closure(channel: wire.BlockingChannel, keep_original: bool = False, 
     Raises:
         wire.AuthenticationError: the file's bytes are not those the kernel vouched for.
     """
-    kind, body = channel.recv()
-    if kind != "closure":
-        raise ConnectionError(f"expected the closure from the kernel, got a {kind!r} frame")
-    message = wire.loads_verified(body)
-    received = ReceivedClosure(message, memfile.open_data(message["data"], private=True), own_gpu=own_gpu)
-    if keep_original and message["data"].path is None:
+    message = protocol.expect(channel.receive(), Closure, "the closure")
+    received = ReceivedClosure(message, memfile.open_data(message.data, private=True), own_gpu=own_gpu)
+    if keep_original and message.data.path is None:
         received.pristine = bytes(received.buffer)
-    handles = message.get("ipc")
-    if handles:
-        received.opened, why = cudaipc.open_all(handles)
+    if message.ipc:
+        received.opened, why = cudaipc.open_all(message.ipc)
         if why:
             _ask_host_copy(channel, received, why)
     return received

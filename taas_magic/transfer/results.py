@@ -1,6 +1,6 @@
 """Rank 0's names -> the notebook namespace; its final expression -> the cell's ``Out``.
 
-The ``result`` frame (authenticated) holds the pickle's segments, where each tensor's
+The ``Result`` frame (authenticated) holds the pickle's segments, where each tensor's
 bytes are, and the digests of the memory file rank 0 wrote (transfer/returns.py). The
 kernel maps that file shared, checks it, removes its name at once (the mapping keeps
 the pages, which are then the only copy) and builds every tensor on it. A tensor
@@ -11,20 +11,22 @@ rank 0 or loaded here costs only itself, and one line lists each with its type a
 why. A wrapper that came back as its module is said in a line of its own.
 
 CUDA storages rank 0 sent as CUDA IPC handles (transfer/cudaipc.py) are copied into
-storages of the kernel's own when the ``result`` frame arrives, while rank 0 waits with
-them alive (:func:`take_device_copies`, called by the supervisor); the copies take the
-handles' places in the message as ``("made", k)``, and rank 0 is told ``released``. If
-they cannot be copied, nothing of them is kept and rank 0 is told ``send-host``: it sends
+storages of the kernel's own when the ``Result`` frame arrives, while rank 0 waits with
+them alive (:func:`keep_result`, called by the supervisor); the copies take the handles'
+places in the kernel's copy of the frame as ``("made", k)``, and rank 0 is told ``Released``.
+If they cannot be copied, nothing of them is kept and rank 0 is told ``SendHost``: it sends
 the result again with those bytes in the memory file. One line says which way the CUDA
 tensors came back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Sequence
 
-from taas_magic import wire
+from taas_magic import protocol
+from taas_magic.protocol import Released, Result, SendHost
 from taas_magic.transfer import cudaipc, memfile, unpack
 from taas_magic.transfer.pack import Packing
 from taas_magic.wire import AuthenticationError
@@ -50,42 +52,49 @@ def report(failed: Sequence[tuple[str, str, str]], notes: Sequence[tuple[str, st
               file=sys.stderr)
 
 
-def take_device_copies(message: dict) -> tuple[bytes, bool] | None:
-    """Kernel, as rank 0's ``result`` frame arrives: copy the CUDA storages it exported.
+def take_device_copies(message: Result) -> tuple[bytes, Result | None] | None:
+    """Kernel, as rank 0's ``Result`` frame arrives: copy the CUDA storages it exported.
 
-    Returns None when it exported none; else the frame to send rank 0 and whether ``message``
-    is now whole (``released``: the copies are in it) or must wait for the result sent again
-    through host memory (``send-host``).
+    Returns None when it exported none; else the frame to send rank 0 and the result made whole
+    with the copies (rank 0 is told ``Released``), or None: it must wait for the result sent
+    again through host memory (rank 0 is told ``SendHost``).
     """
-    handles = message.get("ipc")
-    if not handles:
+    if not message.ipc:
         return None
     try:
-        made = cudaipc.take(handles)
+        made = cudaipc.take(message.ipc)
     except Exception as exc:  # noqa: BLE001 - any IPC or CUDA error: the bytes come through host memory
-        return wire.encode_body(cudaipc.SEND_HOST, wire.dumps({"why": cudaipc.describe(exc)})), False
-    message["places"] = [("made", place[1]) if place is not None and place[0] == "ipc" else place
-                         for place in message["places"]]
-    message["made"] = made
-    message["ipc"] = []
-    message["cuda_ipc"] = (len(made), sum(storage.nbytes() for storage in made))
-    return wire.encode_body(cudaipc.RELEASED, wire.dumps(None)), True
+        return protocol.encode(SendHost(cudaipc.describe(exc))), None
+    places = [("made", place[1]) if place is not None and place[0] == "ipc" else place for place in message.places]
+    whole = dataclasses.replace(message, places=places, made=tuple(made), ipc=[],
+                                cuda_ipc=(len(made), sum(storage.nbytes() for storage in made)))
+    return protocol.encode(Released()), whole
 
 
-def cuda_line(message: dict) -> str | None:
+def keep_result(message: Result) -> tuple[Result | None, bytes | None]:
+    """Rank 0's result as it arrives: the result to keep (None: wait for it to come again through
+    host memory), and the frame to answer rank 0 with (None: it waits for nothing)."""
+    taken = take_device_copies(message)
+    if taken is None:
+        return message, None
+    reply, whole = taken
+    return whole, reply
+
+
+def cuda_line(message: Result) -> str | None:
     """How rank 0's CUDA tensors came back, in one line (None when none did)."""
     parts = []
-    count, nbytes = message.get("cuda_ipc", (0, 0))
+    count, nbytes = message.cuda_ipc
     if count:
         parts.append(f"{count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came back device to device (CUDA IPC)")
-    count, nbytes, why = message.get("cuda_host", (0, 0, ""))
+    count, nbytes, why = message.cuda_host
     if count:
         why = why or cudaipc.unavailable() or "the ranks share no memory with the kernel"
         parts.append(f"{count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came back through host memory ({why})")
     return "taas: " + "; ".join(parts) if parts else None
 
 
-def apply_results(user_ns: dict[str, Any], message: dict | None, shipped: Packing | None = None,
+def apply_results(user_ns: dict[str, Any], message: Result | None, shipped: Packing | None = None,
                   externals: Sequence[Any] = ()) -> Any:
     """Bind what rank 0 sent back; return its final value (or None).
 
@@ -97,7 +106,7 @@ def apply_results(user_ns: dict[str, Any], message: dict | None, shipped: Packin
     line = cuda_line(message)  # before anything here initialises CUDA (the reason may be that it was not)
     if line is not None:
         print(line, file=sys.stderr)
-    data = message["data"]
+    data = message.data
     try:
         buffer = memfile.open_data(data, private=False)
     except (AuthenticationError, OSError) as exc:
@@ -105,13 +114,13 @@ def apply_results(user_ns: dict[str, Any], message: dict | None, shipped: Packin
         return None
     finally:
         memfile.remove(data.path)  # mapped (or refused): the name is no longer needed
-    blobs = unpack.Blobs(message["places"], buffer, shipped.blobs if shipped is not None else (), message.get("made", ()))
-    values, failed = unpack.load(message["skeleton"], message["segments"], unpack.resolver(blobs, externals.__getitem__))
-    bound = [segment for segment in message["segments"] if segment.bind and segment.name in values]
+    blobs = unpack.Blobs(message.places, buffer, shipped.blobs if shipped is not None else (), message.made)
+    values, failed = unpack.load(message.skeleton, message.segments, unpack.resolver(blobs, externals.__getitem__))
+    bound = [segment for segment in message.segments if segment.bind and segment.name in values]
     for segment in bound:
         if segment.name != unpack.FINAL:
             user_ns[segment.name] = values[segment.name]
-    for name in message["deleted"]:
+    for name in message.deleted:
         user_ns.pop(name, None)
-    report(list(message["failed"]) + failed, [(s.name, s.type_name, s.note) for s in bound if s.note])
+    report(list(message.failed) + failed, [(s.name, s.type_name, s.note) for s in bound if s.note])
     return values.get(unpack.FINAL)

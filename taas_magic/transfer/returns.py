@@ -24,7 +24,7 @@ file the kernel maps (transfer/memfile.py), named for the kernel's pid and the r
 
 When the run offers CUDA IPC (``RunSpec.cuda_ipc``), CUDA storages travel as IPC handles
 instead (transfer/cudaipc.py): the kernel copies them device to device while rank 0
-waits (:func:`await_kernel`), its storages alive, for ``released``, or for ``send-host``,
+waits (:func:`await_kernel`), its storages alive, for ``Released``, or for ``SendHost``,
 on which :meth:`Returns.message` writes them to the memory file after all.
 """
 
@@ -40,7 +40,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from taas_magic import wire
+from taas_magic.protocol import PeerChannel, Released, Result, SendHost
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import ReceivedClosure, segment_digests
@@ -108,7 +108,7 @@ class _Shipped:
     def __init__(self, received: ReceivedClosure, packing: Packing):
         data = received.data
         base = received.base_address()
-        kinds = received.message["kinds"]
+        kinds = received.message.kinds
         self._at = {(kinds[j], base + offset): j for j, offset in enumerate(data.offsets)}
         self._data = data
         self._received = received
@@ -140,7 +140,7 @@ class _Shipped:
 
 def _decide(packing: Packing, received: ReceivedClosure, shipped: _Shipped) -> list[bool | None]:
     """Per segment, whether the kernel binds it; None for a segment it need not even load."""
-    digests = received.message["digests"]
+    digests = received.message.digests
     now = segment_digests(packing)
     bind = []
     for segment in packing.segments:
@@ -192,9 +192,9 @@ class Returns:
     to_write: list[int]  # the blobs whose bytes the kernel needs
     spec: RunSpec
 
-    def message(self, cuda_ipc: bool, why: str = "") -> dict:
-        """The ``result`` message. With ``cuda_ipc``, CUDA storages as IPC handles (``("ipc", k)``:
-        ``message["ipc"][k]``); every other blob written once to the memory file, or inline.
+    def message(self, cuda_ipc: bool, why: str = "") -> Result:
+        """The ``Result`` frame. With ``cuda_ipc``, CUDA storages as IPC handles (``("ipc", k)``:
+        ``message.ipc[k]``); every other blob written once to the memory file, or inline.
         ``cuda_host`` counts the CUDA storages in host memory and says why (``why``, or why exporting failed)."""
         blobs = self.packing.blobs
         handles, failed = cudaipc.export(blobs, self.to_write) if cuda_ipc else ({}, "")
@@ -207,14 +207,15 @@ class Returns:
             places[index] = ("at", data.offsets[position], data.sizes[position])
         for k, index in enumerate(handles):
             places[index] = ("ipc", k)
-        return {**self.head, "places": places, "data": data, "ipc": list(handles.values()),
-                "cuda_host": (*cudaipc.tally(blobs, host), why or failed)}
+        count, nbytes = cudaipc.tally(blobs, host)
+        return Result(**self.head, places=places, data=data, ipc=list(handles.values()),
+                      cuda_host=(count, nbytes, why or failed))
 
 
 def pack_returns(namespace: dict[str, Any], closure: dict[str, Any], received: ReceivedClosure,
                  changed: list[str], deleted: list[str], final: Any, has_final: bool,
                  loaders: Sequence[Any], spec: RunSpec) -> Returns:
-    """What the kernel must load and bind; :meth:`Returns.message` is the ``result`` message."""
+    """What the kernel must load and bind; :meth:`Returns.message` is the ``Result`` frame."""
     items = [(name if namespace.get(name, _ABSENT) is closure[name] else SHIPPED.format(name), closure[name])
              for name in received.names]
     items += [(name, namespace[name]) for name in changed]
@@ -236,12 +237,12 @@ def pack_returns(namespace: dict[str, Any], closure: dict[str, Any], received: R
     return Returns(packing, head, places, to_write, spec)
 
 
-def await_kernel(channel: wire.BlockingChannel, seconds: float = cudaipc.RELEASE_SECONDS) -> str | None:
+def await_kernel(channel: PeerChannel, seconds: float = cudaipc.RELEASE_SECONDS) -> str | None:
     """Rank 0, having sent CUDA IPC handles: wait (its storages alive) until the kernel has its copies.
 
-    Returns None once the kernel says ``released`` or closes the connection (it is gone: its
+    Returns None once the kernel says ``Released`` or closes the connection (it is gone: its
     stop ladder ends this rank anyway); why the bytes must go through host memory instead when
-    the kernel asks for that (``send-host``) or does not answer within ``seconds``.
+    the kernel asks for that (``SendHost``) or does not answer within ``seconds``.
     """
     deadline = time.monotonic() + seconds
     while True:
@@ -249,11 +250,12 @@ def await_kernel(channel: wire.BlockingChannel, seconds: float = cudaipc.RELEASE
         try:
             if left <= 0 or not channel.readable(left):
                 return f"the kernel did not answer within {seconds:g} s"
-            kind, body = channel.recv()
+            frame = channel.receive()
         except OSError:
             return None
-        if kind == cudaipc.RELEASED:
-            return None
-        if kind == cudaipc.SEND_HOST:
-            return str(wire.loads_verified(body).get("why", ""))
+        match frame:
+            case Released():
+                return None
+            case SendHost(why=why):
+                return why
         # anything else (a delivery for a loader the cell no longer reads) is not what we wait for

@@ -4,20 +4,21 @@ today's memory file with the same values, and the places it adds are understood 
 The device paths themselves run in tests/gpu/test_ipc.py. Here the exporter, the importer or
 both are replaced where a test says so; everything else is the real code."""
 
+import dataclasses
 import os
 import sys
 
 import pytest
 import torch
 
-from taas_magic import wire
+from taas_magic import protocol
 from taas_magic.cell.closure import serialise_closure
-from taas_magic.kernel.supervisor import _Loop
+from taas_magic.protocol import ClosureHostWanted, Elements, Released, SendHost, ToKernel, ToPeer
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile, returns, unpack
 from taas_magic.transfer.handoff import ClosureHandoff, answer_host_copy, closure_route, receive_closure
 from taas_magic.transfer.pack import pack
-from taas_magic.transfer.results import apply_results, cuda_line, take_device_copies
+from taas_magic.transfer.results import apply_results, cuda_line, keep_result, take_device_copies
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only contract (a GPU host runs tests/gpu)")
 
@@ -26,11 +27,11 @@ class _Channel:
     """A rank's channel: frames it will receive, what it sent, and a kernel answering what it asks."""
 
     def __init__(self, *bodies: bytes, kernel=None):
-        self.frames = [wire.decode_body(body) for body in bodies]
-        self.sent: list[tuple[str, object]] = []
+        self.frames = [protocol.decode_body(body, ToPeer) for body in bodies]
+        self.sent: list[ToKernel] = []
         self.kernel = kernel
 
-    def recv(self):
+    def receive(self):
         if not self.frames:
             raise ConnectionError("peer closed the connection")
         return self.frames.pop(0)
@@ -38,11 +39,11 @@ class _Channel:
     def readable(self, timeout):
         return bool(self.frames)
 
-    def send(self, kind, data):
-        message = wire.loads_verified(data)
-        self.sent.append((kind, message))
+    def send(self, frame):
+        frame = protocol.decode_body(protocol.encode(frame), ToKernel)  # as the kernel reads it
+        self.sent.append(frame)
         if self.kernel is not None:
-            self.frames.append(wire.decode_body(self.kernel(kind, message)))
+            self.frames.append(protocol.decode_body(self.kernel(frame), ToPeer))
 
 
 def _spec(**changes) -> RunSpec:
@@ -61,6 +62,12 @@ def _fake_export(blobs, indices):
     """Handles for every storage, as if each were a CUDA storage exported by torch."""
     return {i: (0, b"handle", blobs[i].nbytes, 0, b"/torch_taas_unit", 0, b"event", False)
             for i in indices if blobs[i].kind == "s"}, ""
+
+
+def _result(**changes) -> protocol.Result:
+    """A Result frame with nothing in it but ``changes``."""
+    fields = dict(skeleton=b"", segments=[], failed=[], deleted=[], places=[], data=None, ipc=[], cuda_host=(0, 0, ""))
+    return protocol.Result(**{**fields, **changes})
 
 
 def _no_feeds(index):
@@ -116,8 +123,8 @@ def test_a_rank_that_cannot_open_the_handles_gets_the_kernels_host_copy_and_the_
     handoff = ClosureHandoff(packing, "unit", threshold=1024, cuda_ipc=True)
     lines = []
 
-    def kernel(kind, request):  # the supervisor's part: answer, and say so in the cell
-        assert kind == cudaipc.CLOSURE_HOST
+    def kernel(request):  # the supervisor's part: answer, and say so in the cell
+        assert isinstance(request, ClosureHostWanted)
         body, line = answer_host_copy(1, request)
         lines.append(line)
         return body
@@ -126,7 +133,7 @@ def test_a_rank_that_cannot_open_the_handles_gets_the_kernels_host_copy_and_the_
         assert handoff.handles and handoff.data.size == 0  # nothing for the file: the handles carry it
         failing = _Channel(handoff.body, kernel=kernel)  # on this host, opening a handle raises: no CUDA
         values = receive_closure(failing, own_gpu=False).load(_no_feeds)
-        assert failing.sent[0][1]["run"] == "unit" and failing.sent[0][1]["why"]
+        assert failing.sent[0].run == "unit" and failing.sent[0].why
         assert torch.equal(values["big"], big) and values["view"].tolist() == [5.0, 6.0, 7.0, 8.0]
         assert values["view"].untyped_storage().data_ptr() == values["big"].untyped_storage().data_ptr()
         assert lines[0].startswith("taas: rank 1 could not open the closure's CUDA tensors by CUDA IPC (")
@@ -144,7 +151,7 @@ def test_a_rank_that_cannot_open_the_handles_gets_the_kernels_host_copy_and_the_
     finally:
         handoff.remove()
     assert not os.path.exists(host_path)
-    _, line = answer_host_copy(1, {"run": "unit", "why": "late"})  # the cell ended: nothing left to serve
+    _, line = answer_host_copy(1, ClosureHostWanted("unit", "late"))  # the cell ended: nothing left to serve
     assert line.endswith("nor get a host copy")
 
 
@@ -158,7 +165,7 @@ def test_results_whose_export_fails_come_back_through_the_memory_file(monkeypatc
     monkeypatch.setattr(cudaipc, "is_cuda", lambda blob: blob.kind == "s")
     t = torch.arange(1 << 16, dtype=torch.float32)
     message = _returns({"t": t}, _spec(cuda_ipc=True)).message(True)
-    assert not message["ipc"] and take_device_copies(message) is None  # nothing to copy, nothing to answer
+    assert not message.ipc and take_device_copies(message) is None  # nothing to copy, nothing to answer
     ns: dict = {}
     apply_results(ns, message)
     assert torch.equal(ns["t"], t)
@@ -172,22 +179,22 @@ def test_results_the_kernel_cannot_copy_are_sent_again_through_host_memory(monke
     t = torch.arange(1 << 16, dtype=torch.float32)
     returned = _returns({"t": t, "n": 7}, _spec(cuda_ipc=True))
     first = returned.message(True)
-    assert first["ipc"] and ("ipc", 0) in first["places"] and first["data"].size == 0
+    assert first.ipc and ("ipc", 0) in first.places and first.data.size == 0
     reply, whole = take_device_copies(first)  # on this host the kernel has no cuda:0
-    assert not whole
-    channel = _Channel(wire.encode_body("elements", wire.dumps((0, 0, []))), reply)  # a stray delivery first
+    assert whole is None
+    channel = _Channel(protocol.encode(Elements(0, 0, [])), reply)  # a stray delivery first
     why = returns.await_kernel(channel, seconds=1)
     assert why == "RuntimeError: the kernel has no cuda:0"
     second = returned.message(False, why)
     try:
-        assert not second["ipc"] and second["data"].path
+        assert not second.ipc and second.data.path
         ns: dict = {}
         apply_results(ns, second)
         assert torch.equal(ns["t"], t) and ns["n"] == 7
         assert ("taas: 1 CUDA tensor(s), 262.1 kB, came back through host memory "
                 "(RuntimeError: the kernel has no cuda:0)") in capsys.readouterr().err
     finally:
-        memfile.remove(second["data"].path)
+        memfile.remove(second.data.path)
 
 
 def test_results_copied_device_to_device_are_bound_on_the_kernels_copies(monkeypatch, capsys):
@@ -198,36 +205,26 @@ def test_results_copied_device_to_device_are_bound_on_the_kernels_copies(monkeyp
     copies = []
     monkeypatch.setattr(cudaipc, "take", lambda handles: copies.extend(t.untyped_storage().clone() for _ in handles) or copies)
     reply, whole = take_device_copies(message)
-    assert whole and wire.decode_body(reply)[0] == cudaipc.RELEASED
-    assert message["places"][0] == ("made", 0) and message["cuda_ipc"] == (1, t.nbytes)
+    assert whole is not None and protocol.decode_body(reply, ToPeer) == Released()
+    assert whole.places[0] == ("made", 0) and whole.cuda_ipc == (1, t.nbytes)
     ns: dict = {}
-    apply_results(ns, message)
+    apply_results(ns, whole)
     assert torch.equal(ns["t"], t) and ns["t"].untyped_storage().data_ptr() == copies[0].data_ptr()
     assert ns["alias"].untyped_storage().data_ptr() == copies[0].data_ptr()  # views of one storage stay views
     assert "taas: 1 CUDA tensor(s), 262.1 kB, came back device to device (CUDA IPC)" in capsys.readouterr().err
 
 
 def test_the_supervisor_keeps_only_a_whole_result_and_answers_rank_0(monkeypatch):
-    class Loop:
-        result = None
-
-        def __init__(self):
-            self.replies = []
-
-        def _reply(self, peer, body):
-            self.replies.append(wire.decode_body(body)[0])
-
-    loop = Loop()
-    plain = {"places": [], "ipc": []}
-    _Loop._on_result(loop, None, plain)  # no CUDA: kept at once, no frame sent
-    assert loop.result is plain and not loop.replies
-    loop.result = None
-    _Loop._on_result(loop, None, {"places": [("ipc", 0)], "ipc": [(0,) * 8]})  # cannot copy here
-    assert loop.result is None and loop.replies == [cudaipc.SEND_HOST]
+    plain = _result()
+    kept, reply = keep_result(plain)
+    assert kept is plain and reply is None  # no CUDA: kept at once, no frame sent
+    exported = dataclasses.replace(plain, places=[("ipc", 0)], ipc=[(0,) * 8])
+    kept, reply = keep_result(exported)  # cannot copy here
+    assert kept is None and isinstance(protocol.decode_body(reply, ToPeer), SendHost)
 
 
 def test_rank_0_stops_waiting_when_the_kernel_releases_it_is_gone_or_is_silent():
-    released = _Channel(wire.encode_body(cudaipc.RELEASED, wire.dumps(None)))
+    released = _Channel(protocol.encode(Released()))
     assert returns.await_kernel(released, seconds=1) is None and not released.frames
     closed = _Channel()
     closed.readable = lambda timeout: True  # readable, and then the connection is closed
@@ -246,4 +243,4 @@ def test_blobs_take_storages_made_beforehand_and_views_stay_views():
     values, failed = unpack.load(packing.skeleton, packing.segments, unpack.resolver(blobs))
     assert not failed and values["t"].tolist() == [5.0] * 8 and values["other"].tolist() == [1.0] * 3
     assert values["t"].untyped_storage().data_ptr() == made.data_ptr() == values["view"].untyped_storage().data_ptr()
-    assert cuda_line({"cuda_ipc": (0, 0), "cuda_host": (0, 0, "")}) is None
+    assert cuda_line(_result(cuda_ipc=(0, 0), cuda_host=(0, 0, ""))) is None

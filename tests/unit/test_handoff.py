@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from taas_magic import wire
+from taas_magic import protocol, wire
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.transfer.handoff import ClosureHandoff, receive_closure
 
@@ -14,9 +14,9 @@ class _Frames:
     """The rank's channel, reduced to the frame it is about to receive."""
 
     def __init__(self, body: bytes):
-        self._frame = wire.decode_body(body)
+        self._frame = protocol.decode_body(body, protocol.ToPeer)
 
-    def recv(self):
+    def receive(self):
         return self._frame
 
 

@@ -9,20 +9,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from taas_magic import wire
+from taas_magic import protocol
 from taas_magic.output import reports
+from taas_magic.protocol import Report
 
 
 class Channel:
     def __init__(self):
         self.messages = []
 
-    def send(self, kind, body):
-        assert kind == "report"
-        self.messages.append(wire.loads_verified(body))
+    def send(self, frame):
+        assert type(frame) is Report
+        self.messages.append(protocol.decode_body(protocol.encode(frame), protocol.ToKernel))  # as the kernel reads it
 
     def reports(self):
-        return [report for message in self.messages for report in message["reports"]]
+        return [report for message in self.messages for report in message.reports]
 
 
 class Event:
@@ -117,7 +118,7 @@ def test_nothing_ready_sends_nothing_but_health_still_goes(channel):
     reports._send(health=False)
     assert channel.messages == []
     reports._send(health=True)
-    assert channel.messages[-1]["reports"] == [] and "cpu" in channel.messages[-1]["health"]
+    assert channel.messages[-1].reports == [] and "cpu" in channel.messages[-1].health
     reports._send(health=False)
     assert channel.reports() == [(0, {"loss": 1.0})]
 

@@ -1,0 +1,326 @@
+"""Every frame between the kernel and its peers (ranks, data workers), one frozen dataclass each.
+
+A frame says its direction by its base class: :class:`ToPeer` (the kernel sends it, a rank
+or worker reads it) or :class:`ToKernel`; its ``KIND`` is the short name written in the
+clear in the frame's body (wire.py: ``kind_len | kind | pickle``). Senders build frames and
+readers dispatch on their type (``match frame: case Report(): ...``), never on a string.
+
+Kernel -> peer::
+
+    Spec            the run's RunSpec                                     every rank, first
+    Closure         the closure's pickle, the places and digests of its bytes      every rank
+    ClosureHostCopy answer to ClosureHostWanted: a memory file, or why not  a rank that asked
+    Released        rank 0's CUDA storages are copied: it may exit                    rank 0
+    SendHost        rank 0 must send its results again through host memory            rank 0
+    Elements, End   a rank's prepared elements of one pass; its pass is over   a rank (feeds)
+    Job, Loaders    a data worker's plans and its loaders' pickles         every worker, first
+    Horizon         how far a worker may extract                                     workers
+    NextPass, Stop  an iterable feed's next pass may start; a feed has its elements  workers
+
+Peer -> kernel::
+
+    RankError       the cell raised (summary, traceback, the exception's signature)   a rank
+    Display, ClearOutput   rich output, numbered for the marker in the rank's text    a rank
+    Report          a batch of taas.report calls and perhaps the rank's health         a rank
+    Result          what rank 0's cell bound, and where the bytes are                 rank 0
+    ClosureHostWanted  the closure's CUDA IPC handles did not open here               a rank
+    Want            credit: a rank asks for more elements of a pass                   a rank
+    Ready, Exhausted, Done   a worker stored an element; its pass ended; it is done  a worker
+    WorkerFailure   a worker's traceback and the element it was preparing           a worker
+
+IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a
+body whose MAC wire.py verified; it refuses a kind it does not know or that travels the
+other way (:class:`ProtocolError`) before anything is unpickled, and a pickle that is not
+the frame its kind names after. Frames are pickled whole (protocol 5, as the spec always
+was): a frame costs its pickle and nothing more, so the hot ones (Report, Elements, Want)
+pay no conversion on either side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from taas_magic import wire
+from taas_magic.runspec import FeedPlan, RunSpec
+
+KINDS: dict[str, type[Frame]] = {}  # KIND -> frame class, filled as the classes are defined
+NO_NUMBER = -1  # a display the kernel publishes itself (the board, the data line): no marker places it
+
+
+class ProtocolError(ConnectionError):
+    """An authenticated peer sent a frame of an unknown kind, of the other direction, or whose
+    pickle is not the frame its kind names (a bug, not an attack: the MAC was good)."""
+
+
+class Frame:
+    """One message on the channel; subclasses are frozen dataclasses."""
+
+    KIND: ClassVar[str]
+    DIRECTION: ClassVar[bytes]  # wire.KERNEL_TO_RANK or wire.RANK_TO_KERNEL, as the MAC covers it
+
+    def __init_subclass__(cls, kind: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind:
+            assert kind not in KINDS, f"two frames named {kind!r}"
+            cls.KIND = kind
+            KINDS[kind] = cls
+
+
+class ToPeer(Frame):
+    """Sent by the kernel to a rank or a data worker."""
+
+    DIRECTION = wire.KERNEL_TO_RANK
+
+
+class ToKernel(Frame):
+    """Sent by a rank or a data worker to the kernel."""
+
+    DIRECTION = wire.RANK_TO_KERNEL
+
+
+F = TypeVar("F", bound=Frame)
+
+
+# -- kernel -> peer ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec(ToPeer, kind="spec"):
+    spec: RunSpec
+
+
+@dataclass(frozen=True)
+class Closure(ToPeer, kind="closure"):
+    """The closure (transfer/handoff.py): its pickle, and where the bytes of its blobs are."""
+
+    skeleton: bytes
+    segments: list  # transfer.pack.Segment per name
+    digests: dict[str, bytes]  # name -> SHA-256 of its segment of the pickle
+    kinds: list[str]  # per blob
+    data: Any  # transfer.memfile.BlobData: inline, or a memory file with its digests
+    ipc: dict  # blob index -> CUDA IPC handle (transfer/cudaipc.py)
+    run: str  # the run id (a rank names it when it asks for the host copy)
+
+
+@dataclass(frozen=True)
+class ClosureHostCopy(ToPeer, kind="closure-host-copy"):
+    """The closure's CUDA tensors in one memory file (``data``), or why there is none (``error``)."""
+
+    data: Any = None  # transfer.memfile.BlobData
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Released(ToPeer, kind="released"):
+    """The kernel has its copies of rank 0's CUDA storages: rank 0 may let them go."""
+
+
+@dataclass(frozen=True)
+class SendHost(ToPeer, kind="send-host"):
+    """The kernel could not copy rank 0's CUDA storages: send the result again through host memory."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Elements(ToPeer, kind="elements"):
+    feed: int
+    pass_no: int
+    places: list[tuple[str, int]]  # (segment path, offset) of each element, in order
+
+
+@dataclass(frozen=True)
+class End(ToPeer, kind="end"):
+    feed: int
+    pass_no: int
+
+
+@dataclass(frozen=True)
+class Job(ToPeer, kind="job"):
+    """A data worker's share of the run (kernel/dataplane.py)."""
+
+    worker: int
+    workers: int
+    seed: int
+    plans: list[FeedPlan]
+    dirs: tuple[str, str]  # the cache's RAM and disk directories
+    ram_budget: int
+    segment_bytes: int
+    sys_path: list[str]
+
+
+@dataclass(frozen=True)
+class Loaders(ToPeer, kind="loaders"):
+    pickles: dict[int, bytes]  # feed -> the loader, cloudpickled once by the kernel
+
+
+@dataclass(frozen=True)
+class Horizon(ToPeer, kind="horizon"):
+    feed: int
+    horizon: int  # extract only elements before this position
+    arrived: int  # iterable feeds: elements of every worker the kernel has counted
+    counted: int  # of this worker's elements, how many the kernel has counted
+
+
+@dataclass(frozen=True)
+class NextPass(ToPeer, kind="pass"):
+    feed: int
+    pass_no: int
+
+
+@dataclass(frozen=True)
+class Stop(ToPeer, kind="stop"):
+    feed: int
+
+
+# -- peer -> kernel ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankError(ToKernel, kind="error"):
+    summary: str
+    traceback: str
+    signature: tuple[str, str, int] | None = None  # a Python exception's (type, file, line): kernel/restarts.py
+
+
+@dataclass(frozen=True)
+class Display(ToKernel, kind="display"):
+    """A display_data (or update_display_data) message for the cell."""
+
+    data: dict
+    metadata: dict
+    transient: dict
+    update: bool
+    number: int = NO_NUMBER  # the rank's count: its marker places it among the rank's text (output/relay.py)
+
+
+@dataclass(frozen=True)
+class ClearOutput(ToKernel, kind="clear_output"):
+    wait: bool
+    number: int = NO_NUMBER
+
+
+@dataclass(frozen=True)
+class Report(ToKernel, kind="report"):
+    """A batch of a rank's taas.report calls (output/reports.py)."""
+
+    at: float  # the rank's monotonic clock when sent
+    reports: list[tuple[float | int, dict[str, float]]]  # (step, metrics), in order
+    health: dict | None  # the rank's figures (cpu, rss, gpu), about every 2 s
+
+
+@dataclass(frozen=True)
+class Result(ToKernel, kind="result"):
+    """What rank 0's cell bound (transfer/returns.py); the kernel fills ``made`` and ``cuda_ipc``
+    in its own copy when it copies the CUDA storages (transfer/results.py)."""
+
+    skeleton: bytes
+    segments: list  # transfer.pack.Segment per name
+    failed: list  # (name, type, reason) of names that could not be pickled
+    deleted: list[str]
+    places: list  # per blob: ("at", offset, size), ("kept", j), ("ipc", k), ("made", k), ("none",), None
+    data: Any  # transfer.memfile.BlobData
+    ipc: list  # CUDA IPC handles, ("ipc", k) is ipc[k]
+    cuda_host: tuple[int, int, str]  # CUDA storages sent through host memory: count, bytes, why
+    made: tuple = ()  # the kernel's copies of the ipc storages, ("made", k) is made[k]
+    cuda_ipc: tuple[int, int] = (0, 0)  # what came device to device: count, bytes
+
+
+@dataclass(frozen=True)
+class ClosureHostWanted(ToKernel, kind="closure-host"):
+    run: str
+    why: str  # why the CUDA IPC handles did not open in this rank
+
+
+@dataclass(frozen=True)
+class Want(ToKernel, kind="want"):
+    feed: int
+    pass_no: int
+    credit: int  # more elements the rank may be sent
+
+
+@dataclass(frozen=True)
+class Ready(ToKernel, kind="ready"):
+    feed: int
+    pass_no: int
+    index: int | None  # map-style: the element's position in the pass; iterable: None (arrival order)
+    path: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class Exhausted(ToKernel, kind="exhausted"):
+    feed: int
+    pass_no: int
+
+
+@dataclass(frozen=True)
+class Done(ToKernel, kind="done"):
+    worker: int
+
+
+@dataclass(frozen=True)
+class WorkerFailure(ToKernel, kind="failed"):
+    feed: int | None  # None: it failed loading the loaders
+    element: str  # which element, in words
+    frames: list[tuple[str, int | None, str, str | None]]  # (file, line, function, source) of the traceback
+    exception: str
+
+
+# -- encoding ------------------------------------------------------------------------------------
+def encode(frame: Frame) -> bytes:
+    """The body wire.py signs and sends."""
+    return wire.encode_body(frame.KIND, wire.dumps(frame))
+
+
+def decode(kind: str, data: bytes | memoryview, direction: type[F]) -> F:
+    """The frame in a body wire.py has verified; ``direction``: ToKernel (the kernel reads) or ToPeer.
+
+    Raises:
+        ProtocolError: an unknown kind, one of the other direction (nothing unpickled), or a
+            pickle that is not a frame of that kind.
+    """
+    cls = KINDS.get(kind)
+    if cls is None or not issubclass(cls, direction):
+        raise ProtocolError(f"a frame of unknown kind {kind!r}" if cls is None else f"a {kind!r} frame the wrong way")
+    frame = wire.loads_verified(data)
+    if type(frame) is not cls:
+        raise ProtocolError(f"a {kind!r} frame holding {type(frame).__name__}")
+    return frame
+
+
+def decode_body(body: bytes | memoryview, direction: type[F]) -> F:
+    """A whole encoded body (as :func:`encode` made it), verified: its frame."""
+    return decode(*wire.decode_body(body), direction)
+
+
+def expect(frame: Frame, cls: type[F], what: str = "") -> F:
+    """``frame``, which must be a ``cls`` (``what``: how to name one in the error if it is not).
+
+    Raises:
+        ConnectionError: it is another frame (the kernel and the peer disagree on the order).
+    """
+    if not isinstance(frame, cls):
+        raise ConnectionError(f"expected {what or f'a {cls.KIND!r} frame'} from the kernel, got a {frame.KIND!r} frame")
+    return frame
+
+
+class PeerChannel:
+    """A rank's or a data worker's end of the channel: typed frames over wire.py's blocking socket."""
+
+    def __init__(self, channel: wire.BlockingChannel):
+        self._channel = channel
+
+    def send(self, frame: ToKernel) -> None:
+        self._channel.send(frame.KIND, wire.dumps(frame))
+
+    def receive(self) -> ToPeer:
+        return decode(*self._channel.recv(), ToPeer)
+
+    def expect(self, cls: type[F], what: str = "") -> F:
+        """The next frame, which must be a ``cls`` (see :func:`expect`)."""
+        return expect(self.receive(), cls, what)
+
+    def readable(self, timeout: float | None) -> bool:
+        return self._channel.readable(timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
