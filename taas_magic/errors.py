@@ -33,6 +33,8 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING, Any
 
+from taas_magic.peers import Peer
+
 if TYPE_CHECKING:
     from taas_magic.protocol import WorkerFailure
 
@@ -124,12 +126,23 @@ def _failure_report(
     return lines
 
 
-class RankFailed(RunError):
-    """The first rank to fail: its traceback (cell line numbers) and last output lines."""
+class PeerFailed(RunError):
+    """The first process of a run to fail, a rank or a data worker, built whole: what happened,
+    its traceback (cell line numbers), its last lines of output, and the notes shown below it.
+
+    ``PeerFailed(peer, ...)`` is a :class:`RankFailed` for a rank and a :class:`WorkerFailed`
+    for a data worker: the names the cell shows and the README promises, which a person may
+    catch; the behaviour is this class's alone.
+    """
+
+    def __new__(cls, peer: Peer, *args: Any, **kwargs: Any) -> "PeerFailed":
+        if cls is PeerFailed:
+            cls = RankFailed if peer.is_rank else WorkerFailed
+        return super().__new__(cls)
 
     def __init__(
         self,
-        rank: int,
+        peer: Peer,
         host: str,
         summary: str,
         traceback_text: str = "",
@@ -137,50 +150,26 @@ class RankFailed(RunError):
         signature: tuple[str, str, int] | None = None,
         notes: tuple[str, ...] = (),
     ):
-        super().__init__(f"rank {rank} on {host} {summary}")
-        self.rank, self.host, self.summary = rank, host, summary
+        super().__init__(f"{self._who(peer)} on {host} {summary}")
+        self.peer, self.host, self.summary = peer, host, summary
         self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
         self.signature = signature  # a Python exception's (type, innermost notebook file, line): restarts.py
         self.notes = tuple(notes)
 
+    @staticmethod
+    def _who(peer: Peer) -> str:
+        return f"rank {peer.index}" if peer.is_rank else f"data worker {peer.index}"
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.rank, self.host, self.summary, self.traceback_text, self.last_lines, self.signature,
+        return (PeerFailed, (self.peer, self.host, self.summary, self.traceback_text, self.last_lines, self.signature,
                              self.notes))
 
-    def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "RankFailed":
-        return RankFailed(self.rank, self.host, self.summary, self.traceback_text, last_lines, self.signature,
+    def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "PeerFailed":
+        return PeerFailed(self.peer, self.host, self.summary, self.traceback_text, last_lines, self.signature,
                           (*self.notes, *notes))
 
-    def _render_traceback_(self) -> list[str]:
-        return _failure_report(f"rank {self.rank}", self.host, self.summary, "every rank was stopped",
-                               self.traceback_text, self.last_lines, self.notes)
-
-
-class WorkerFailed(RunError):
-    """The first data worker to fail: the element it was preparing, its traceback."""
-
-    def __init__(
-        self,
-        worker: int,
-        host: str,
-        summary: str,
-        traceback_text: str = "",
-        last_lines: tuple[str, ...] = (),
-        notes: tuple[str, ...] = (),
-    ):
-        super().__init__(f"data worker {worker} on {host} {summary}")
-        self.worker, self.host, self.summary = worker, host, summary
-        self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
-        self.notes = tuple(notes)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.worker, self.host, self.summary, self.traceback_text, self.last_lines, self.notes))
-
-    def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "WorkerFailed":
-        return WorkerFailed(self.worker, self.host, self.summary, self.traceback_text, last_lines, (*self.notes, *notes))
-
     @classmethod
-    def from_report(cls, worker: int, host: str, loader: str, report: WorkerFailure) -> "WorkerFailed":
+    def from_worker_report(cls, peer: Peer, host: str, loader: str, report: WorkerFailure) -> "PeerFailed":
         """From a worker's ``WorkerFailure`` frame: frames get the notebook's source lines here,
         where IPython's cells are in ``linecache``; taas's own frames are left out."""
         import linecache
@@ -198,11 +187,28 @@ class WorkerFailed(RunError):
         exception = report.exception.strip()
         raised = exception.splitlines()[-1] if exception else "an error"
         summary = f"raised {raised} while preparing {report.element} of {loader}"
-        return cls(worker, host, summary, "".join(lines) + report.exception)
+        return PeerFailed(peer, host, summary, "".join(lines) + report.exception)
 
     def _render_traceback_(self) -> list[str]:
-        return _failure_report(f"data worker {self.worker}", self.host, self.summary,
-                               "every rank and worker was stopped", self.traceback_text, self.last_lines, self.notes)
+        stopped = "every rank was stopped" if self.peer.is_rank else "every rank and worker was stopped"
+        return _failure_report(self._who(self.peer), self.host, self.summary, stopped,
+                               self.traceback_text, self.last_lines, self.notes)
+
+
+class RankFailed(PeerFailed):
+    """The first rank to fail (``PeerFailed`` of a rank)."""
+
+    @property
+    def rank(self) -> int:
+        return self.peer.index
+
+
+class WorkerFailed(PeerFailed):
+    """The first data worker to fail (``PeerFailed`` of a data worker): the element it was preparing."""
+
+    @property
+    def worker(self) -> int:
+        return self.peer.index
 
 
 class RunTimeout(RunError):

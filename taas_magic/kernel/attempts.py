@@ -24,7 +24,7 @@ from typing import Callable, Protocol, TypeVar
 from taas_magic.errors import RunError
 from taas_magic.kernel.restarts import Attempts, restart_line
 from taas_magic.kernel.verdict import Verdict
-from taas_magic.launch.base import RankGroup
+from taas_magic.launch.base import ProcessGroup
 from taas_magic.output.relay import OutputRelay
 
 Outcome = TypeVar("Outcome")
@@ -35,18 +35,18 @@ class Supervised(Protocol[Outcome_co]):
     relay: OutputRelay
     verdict: Verdict
 
-    def attach(self, group: RankGroup, running: Callable[[], None]) -> None: ...
+    def attach(self, group: ProcessGroup, running: Callable[[], None]) -> None: ...
 
     def watch(self) -> Outcome_co | None: ...
 
     def last_words(self, notes: tuple[str, ...]) -> RunError: ...
 
-    def stop_everything(self, group: RankGroup) -> None: ...
+    def stop_everything(self, group: ProcessGroup) -> None: ...
 
     def detach(self) -> None: ...
 
 
-def run(supervisor: Supervised[Outcome], start: Callable[[int], RankGroup], attempts: Attempts) -> Outcome:
+def run(supervisor: Supervised[Outcome], start: Callable[[int], ProcessGroup], attempts: Attempts) -> Outcome:
     """Attempts until one succeeds (its outcome) or a failure is not restarted (raised)."""
     previous: RunError | None = None
     for attempt in range(attempts.restarts + 1):
@@ -61,7 +61,7 @@ def run(supervisor: Supervised[Outcome], start: Callable[[int], RankGroup], atte
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _attempt(supervisor: Supervised[Outcome], group: RankGroup, attempt: int, attempts: Attempts,
+def _attempt(supervisor: Supervised[Outcome], group: ProcessGroup, attempt: int, attempts: Attempts,
              previous: RunError | None) -> tuple[Outcome | None, RunError | None]:
     """One attempt: its outcome, or its failure when another attempt follows (else the failure is raised)."""
     try:

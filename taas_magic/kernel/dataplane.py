@@ -22,8 +22,8 @@ from taas_magic.feed.coordinator import FeedCoordinator
 from taas_magic.feed.plan import loader_kind, plan_feed
 from taas_magic.feed.progress import ProgressLine
 from taas_magic.feed.segments import SEGMENT_BYTES, CacheDirs
-from taas_magic.launch.base import LaunchPlan, RankGroup
-from taas_magic.launch.local import WORKER_COMMAND, LocalRankGroup
+from taas_magic.launch.base import LaunchPlan, ProcessGroup
+from taas_magic.launch.local import WORKER_COMMAND, LocalProcessGroup
 from taas_magic.output.relay import Publish
 from taas_magic.peers import WORKER, Peer, PeerIds
 from taas_magic.procs import OWNER_VARIABLE
@@ -40,7 +40,7 @@ class DataPlane:
     """The data workers of a run and the kernel's side of their element stream."""
 
     coordinator: FeedCoordinator
-    workers: RankGroup  # worker w is ``workers.ranks[w]``, peer id N + w
+    workers: ProcessGroup  # worker w is ``workers.children[w]``, peer id N + w
     progress: ProgressLine
     usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
     courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/ray.py Courier)
@@ -121,7 +121,7 @@ class DataRun:
 
     def start(
         self, run_id: str, handshake: str, peers: PeerIds, layers: Mapping[int, str], rule: WriteRule, publish: Publish,
-        launch: Callable[[LaunchPlan, tuple[str, ...]], RankGroup] | None = None, courier: Callable[[], Any] | None = None,
+        launch: Callable[[LaunchPlan, tuple[str, ...]], ProcessGroup] | None = None, courier: Callable[[], Any] | None = None,
     ) -> DataPlane:
         """Make the cache directories and start the workers (``peers`` numbers them on the wire).
 
@@ -145,9 +145,9 @@ class DataRun:
             envs.append(env)
         plan = LaunchPlan(self.workers, envs, os.getcwd(), handshake)
         if launch is not None:
-            group: RankGroup = launch(plan, (self.dirs.ram, self.dirs.disk))
+            group: ProcessGroup = launch(plan, (self.dirs.ram, self.dirs.disk))
         else:
-            group = LocalRankGroup.start(plan, WORKER_COMMAND, "data worker")
+            group = LocalProcessGroup.start(plan, WORKER_COMMAND, "data worker")
         coordinator = FeedCoordinator(self.plans)
         progress = ProgressLine(coordinator, publish, self.workers)
         return DataPlane(coordinator, group, progress, self.usage, courier() if courier is not None else None)

@@ -35,7 +35,7 @@ from taas_magic.kernel.settings import VALIDATED, Warm, option_trait, refuse
 from taas_magic.kernel.status import LastRun, closure_size, header_line, help_text, status_text
 from taas_magic.kernel.supervisor import RunOutcome, RunParts, run_ranks
 from taas_magic.launch.backend import Backend, ClusterBackend, LocalBackend
-from taas_magic.launch.base import RankGroup
+from taas_magic.launch.base import ProcessGroup
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.launch.spares import SparePool
 from taas_magic.output.board import Board
@@ -212,7 +212,7 @@ class TaasMagics(Magics):
                                       run.rule, publish)
             return run.backend.start_data(data.cache_ram, start, server.key)
 
-        def start_ranks(attempt: int) -> RankGroup:
+        def start_ranks(attempt: int) -> ProcessGroup:
             if attempt:
                 run.backend.recover()  # a host that went away: its ranks are placed elsewhere
             return run.backend.start_ranks(run.launch_plan(handshake, attempt), server.key)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from taas_magic import protocol, wire
-from taas_magic.kernel.server import PendingPeer, RankConnection, RankServer
-from taas_magic.launch.base import RankProcess
+from taas_magic.kernel.server import PeerConnection, PeerServer, PendingPeer
+from taas_magic.launch.base import ChildProcess
 from taas_magic.peers import Peer, PeerIds
 from taas_magic.protocol import ToKernel
 
@@ -86,9 +86,9 @@ Event = PeerConnected | Output | OutputEnded | FrameArrived | FrameRefused | Pee
 class _Channels:
     """The listener, the handshakes in progress and the connected peers' channels."""
 
-    def __init__(self, selector: selectors.BaseSelector, server: RankServer, ids: PeerIds, greeting: Greeting):
+    def __init__(self, selector: selectors.BaseSelector, server: PeerServer, ids: PeerIds, greeting: Greeting):
         self.selector, self.server, self.ids, self.greeting = selector, server, ids, greeting
-        self.connections: dict[Peer, RankConnection] = {}
+        self.connections: dict[Peer, PeerConnection] = {}
         self.queued: dict[Peer, list[bytes]] = {}  # frames for peers not connected yet
         selector.register(server.listener, selectors.EVENT_READ, ("listen", None))
 
@@ -102,17 +102,17 @@ class _Channels:
         if outcome is None:
             return
         self.selector.unregister(pending.sock)
-        if not isinstance(outcome, RankConnection):
+        if not isinstance(outcome, PeerConnection):
             self.server.drop(pending)
             return
-        peer = self.ids.peer(outcome.rank)  # the number it proved in its hello
+        peer = self.ids.peer(outcome.peer_id)  # the number it proved in its hello
         self.connections[peer] = outcome
         for body in self.greeting(peer) + self.queued.pop(peer, []):
             outcome.send(body)
         self.selector.register(outcome.sock, selectors.EVENT_READ, ("conn", outcome))
         yield PeerConnected(peer)
 
-    def read(self, connection: RankConnection) -> Iterator[Event]:
+    def read(self, connection: PeerConnection) -> Iterator[Event]:
         try:
             data = connection.sock.recv(1 << 20)
         except BlockingIOError:
@@ -122,7 +122,7 @@ class _Channels:
         if not data:
             self.close(connection)
             return
-        peer = self.ids.peer(connection.rank)
+        peer = self.ids.peer(connection.peer_id)
         try:
             frames = [protocol.decode(kind, body, ToKernel) for kind, body in connection.reader.feed(data)]
         except wire.AuthenticationError as exc:
@@ -158,10 +158,10 @@ class _Channels:
             pass  # it has exited; its exit code tells the rest
         return True
 
-    def close(self, connection: RankConnection) -> None:
+    def close(self, connection: PeerConnection) -> None:
         self.selector.unregister(connection.sock)
         connection.sock.close()
-        self.connections.pop(self.ids.peer(connection.rank), None)
+        self.connections.pop(self.ids.peer(connection.peer_id), None)
 
     def close_all(self) -> None:
         for connection in self.connections.values():
@@ -174,15 +174,15 @@ class _Channels:
 class Mux:
     """One run's selector: watch processes, read what they say as events, send them frames."""
 
-    def __init__(self, server: RankServer, ids: PeerIds, greeting: Greeting):
+    def __init__(self, server: PeerServer, ids: PeerIds, greeting: Greeting):
         self.selector = selectors.DefaultSelector()
         self.channels = _Channels(self.selector, server, ids, greeting)
-        self.processes: dict[Peer, RankProcess] = {}  # watched, not yet seen to exit
+        self.processes: dict[Peer, ChildProcess] = {}  # watched, not yet seen to exit
         self.pipes: dict[int, tuple[Peer, str]] = {}  # fd -> (peer, stream)
         self.exit_fds: dict[Peer, int] = {}  # the pidfds, registered until they fire or the rank is forgotten
         self.exited: set[Peer] = set()
 
-    def watch(self, peer: Peer, process: RankProcess) -> None:
+    def watch(self, peer: Peer, process: ChildProcess) -> None:
         self.processes[peer] = process
         for name, fd in (("stdout", process.stdout_fd), ("stderr", process.stderr_fd)):
             os.set_blocking(fd, False)

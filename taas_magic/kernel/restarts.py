@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from taas_magic.errors import RankFailed, RunError, RunTimeout, WorkerFailed
+from taas_magic.errors import PeerFailed, RunError, RunTimeout
 
 
 def _nothing(*_: object) -> None:
@@ -37,8 +37,8 @@ class Attempts:
 
 def how(failure: RunError) -> str:
     """The failure in a few words: ``rank 1 was killed by SIGKILL``, ``--timeout 5s passed``."""
-    if isinstance(failure, RankFailed):
-        return f"rank {failure.rank} {failure.summary.removesuffix(' without reporting an error')}"
+    if isinstance(failure, PeerFailed) and failure.peer.is_rank:
+        return f"{failure.peer} {failure.summary.removesuffix(' without reporting an error')}"
     if isinstance(failure, RunTimeout):
         running = ", ".join(map(str, failure.running)) or "none"
         return f"--timeout {failure.timeout:g}s passed (ranks still running: {running})"
@@ -50,12 +50,12 @@ def refusal(attempt: int, restarts: int, failure: RunError, previous: RunError |
     with --restarts 0), or None: restart."""
     if not restarts:
         return ""
-    if isinstance(failure, WorkerFailed):
+    if isinstance(failure, PeerFailed) and not failure.peer.is_rank:
         return "a data worker's failure is not restarted (see --restarts in the README)"
     if attempt >= restarts:
         return f"all {restarts} restart{'s' if restarts != 1 else ''} (--restarts {restarts}) were used"
     if (
-        isinstance(failure, RankFailed) and isinstance(previous, RankFailed)
+        isinstance(failure, PeerFailed) and isinstance(previous, PeerFailed)
         and failure.signature is not None and failure.signature == previous.signature
     ):
         kind, _, line = failure.signature

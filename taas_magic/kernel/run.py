@@ -35,7 +35,7 @@ from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.kernel.dataplane import DataRun
-from taas_magic.kernel.server import RankServer
+from taas_magic.kernel.server import PeerServer
 from taas_magic.kernel.status import LastRun
 from taas_magic.launch.backend import Backend, rank_environments
 from taas_magic.launch.base import LaunchPlan
@@ -86,7 +86,7 @@ class Run:
         self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
         self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
         self._stack.callback(self._remove_layers)
-        self.server = RankServer(wire.new_key(), len(self.peers), self.backend.listen_host)
+        self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
         self._stack.callback(self.server.close)
         handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
         self._stack.callback(handoff.remove)

@@ -19,8 +19,8 @@ PendingPeer = wire.Hello  # a connection that has not yet proven the run's key
 
 
 @dataclass
-class RankConnection:
-    rank: int
+class PeerConnection:
+    peer_id: int  # the id it proved in its hello (peers.PeerIds says whose)
     sock: socket.socket
     codec: wire.FrameCodec
     reader: wire.FrameReader
@@ -29,7 +29,7 @@ class RankConnection:
         wire.send_blocking(self.sock, self.codec, body)
 
 
-class RankServer:
+class PeerServer:
     """Listens on 127.0.0.1 (the local mode; on the kernel's cluster address in the cluster
     mode, where other hosts' ranks connect); hands out connections that proved the key."""
 
@@ -56,7 +56,7 @@ class RankServer:
             sock.close()
             return None
 
-    def read_hello(self, peer: PendingPeer) -> RankConnection | None | bool:
+    def read_hello(self, peer: PendingPeer) -> PeerConnection | None | bool:
         """Advance a handshake: a connection, None (needs more bytes), or False (refused).
 
         A refused peer must be passed to :meth:`drop` (after the caller stops watching it).
@@ -69,7 +69,7 @@ class RankServer:
             return None
         self._connected.add(peer_id)
         codec = wire.FrameCodec(self.key, peer.nonce, outgoing=wire.KERNEL_TO_RANK, incoming=wire.RANK_TO_KERNEL)
-        return RankConnection(peer_id, peer.sock, codec, wire.FrameReader(codec))
+        return PeerConnection(peer_id, peer.sock, codec, wire.FrameReader(codec))
 
     def readmit(self, ids: Iterable[int]) -> None:
         """Those peers were restarted: their new processes may connect (and prove the key) again."""

@@ -38,9 +38,9 @@ from taas_magic.kernel import attempts as attempt_loop
 from taas_magic.kernel.dataplane import DataPlane
 from taas_magic.kernel.mux import Event, FrameArrived, Greeting, Mux, Output, OutputEnded, PeerConnected
 from taas_magic.kernel.restarts import Attempts
-from taas_magic.kernel.server import RankServer
+from taas_magic.kernel.server import PeerServer
 from taas_magic.kernel.verdict import TimedOut, Verdict
-from taas_magic.launch.base import RankGroup
+from taas_magic.launch.base import ProcessGroup
 from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay, Publish
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
@@ -61,7 +61,7 @@ Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps,
 class RunParts:
     """What supervising one cell's run takes, made by the magic (kernel/magics.py)."""
 
-    server: RankServer
+    server: PeerServer
     ids: PeerIds
     greeting: Greeting  # the encoded frames each peer gets once connected
     relay: Callable[[MarkerHook], OutputRelay]  # the cell's relay, made with the supervisor's marker hook
@@ -86,17 +86,17 @@ class Supervisor:
         self.relay = parts.relay(self._on_marker)
         self.verdict = Verdict(parts.ids.ranks, self._host, data.coordinator.name_of if data is not None else _no_feed)
         self.displays = _Displays(self.relay, parts.publish, parts.ids)
-        self.group: RankGroup | None = None  # the current attempt's ranks (attach / detach)
+        self.group: ProcessGroup | None = None  # the current attempt's ranks (attach / detach)
         self.result: Result | None = None
         self.running: Callable[[], None] | None = None  # once per attempt, when every rank has connected
-        for worker in data.workers.ranks if data is not None else ():
-            self.mux.watch(Peer(WORKER, worker.rank), worker)
+        for worker in data.workers.children if data is not None else ():
+            self.mux.watch(Peer(WORKER, worker.index), worker)
 
     # -- the attempt's ranks (attempts.py) -------------------------------------------------------
-    def attach(self, group: RankGroup, running: Callable[[], None]) -> None:
+    def attach(self, group: ProcessGroup, running: Callable[[], None]) -> None:
         self.group, self.running = group, running
-        for rank in group.ranks:
-            self.mux.watch(Peer(RANK, rank.rank), rank)
+        for rank in group.children:
+            self.mux.watch(Peer(RANK, rank.index), rank)
 
     def detach(self) -> None:
         """After an attempt's ranks were stopped: their last output, then forget them."""
@@ -115,7 +115,7 @@ class Supervisor:
         self.relay.flush(force=True)
         return self.verdict.failure.with_output(self.relay.last_lines(self.verdict.cause), notes)
 
-    def stop_everything(self, group: RankGroup) -> None:
+    def stop_everything(self, group: ProcessGroup) -> None:
         self.relay.mute()
         group.stop()
         if self.data is not None:
@@ -180,9 +180,9 @@ class Supervisor:
     def _host(self, peer: Peer) -> str:
         if peer.is_rank:
             assert self.group is not None  # a rank's frames and exits arrive only while its attempt is attached
-            return self.group.ranks[peer.index].host
+            return self.group.children[peer.index].host
         assert self.data is not None
-        return self.data.workers.ranks[peer.index].host
+        return self.data.workers.children[peer.index].host
 
     # -- one attempt ----------------------------------------------------------------------------
     def step(self, wait: float) -> None:
@@ -309,7 +309,7 @@ def _watch(supervisor: Supervisor) -> RunOutcome | None:
 
 def run_ranks(
     parts: RunParts,
-    start: Callable[[int], RankGroup],
+    start: Callable[[int], ProcessGroup],
     data: Callable[[], DataPlane] | None = None,
     attempts: Attempts | None = None,
 ) -> RunOutcome:

@@ -1,6 +1,6 @@
 """One agent per host (a Ray actor): starts that host's ranks with the local machinery.
 
-The agent runs :class:`~taas_magic.launch.local.LocalRankGroup` on its host, so ranks there
+The agent runs :class:`~taas_magic.launch.local.LocalProcessGroup` on its host, so ranks there
 are started, isolated (the write rule) and stopped exactly as in the local mode: fresh
 ``python -m taas_magic.rank`` processes in their own sessions, a stdin lifeline, the
 INT -> TERM -> KILL ladder. What the agent adds is the way back to the kernel:
@@ -33,7 +33,7 @@ import time
 from taas_magic import wire
 from taas_magic.feed.segments import CacheDirs, SegmentWriter
 from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.local import LocalRankGroup
+from taas_magic.launch.local import LocalProcessGroup
 from taas_magic.launch.rankenv import reserve_port, visible_gpu_count
 from taas_magic.peers import STREAMS, HubChannels
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
@@ -52,7 +52,7 @@ class HostAgent:
     """The ranks of one run on one host."""
 
     def __init__(self) -> None:
-        self.group: LocalRankGroup | None = None
+        self.group: LocalProcessGroup | None = None
         self._port: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
@@ -94,15 +94,15 @@ class HostAgent:
                 self._made_dirs.append(path)
         local_plan = dataclasses.replace(plan, cwd=cwd)
         if command:
-            self.group = LocalRankGroup.start(local_plan, command, "data worker")
+            self.group = LocalProcessGroup.start(local_plan, command, "data worker")
         else:
-            self.group = LocalRankGroup.start(local_plan)
+            self.group = LocalProcessGroup.start(local_plan)
         outputs = []
-        for local in self.group.ranks:
+        for local in self.group.children:
             for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
-                sock = connect_channel(hub, key, HubChannels.stream(first_rank + local.rank, stream))
+                sock = connect_channel(hub, key, HubChannels.stream(first_rank + local.index, stream))
                 self._sockets.append(sock)
-                outputs.append((local.rank, fd, sock))
+                outputs.append((local.index, fd, sock))
         control_sock = connect_channel(hub, key, control)
         self._sockets.append(control_sock)
         pumps: dict[int, list[threading.Thread]] = {}
@@ -116,7 +116,7 @@ class HostAgent:
 
     def _report_exits(self, pumps: dict[int, list[threading.Thread]], control: socket.socket) -> None:
         assert self.group is not None
-        pending = {local.rank: local for local in self.group.ranks}
+        pending = {local.index: local for local in self.group.children}
         try:
             while pending:
                 for index, local in list(pending.items()):
@@ -157,7 +157,7 @@ class HostAgent:
         """The autopsy of these (global) ranks of this host (stacks.py), read here and sent back."""
         if self.group is None:
             return {}
-        local = [rank - self._first_rank for rank in ranks if 0 <= rank - self._first_rank < len(self.group.ranks)]
+        local = [rank - self._first_rank for rank in ranks if 0 <= rank - self._first_rank < len(self.group.children)]
         return {rank + self._first_rank: dump for rank, dump in self.group.stacks(local).items()}
 
     def end_ranks(self) -> None:

@@ -21,8 +21,8 @@ import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 
-from taas_magic.launch.base import LaunchPlan, RankGroup
-from taas_magic.launch.local import LocalRankGroup
+from taas_magic.launch.base import LaunchPlan, ProcessGroup
+from taas_magic.launch.local import LocalProcessGroup
 from taas_magic.launch.placement import Node, RankSlot
 from taas_magic.launch.rankenv import LOOPBACK, DevicePlan, idle_cores, plan_devices, rank_environment, reserve_port
 from taas_magic.launch.spares import SparePool
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from taas_magic.launch.ray import ClusterLaunch
 
 PlaneT = TypeVar("PlaneT")  # what starting the data workers makes (kernel/dataplane.py's DataPlane)
-WorkerLaunch = Callable[[LaunchPlan, "tuple[str, ...]"], RankGroup]  # starts the workers elsewhere, given their cache folders
+WorkerLaunch = Callable[[LaunchPlan, "tuple[str, ...]"], ProcessGroup]  # starts the workers elsewhere, given their cache folders
 # DataRun.start with the run's arguments bound: (launch, courier) -> the data plane
 StartData = Callable[[Optional[WorkerLaunch], Optional[Callable[[], object]]], PlaneT]
 
@@ -64,7 +64,7 @@ class Backend(Protocol):
     def rank_extra_env(self, rank: int) -> dict[str, str]:
         """Environment rank ``rank`` needs beyond torchrun's."""
 
-    def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
+    def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
         """Start the ranks of ``plan``."""
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
@@ -113,8 +113,8 @@ class LocalBackend:
         # --device cpu on a GPU host: the ranks (and what the cell starts) see no GPU at all
         return {"CUDA_VISIBLE_DEVICES": ""} if self.devices.hides_gpus else {}
 
-    def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
-        return LocalRankGroup.start(plan, spares=self._spares, gpus=self._spare_gpus())
+    def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
+        return LocalProcessGroup.start(plan, spares=self._spares, gpus=self._spare_gpus())
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
         return start(None, None)
@@ -191,7 +191,7 @@ class ClusterBackend:
             return {}
         return {"CUDA_VISIBLE_DEVICES": self._launch.host_gpu_ids(rank)}  # LOCAL_RANK indexes the host's GPUs
 
-    def start_ranks(self, plan: LaunchPlan, key: bytes) -> RankGroup:
+    def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
         return self._launch.start(plan, key)
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:

@@ -1,6 +1,6 @@
 """The contract between the supervisor and a launcher (local processes, or Ray later).
 
-A launcher turns a :class:`LaunchPlan` into a :class:`RankGroup`. The supervisor only
+A launcher turns a :class:`LaunchPlan` into a :class:`ProcessGroup`. The supervisor only
 reads rank output fds, polls exit codes, and calls ``stop``/``close``; it never asks
 which launcher is in use (as torch's ``PContext`` and httpx's ``BaseTransport``).
 """
@@ -28,21 +28,23 @@ class LaunchPlan:
                           self.stack_files[first:first + count])
 
 
-class RankProcess(Protocol):
-    rank: int
+class ChildProcess(Protocol):
+    """One process a launcher started: a rank (``index`` = its RANK) or a data worker (its number)."""
+
+    index: int
     host: str
     stdout_fd: int
     stderr_fd: int
     exit_fd: int | None  # readable once the process has exited (a pidfd), or None: poll() is polled
 
     def poll(self) -> int | None:
-        """The exit code once the rank has exited (negative: killed by that signal)."""
+        """The exit code once the process has exited (negative: killed by that signal)."""
 
 
-class RankGroup(Protocol):
+class ProcessGroup(Protocol):
     @property
-    def ranks(self) -> Sequence[RankProcess]:
-        """The ranks, index = RANK."""
+    def children(self) -> Sequence[ChildProcess]:
+        """The processes, in ``index`` order."""
 
     def stop(self, graceful: bool = True) -> list[str]:
         """Stop every rank (INT -> TERM -> KILL; TERM -> KILL unless ``graceful``); return the signals it took."""
@@ -53,7 +55,7 @@ class RankGroup(Protocol):
     def close(self) -> None:
         """Idempotent: stop what still runs, reap everything, release every fd."""
 
-    def __enter__(self) -> "RankGroup": ...
+    def __enter__(self) -> "ProcessGroup": ...
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:

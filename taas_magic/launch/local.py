@@ -51,8 +51,8 @@ def _open_pidfd(pid: int) -> int | None:
 
 
 @dataclass
-class LocalRank:
-    rank: int
+class LocalChild:
+    index: int
     process: subprocess.Popen
     host: str = "localhost"
     stdout_fd: int = field(init=False)
@@ -79,11 +79,11 @@ class LocalRank:
         return code
 
 
-class LocalRankGroup:
+class LocalProcessGroup:
     """N rank processes (or M data worker processes) on this host."""
 
-    def __init__(self, ranks: list[LocalRank], stack_files: Sequence[str] = ()):
-        self.ranks = ranks
+    def __init__(self, ranks: list[LocalChild], stack_files: Sequence[str] = ()):
+        self.children = ranks
         self.stack_files = list(stack_files)  # where each rank's autopsy lands (autopsy/dump.py)
         self._closed = False
 
@@ -95,11 +95,11 @@ class LocalRankGroup:
         what: str = "rank",
         spares: SparePool | None = None,
         gpus: int = 0,
-    ) -> "LocalRankGroup":
+    ) -> "LocalProcessGroup":
         """Start the ranks: each from a warm spare that serves it (bound to its GPU, or a CPU
         spare; ready or still warming), the rest as fresh processes (launch/spares.py)."""
         warm = spares.take(bindings(plan.world_size, gpus)) if spares is not None else [None] * plan.world_size
-        ranks: list[LocalRank] = []
+        ranks: list[LocalChild] = []
         try:
             for rank, env in enumerate(plan.envs):
                 process = warm[rank]
@@ -118,27 +118,27 @@ class LocalRankGroup:
                         close_fds=True,
                     )
                     message = f"{plan.handshake}\n"
-                ranks.append(LocalRank(rank, process))
+                ranks.append(LocalChild(rank, process))
                 assert process.stdin is not None  # started with PIPE
                 process.stdin.write(message.encode("utf-8"))
                 process.stdin.flush()
         except (OSError, subprocess.SubprocessError) as exc:
             cls(ranks).close()
-            unused = [LocalRank(k, p) for k, p in enumerate(warm) if p is not None and k >= len(ranks)]
+            unused = [LocalChild(k, p) for k, p in enumerate(warm) if p is not None and k >= len(ranks)]
             cls(unused).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
         return cls(ranks, plan.stack_files)
 
     def stop(self, graceful: bool = True) -> list[str]:
-        return stop_groups([rank.process for rank in self.ranks], LADDER if graceful else RESTART_LADDER).signals
+        return stop_groups([rank.process for rank in self.children], LADDER if graceful else RESTART_LADDER).signals
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         from taas_magic.autopsy.stacks import take
 
         files = dict(enumerate(self.stack_files))
-        return take({rank: (self.ranks[rank].process.pid, path) for rank in ranks if (path := files.get(rank))})
+        return take({rank: (self.children[rank].process.pid, path) for rank in ranks if (path := files.get(rank))})
 
-    def __enter__(self) -> "LocalRankGroup":
+    def __enter__(self) -> "LocalProcessGroup":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -149,8 +149,8 @@ class LocalRankGroup:
         if self._closed:
             return
         self._closed = True
-        stop_groups([rank.process for rank in self.ranks])
-        for rank in self.ranks:
+        stop_groups([rank.process for rank in self.children])
+        for rank in self.children:
             reap(rank.process)
             rank.close_exit_fd()
 

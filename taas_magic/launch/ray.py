@@ -5,7 +5,7 @@ group (one bundle per host, pinned to that host's node id, so the plan is what R
 holds), waits for it with a deadline, and starts one :class:`~.agent.HostAgent` actor in
 each bundle. Each agent starts its host's ranks as the local mode does and connects
 their output back to the kernel's :class:`OutputHub`; the ranks connect to the kernel's
-rank server themselves. The supervisor then sees a :class:`RayRankGroup` exactly as it
+rank server themselves. The supervisor then sees a :class:`RayProcessGroup` exactly as it
 sees a local one: output fds (sockets here), exit codes, ``stop`` and ``close``.
 
 Nothing outlives the run: a group's ``close`` has every agent stop and reap its ranks (and
@@ -152,8 +152,8 @@ class HostControl:
 
 
 @dataclass
-class RayRank:
-    rank: int
+class RayChild:
+    index: int
     host: str
     stdout_fd: int
     stderr_fd: int
@@ -165,19 +165,19 @@ class RayRank:
         return self.control.poll(self.local_index)
 
 
-class RayRankGroup:
+class RayProcessGroup:
     """The ranks (or data workers) of one run across hosts, one agent per host."""
 
-    def __init__(self, ray: Any, agents: list, hub: OutputHub, ranks: list[RayRank]):
+    def __init__(self, ray: Any, agents: list, hub: OutputHub, ranks: list[RayChild]):
         self._ray = ray
         self._agents = agents
         self._hub = hub
-        self.ranks = ranks
+        self.children = ranks
         self._closed = False
 
     @classmethod
     def start(cls, ray: Any, hosts: list[tuple[Any, LaunchPlan, str]],
-              hub_address: str, key: bytes, timeout: float = 120.0, **start_options: Any) -> "RayRankGroup":
+              hub_address: str, key: bytes, timeout: float = 120.0, **start_options: Any) -> "RayProcessGroup":
         """Start each host's processes through its agent (``hosts``: agent, plan, label), numbered
         host by host from 0; return once all their output channels are connected."""
         world = sum(plan.world_size for _, plan, _ in hosts)
@@ -196,7 +196,7 @@ class RayRankGroup:
                 control = HostControl(hub.connected[channels.control(index)], label)
                 for local in range(plan.world_size):
                     rank = first + local
-                    group.ranks.append(RayRank(
+                    group.children.append(RayChild(
                         rank, label,
                         hub.connected[channels.stream(rank, "stdout")].fileno(),
                         hub.connected[channels.stream(rank, "stderr")].fileno(),
@@ -229,7 +229,7 @@ class RayRankGroup:
             pass
         return dumps
 
-    def __enter__(self) -> "RayRankGroup":
+    def __enter__(self) -> "RayProcessGroup":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -284,7 +284,7 @@ class ClusterLaunch:
 
     Built before anything is started, so an infeasible request fails at once (and a busy
     cluster after ``placement_timeout``) with nothing launched. :meth:`release` is
-    idempotent and safe whatever happened; a started :class:`RayRankGroup` releases too.
+    idempotent and safe whatever happened; a started :class:`RayProcessGroup` releases too.
     """
 
     def __init__(self, ray: Any, shares: Sequence[HostShare], placement_timeout: float, nodes: Callable[[], list[Node]]):
@@ -353,14 +353,14 @@ class ClusterLaunch:
             for s in self.shares
         )
 
-    def start(self, plan: LaunchPlan, key: bytes) -> RayRankGroup:
+    def start(self, plan: LaunchPlan, key: bytes) -> RayProcessGroup:
         hosts = [
             (agent, plan.part(share.first_rank, share.ranks), share.node.label)
             for agent, share in zip(self.agents, self.shares)
         ]
-        return RayRankGroup.start(self.ray, hosts, self.kernel_address, key)
+        return RayProcessGroup.start(self.ray, hosts, self.kernel_address, key)
 
-    def start_workers(self, plan: LaunchPlan, key: bytes, dirs: tuple[str, ...]) -> RayRankGroup:
+    def start_workers(self, plan: LaunchPlan, key: bytes, dirs: tuple[str, ...]) -> RayProcessGroup:
         """The data workers, on CPU-only hosts when the cluster has any, each host's started by
         an agent there (as ranks are); ``dirs`` is the data cache, made on those hosts."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -382,7 +382,7 @@ class ClusterLaunch:
         self.worker_layout = ", ".join(
             (f"workers {ws[0]}-{ws[-1]}" if len(ws) > 1 else f"worker {ws[0]}") + f" on {node.label}" for node, ws in blocks
         )
-        return RayRankGroup.start(self.ray, hosts, self.kernel_address, key, command=WORKER_COMMAND, dirs=dirs)
+        return RayProcessGroup.start(self.ray, hosts, self.kernel_address, key, command=WORKER_COMMAND, dirs=dirs)
 
     def courier(self, ram_budget: int) -> Courier:
         return Courier(self.ray, self.rank_agents, self.worker_agent_of, ram_budget)

@@ -125,7 +125,7 @@ def test_no_function_is_longer_than_sixty_lines():
 
 
 def test_the_magic_and_the_supervisor_never_ask_which_backend():
-    concrete = {"LocalRankGroup", "RayRankGroup", "LocalBackend", "ClusterBackend", "ClusterLaunch"}
+    concrete = {"LocalProcessGroup", "RayProcessGroup", "LocalBackend", "ClusterBackend", "ClusterLaunch"}
     supervisor = _modules()["taas_magic/kernel/supervisor.py"]
     assert not {node.id for node in ast.walk(supervisor) if isinstance(node, ast.Name)} & concrete
     assert not _imported("taas_magic/kernel/supervisor.py", supervisor) & {"taas_magic.launch.local", "taas_magic.launch.ray"}

@@ -6,15 +6,15 @@ import time
 import pytest
 
 from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.local import LocalRankGroup
+from taas_magic.launch.local import LocalProcessGroup
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds need Linux 5.3+ and Python 3.9+")
 def test_a_ranks_exit_fd_wakes_the_supervisor_and_closes_with_the_group():
     plan = LaunchPlan(1, [dict(os.environ)], os.getcwd(), "HOST PORT KEY")
     exits_after_handshake = (sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(3)")
-    group = LocalRankGroup.start(plan, command=exits_after_handshake)
-    rank = group.ranks[0]
+    group = LocalProcessGroup.start(plan, command=exits_after_handshake)
+    rank = group.children[0]
     fd = rank.exit_fd
     try:
         assert fd is not None and "pidfd" in _what_fd_is(fd)
@@ -50,7 +50,7 @@ def test_a_rank_armed_at_its_plans_stack_file_answers_the_autopsy(tmp_path):
     path = str(tmp_path / "rank-0")
     env = {key: value for key, value in os.environ.items() if not key.startswith("TAAS_")}
     plan = LaunchPlan(1, [env], os.getcwd(), "HOST PORT KEY", [path])
-    group = LocalRankGroup.start(plan, command=(sys.executable, "-c", ARMED_AND_WAITING, path))
+    group = LocalProcessGroup.start(plan, command=(sys.executable, "-c", ARMED_AND_WAITING, path))
     try:
         deadline = time.monotonic() + 30
         while not (os.path.exists(path) and os.path.getsize(path)):

@@ -8,7 +8,7 @@ import time
 
 from taas_magic import protocol, wire
 from taas_magic.kernel.mux import FrameArrived, Mux, Output, OutputEnded, PeerConnected, PeerExited
-from taas_magic.kernel.server import RankServer
+from taas_magic.kernel.server import PeerServer
 from taas_magic.peers import RANK, Peer, PeerIds
 from taas_magic.protocol import Elements, RankError, Released
 
@@ -19,7 +19,7 @@ class _Process:
     """What the mux reads of a rank: its pipes and its exit code (no process is started)."""
 
     def __init__(self, rank: int):
-        self.rank, self.host, self.exit_fd, self.code = rank, "localhost", None, None
+        self.index, self.host, self.exit_fd, self.code = rank, "localhost", None, None
         self.stdout_fd, self.out = os.pipe()
         self.stderr_fd, self.err = os.pipe()
 
@@ -38,7 +38,7 @@ def _until(mux: Mux, done, seconds: float = 10.0) -> list:
 
 def test_a_peer_gets_its_greeting_then_what_waited_and_its_exit_comes_after_its_last_frame():
     key = wire.new_key()
-    server = RankServer(key, 1)
+    server = PeerServer(key, 1)
     mux = Mux(server, PeerIds(1), greeting=lambda peer: [protocol.encode(Released())])
     process = _Process(0)
     mux.watch(RANK_0, process)

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from taas_magic import wire
-from taas_magic.kernel.server import RankServer
+from taas_magic.kernel.server import PeerServer
 
 
 class _Detonator:
@@ -89,7 +89,7 @@ def _serve_one(server):
 
 
 def test_unauthenticated_connection_is_dropped():
-    server = RankServer(wire.new_key(), 2)
+    server = PeerServer(wire.new_key(), 2)
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.setdefault("result", _serve_one(server)))
     thread.start()
@@ -106,14 +106,14 @@ def test_unauthenticated_connection_is_dropped():
 
 def test_rank_with_key_connects_and_exchanges_frames():
     key = wire.new_key()
-    server = RankServer(key, 2)
+    server = PeerServer(key, 2)
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.setdefault("result", _serve_one(server)))
     thread.start()
     channel = wire.BlockingChannel.connect(*server.address, key, 1)
     thread.join(5)
     connection = outcome["result"]
-    assert connection.rank == 1
+    assert connection.peer_id == 1
     connection.send(wire.encode_body("spec", wire.dumps({"x": 1})))
     assert wire.loads_verified(channel.expect("spec")) == {"x": 1}
     channel.send("error", wire.dumps("boom"))
