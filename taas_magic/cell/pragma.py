@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Any, Mapping, Union
 
 from IPython.core.error import UsageError
 
@@ -45,7 +45,7 @@ class PragmaError(UsageError):
         super().__init__(f"taas: {message}\n{usage()}")
         self.reason = message
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.reason,))
 
     def _render_traceback_(self) -> list[str]:

@@ -14,6 +14,7 @@ import os
 import secrets
 import sys
 from contextlib import ExitStack
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -77,10 +78,10 @@ class TaasMagics(Magics):
                            help="Checkpoints kept per run, the newest; older ones go as new ones land.")
 
     @validate(*VALIDATED)
-    def _valid_setting(self, proposal):
+    def _valid_setting(self, proposal: dict[str, Any]) -> object:
         return refuse(proposal["trait"].name, proposal["value"])
 
-    def __init__(self, shell=None, **kwargs):
+    def __init__(self, shell: InteractiveShell | None = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
         self.last_run: LastRun | None = None
         self.repository: str | None = None  # %taas config repo PATH
@@ -109,14 +110,14 @@ class TaasMagics(Magics):
         return choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
 
     @cell_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
-    def taas_cell(self, line: str, cell: str):
+    def taas_cell(self, line: str, cell: str) -> object:
         """Run this cell as N DDP ranks: ``%%taas --gpus N [...]`` (see ``%taas help``)."""
         try:
             return self._taas_cell(line, cell)
         except KeyboardInterrupt:  # every rank is stopped and the autopsy shown: one line, not our frames
             raise RunInterrupted() from None
 
-    def _taas_cell(self, line: str, cell: str):
+    def _taas_cell(self, line: str, cell: str) -> object:
         parsed = parse_cell(cell, line)
         settings, why = self._settle(parsed.options)
         code = translate(self._shell, parsed.source)
@@ -293,7 +294,7 @@ class TaasMagics(Magics):
         print("taas: attached; " + "\n".join(self.cluster.status_lines()))
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
-    def taas_line(self, line: str):
+    def taas_line(self, line: str) -> None:
         """``%taas help`` | ``status`` | ``config repo PATH`` | ``config isolation auto|python`` | ``warm off|auto|N``."""
         command = line.strip() or "help"
         words = command.split(maxsplit=2)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any
+from typing import Any, Iterator, NoReturn
 
 from taas_magic.protocol import Elements, End, PeerChannel, Want
 from taas_magic.runspec import MAP, FeedPlan, RankFeed
@@ -56,10 +56,10 @@ class PreparedLoader:
         self._next_pass = 0
         self._current: int | None = None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return self._elements()
 
-    def _elements(self):
+    def _elements(self) -> Iterator[Any]:
         # The pass begins at the first next(), not at iter(): an iterator made only to
         # probe the loader (Lightning does) and never advanced takes nothing.
         plan, client = self._plan, self._client
@@ -105,7 +105,7 @@ class PreparedLoader:
             self._original = cloudpickle.loads(self._original_blob)
         return getattr(self._original, name)
 
-    def __reduce_ex__(self, protocol: Any):
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise TypeError(f"{self._plan.name} is a taas prepared loader: it lives in its rank and cannot be pickled")
 
     def __repr__(self) -> str:

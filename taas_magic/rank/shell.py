@@ -56,10 +56,11 @@ def get_shell() -> Any:
     from traitlets.config import Config
 
     class ForwardingDisplayPublisher(DisplayPublisher):
-        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+        def publish(self, data: dict[str, Any], metadata: dict[str, Any] | None = None, source: object = None, *,
+                    transient: dict[str, Any] | None = None, update: bool = False, **kwargs: Any) -> None:
             _forward(lambda number: Display(data, metadata or {}, transient or {}, update, number))
 
-        def clear_output(self, wait=False):
+        def clear_output(self, wait: bool = False) -> None:
             _forward(lambda number: ClearOutput(wait, number))
 
     config = Config()
