@@ -143,9 +143,10 @@ def test_writes_outside_the_repository_are_untouched(kernel, scratch_repo, tmp_p
 def test_scratch_layers_are_removed_after_the_cell(kernel, scratch_repo):
     import tempfile
 
-    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("taas-scratch-")}
+    mine = f"taas-scratch-{kernel.pid}-"  # this kernel's: other kernels on the machine make their own meanwhile
+    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(mine)}
     kernel.execute(f"#pragma taas --device cpu --gpus 2\nopen({str(scratch_repo / 'x.txt')!r}, 'w').write('x')")
-    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("taas-scratch-")}
+    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(mine)}
     assert after <= before
 
 
