@@ -226,7 +226,7 @@ class TaasMagics(Magics):
         board = Board(peers.ranks, publish)
         parts = RunParts(server, peers, greeting,
                          lambda on_marker: OutputRelay(run.spec.output, peers, streams, budget=budget, on_marker=on_marker),
-                         publish, board, run.settings.timeout, explain)
+                         publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain)
         try:
             return run_ranks(parts, start_ranks, start_data if data is not None else None,
                              Attempts(run.settings.restarts, between, run.backend.standby))
