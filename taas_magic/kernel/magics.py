@@ -4,8 +4,9 @@ Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
 ``ipython_config.py`` work (kernel/settings.py makes them from the option table);
 ``pragma.settle`` decides each run's settings once, a pragma option always winning over a
 default. The plan step builds the run object (kernel/run.py), which holds every part of
-the run and releases all of them, in reverse order, however the cell ends. ``_backend`` is
-the one place that chooses a backend (local processes or the attached cluster).
+the run and releases all of them, in reverse order, however the cell ends; the run step
+(kernel/execute.py) starts and supervises its ranks. ``_backend`` is the one place that
+chooses a backend (local processes or the attached cluster).
 
 The session's state (kernel/session.py: repository, isolation, warm spares, cluster, last
 run) is the magic's ``session``; ``%taas`` line commands (kernel/commands.py) change it and
@@ -14,7 +15,6 @@ are given the traitlets they read or set, never the magic.
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
 import sys
@@ -26,43 +26,29 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Int, Unicode, validate
 
-from taas_magic import wire
-from taas_magic.autopsy import stacks
 from taas_magic.cell.cellcode import CellCode, earlier_cells, translate
 from taas_magic.cell.closure import select_closure, serialise_closure
 from taas_magic.cell.pragma import SETTINGS, PragmaOptions, RunSettings, parse_cell, settle
 from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel import commands
-from taas_magic.kernel.dataplane import DataPlane, DataRun, default_cache_ram
-from taas_magic.kernel.restarts import Attempts
+from taas_magic.kernel.dataplane import DataRun, default_cache_ram
+from taas_magic.kernel.execute import execute
 from taas_magic.kernel.run import Run
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import VALIDATED, Warm, option_trait, refuse
 from taas_magic.kernel.status import LastRun, closure_size, header_line
-from taas_magic.kernel.supervisor import RunOutcome, RunParts, run_ranks
 from taas_magic.launch.backend import Backend, ClusterBackend, LocalBackend
-from taas_magic.launch.base import ProcessGroup
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.launch.spares import SparePool
-from taas_magic.output.board import Board
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
-from taas_magic.output.relay import OutputRelay, publisher
-from taas_magic.peers import Peer
-from taas_magic.procs import kill_tagged
+from taas_magic.output.relay import publisher
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import HANDOFF_BYTES, closure_route
 from taas_magic.writes.rule import WriteRule
 
 INLINE_ALWAYS = 1 << 62  # a threshold no closure reaches: its bytes travel in the frames
-
-
-def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
-    """The cell's lines and earlier cells' (the autopsy shows frames there at their cell lines)."""
-    sources = {name: (f"Cell In[{number}]", lines) for name, (number, lines) in spec.cells.items()}
-    sources[spec.filename] = ("Cell", spec.display_source.splitlines())
-    return sources
 
 
 @magics_class
@@ -119,7 +105,8 @@ class TaasMagics(Magics):
         code = translate(self._shell, parsed.source)
         closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
         with self._plan(settings, code, closure, why) as run:  # whatever happens, all of it released on leaving
-            outcome = self._supervise(run)
+            budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
+            outcome = execute(run, publisher(self._shell.display_pub), budget)
         return run.bind_results(outcome.result, self._shell.user_ns)
 
     def _settle(self, options: PragmaOptions) -> tuple[RunSettings, str | None]:
@@ -188,50 +175,6 @@ class TaasMagics(Magics):
             checkpoints=os.path.join(os.path.realpath(os.path.expanduser(root)), run_id),
             keep_checkpoints=self.keep_checkpoints, seed=data.seed if data is not None else secrets.randbits(31),
         )
-
-    def _supervise(self, run: Run) -> RunOutcome:
-        """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
-        peers, server, layers, bodies = run.peers, run.server, run.layers, run.bodies
-        owner = run.owner
-        handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
-        budget = OutputBudget(run.spec.run_id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
-        streams = {"stdout": sys.stdout, "stderr": sys.stderr}
-        data = run.data
-        publish = publisher(self._shell.display_pub)
-
-        def greeting(peer: Peer) -> list[bytes]:
-            if peer.is_rank:
-                return bodies
-            assert data is not None  # a data worker exists only with a data plan
-            return data.greeting(peer.index)
-
-        def start_data() -> DataPlane:
-            assert data is not None
-            start = functools.partial(data.start, run.spec.run_id, handshake, peers, layers.worker_dirs,
-                                      run.rule, publish)
-            return run.backend.start_data(data.cache_ram, start, server.key)
-
-        def start_ranks(attempt: int) -> ProcessGroup:
-            if attempt:
-                run.backend.recover()  # a host that went away: its ranks are placed elsewhere
-            return run.backend.start_ranks(run.launch_plan(handshake, attempt), server.key)
-
-        def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
-            kill_tagged(owner)
-            memfile.remove_run(os.getpid(), run.spec.run_id)
-
-        explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
-        board = Board(peers.ranks, publish)
-        parts = RunParts(server, peers, greeting,
-                         lambda on_marker: OutputRelay(run.spec.output, peers, streams, budget=budget, on_marker=on_marker),
-                         publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain)
-        try:
-            return run_ranks(parts, start_ranks, start_data if data is not None else None,
-                             Attempts(run.settings.restarts, between, run.backend.standby))
-        finally:
-            import taas
-
-            taas._last_metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing
 
     def _data_run(self, loaders: dict, settings: RunSettings) -> DataRun:
         return DataRun(

@@ -60,7 +60,7 @@ HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its re
 
 @dataclass(frozen=True)
 class RunParts:
-    """What supervising one cell's run takes, made by the magic (kernel/magics.py)."""
+    """What supervising one cell's run takes, made from the run's parts (kernel/execute.py)."""
 
     server: PeerServer
     ids: PeerIds
