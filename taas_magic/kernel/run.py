@@ -10,7 +10,8 @@ left out of. In the order they are taken:
 3. the run spec, with its checkpoint folder (the kernel reads it after the run) and its
    stacks folder (the ranks' autopsy files);
 4. the ranks' scratch layers (what the write rule diverted is reported, then removed);
-5. the rank server, and the closure handoff (its memory files, its CUDA IPC handles);
+5. the rank server, and the closure handoff (its memory files, its CUDA IPC handles; it
+   answers the ranks that ask for those tensors in host memory until it is released);
 6. last, so released first: the moment the ranks are gone, whatever they started is
    killed by its owner tag and the backend is released (the spares start warming before
    the rest is cleaned up).
@@ -88,9 +89,9 @@ class Run:
         self._stack.callback(self._remove_layers)
         self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
         self._stack.callback(self.server.close)
-        handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
-        self._stack.callback(handoff.remove)
-        self.bodies = [protocol.encode(protocol.Spec(self.spec)), handoff.body]
+        self.handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
+        self._stack.callback(self.handoff.remove)
+        self.bodies = [protocol.encode(protocol.Spec(self.spec)), self.handoff.body]
         self._stack.callback(self._ranks_gone)
 
     # -- what the ranks are started with -------------------------------------------------------

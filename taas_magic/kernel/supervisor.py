@@ -13,8 +13,9 @@ torch's elastic agent keeps its process context, its restart loop and its log ta
 - attempts.py, the restart loop (``--restarts``, kernel/restarts.py).
 
 :class:`Supervisor` routes each event: pipe output to the relay, frames to the board,
-rank 0's results, the closure's host copy and the data plane's coordinator (whose answers
-go back out), and everything to the verdict. Because a rank flushes its pipes before it
+rank 0's results, a request for the closure's host copy to the run's handoff (given in the
+run's parts, as ``host_copy``), the data plane's coordinator (whose answers go back out), and
+everything to the verdict. Because a rank flushes its pipes before it
 sends a display frame, and marks its place in its text, the display is published when the
 relay reaches the marker, after the text the rank printed before it.
 
@@ -45,7 +46,6 @@ from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay, Publish
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
 from taas_magic.protocol import ClearOutput, ClosureHostWanted, Display, Done, Exhausted, Ready, Report, Result, Want
-from taas_magic.transfer.handoff import answer_host_copy
 from taas_magic.transfer.results import keep_result
 
 POLL_SECONDS = 0.05
@@ -55,17 +55,19 @@ SETTLE_STEP_SECONDS = 0.01
 
 MarkerHook = Callable[[Peer, int], None]  # a rank's display ``n`` belongs here in its text
 Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps, running ranks -> the autopsy's lines
+HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
 
 
 @dataclass(frozen=True)
 class RunParts:
-    """What supervising one cell's run takes, made by the magic (kernel/magics.py)."""
+    """What supervising one cell's run takes, made from the run's parts (kernel/execute.py)."""
 
     server: PeerServer
     ids: PeerIds
     greeting: Greeting  # the encoded frames each peer gets once connected
     relay: Callable[[MarkerHook], OutputRelay]  # the cell's relay, made with the supervisor's marker hook
     publish: Publish
+    host_copy: HostCopy  # the run's closure handoff, answering a rank that cannot open its CUDA IPC handles
     board: Board | None = None  # the live chart and health line (output/board.py)
     timeout: float | None = None  # --timeout
     explain: Explain | None = None  # the hang autopsy (autopsy/stacks.py)
@@ -153,7 +155,7 @@ class Supervisor:
                     self.mux.send(rank, reply)
                 self.result = kept if kept is not None else self.result
             case ClosureHostWanted():
-                reply, line = answer_host_copy(rank.index, frame)
+                reply, line = self.parts.host_copy(rank.index, frame)
                 self.relay.notice(line)
                 self.mux.send(rank, reply)
             case Want() if self.data is not None:

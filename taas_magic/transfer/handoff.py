@@ -18,10 +18,11 @@ With ``cuda_ipc`` (the ranks share this host and the kernel has CUDA: transfer/c
 the kernel's CUDA tensors are not written to the file: the frame carries their CUDA IPC
 handles, each keeping its place in the file at no size. Each rank opens them as soon as
 the frame arrives and, once bound to its GPU, copies them onto it (:meth:`ReceivedClosure.load`).
-A rank that cannot open them sends a ``ClosureHostWanted`` frame; the kernel (the supervisor,
-through :func:`answer_host_copy`, which finds the run's handoff by its id) writes those
-tensors to one more memory file the first time it is asked and answers every rank that
-asks with it. :func:`closure_route` says in words which way the bytes travel, for the header.
+A rank that cannot open them sends a ``ClosureHostWanted`` frame; the run's handoff answers it
+(:meth:`ClosureHandoff.answer_host_copy`, which the supervisor is given with the run's parts): it
+writes those tensors to one more memory file the first time it is asked and answers every rank
+that asks with it, until the cell ends and :meth:`ClosureHandoff.remove` lets them go.
+:func:`closure_route` says in words which way the bytes travel, for the header.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from taas_magic.transfer import cudaipc, memfile, unpack
 from taas_magic.transfer.pack import Packing
 
 HANDOFF_BYTES = memfile.INLINE_BYTES
-_LIVE: dict[str, "ClosureHandoff"] = {}  # run id -> the handoff whose CUDA tensors ranks may ask for in host memory
 
 
 def segment_digests(packing: Packing) -> dict[str, bytes]:
@@ -61,7 +61,8 @@ def closure_route(packing: Packing, cuda_ipc: bool, threshold: int = HANDOFF_BYT
 
 
 class ClosureHandoff:
-    """The kernel's side: the frame body to send each rank, and the files to remove."""
+    """The kernel's side: the frame body to send each rank, the host copy of its CUDA tensors for
+    the ranks that ask, and the files to remove."""
 
     def __init__(self, packing: Packing, run_id: str, threshold: int = HANDOFF_BYTES, cuda_ipc: bool = False):
         self.packing = packing
@@ -85,8 +86,6 @@ class ClosureHandoff:
         frame = Closure(packing.skeleton, packing.segments, segment_digests(packing), [blob.kind for blob in packing.blobs],
                         self.data, self.handles, run_id)
         self.body = protocol.encode(frame)  # pickled once, sent to every rank
-        if self.handles:
-            _LIVE[run_id] = self
 
     def host_copy(self) -> memfile.BlobData:
         """The exported tensors (by index order) in one memory file, written the first time a rank asks."""
@@ -101,28 +100,25 @@ class ClosureHandoff:
         self.path = None
         if self.host is not None:
             memfile.remove(self.host.path)
-        if _LIVE.get(self.run_id) is self:
-            del _LIVE[self.run_id]
         cudaipc.release(self.handles.values())
         self.handles = {}
 
-
-def answer_host_copy(rank: int, request: ClosureHostWanted) -> tuple[bytes, str]:
-    """Kernel: the :class:`ClosureHostCopy` frame answering rank ``rank``, which could not open the
-    closure's CUDA IPC handles, and the line that says so in the cell."""
-    handoff = _LIVE.get(request.run)
-    reason = request.why
-    try:
-        if handoff is None:
-            raise LookupError("the kernel holds no CUDA tensors for this run")
-        reply = ClosureHostCopy(data=handoff.host_copy())
-        count, nbytes = cudaipc.tally(handoff.packing.blobs, handoff.handles)
-        line = (f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}); "
-                f"its {count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came through host memory")
-    except Exception as exc:  # noqa: BLE001 - the rank reports it when it loads its closure
-        reply = ClosureHostCopy(error=cudaipc.describe(exc))
-        line = f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}), nor get a host copy"
-    return protocol.encode(reply), line
+    def answer_host_copy(self, rank: int, request: ClosureHostWanted) -> tuple[bytes, str]:
+        """The :class:`ClosureHostCopy` frame answering rank ``rank``, which could not open the
+        closure's CUDA IPC handles, and the line that says so in the cell. An error frame once the
+        cell ended (removed), or when this run exported none or the request names another run."""
+        reason = request.why
+        try:
+            if request.run != self.run_id or not self.handles:
+                raise LookupError("the kernel holds no CUDA tensors for this run")
+            reply = ClosureHostCopy(data=self.host_copy())
+            count, nbytes = cudaipc.tally(self.packing.blobs, self.handles)
+            line = (f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}); "
+                    f"its {count} CUDA tensor(s), {cudaipc.size_text(nbytes)}, came through host memory")
+        except Exception as exc:  # noqa: BLE001 - the rank reports it when it loads its closure
+            reply = ClosureHostCopy(error=cudaipc.describe(exc))
+            line = f"taas: rank {rank} could not open the closure's CUDA tensors by CUDA IPC ({reason}), nor get a host copy"
+        return protocol.encode(reply), line
 
 
 @dataclass

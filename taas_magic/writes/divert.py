@@ -15,6 +15,9 @@ C++ writer opens the file itself).
 Paths are compared after ``os.path.abspath`` (not ``realpath``): a symbolic link from
 outside into the repository is not followed.
 
+This module is the patched functions and :func:`install`; the layer's bookkeeping (where a
+path is read and written, copy-up, tombstones, the changes log) is writes/layer.py.
+
 NOT covered (the header says which mode is in force; the README repeats this): any
 process the rank starts (``!cmd``, ``subprocess``), C extensions other than torch.save
 that open files themselves, file descriptors opened before the cell, ``os.link``/
@@ -30,132 +33,69 @@ import shutil
 from types import ModuleType
 from typing import Any, Callable, Union
 
+from taas_magic.writes.layer import Layer
+
 Path = Union[str, "os.PathLike[str]"]  # what the patched functions accept for a path
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root + os.sep)
-
-
 class Diversion:
+    """The patched functions: each sends a path under the repository through the rank's layer
+    (writes/layer.py) and any other path, or a ``dir_fd=`` call, to the function it replaced."""
+
     def __init__(self, repository: str, layer: str):
-        self.repository = os.path.realpath(repository)
-        self.layer = os.path.realpath(layer)
-        self.upper = os.path.join(self.layer, "upper")
-        self.log_path = os.path.join(layer, "changes.log")
-        self.deleted: set[str] = set()
-        self.logged: set[str] = set()
-        os.makedirs(self.upper, exist_ok=True)
+        self.layer = Layer(repository, layer)
         self.real = {name: getattr(os, name) for name in (
-            "open", "remove", "unlink", "rename", "mkdir", "rmdir", "chmod", "stat", "lstat", "listdir")}
+            "open", "remove", "rename", "mkdir", "rmdir", "chmod", "stat", "lstat", "listdir")}
         self.real_open = builtins.open
         self.real_rmtree = shutil.rmtree
 
-    # -- paths ---------------------------------------------------------------------------
-    def relative(self, path: Any) -> str | None:
-        if isinstance(path, int):
-            return None
-        try:
-            # IMPORTANT: abspath, not realpath: realpath calls os.lstat, which is patched.
-            full = os.path.abspath(os.fsdecode(os.fspath(path)))
-        except TypeError:
-            return None
-        if not _inside(full, self.repository) or _inside(full, self.layer):
-            return None
-        return os.path.relpath(full, self.repository)
-
-    def _is_deleted(self, relative: str) -> bool:
-        return any(_inside(relative, gone) for gone in self.deleted)
-
-    def for_reading(self, path: Any) -> Any:
-        relative = self.relative(path)
-        if relative is None:
-            return path
-        upper = os.path.join(self.upper, relative)
-        if os.path.lexists(upper):
-            return upper
-        if self._is_deleted(relative):
-            return os.path.join(self.upper, ".taas-deleted", relative)  # does not exist
-        return path
-
-    def for_writing(self, path: Any, copy_up: bool) -> Any:
-        relative = self.relative(path)
-        if relative is None:
-            return path
-        upper = os.path.join(self.upper, relative)
-        os.makedirs(os.path.dirname(upper), exist_ok=True)
-        source = self.for_reading(path)
-        if copy_up and source != upper and os.path.exists(source) and not os.path.exists(upper):
-            if os.path.isdir(source):
-                shutil.copytree(source, upper, symlinks=True)
-            else:
-                shutil.copy2(source, upper)
-        self.deleted.discard(relative)
-        self._log(relative)
-        return upper
-
-    def _log(self, relative: str) -> None:
-        if relative not in self.logged:
-            self.logged.add(relative)
-            with self.real_open(self.log_path, "a") as log:
-                log.write(relative + "\n")
-
-    def _delete(self, path: Any, is_dir: bool) -> None:
-        relative = self.relative(path)
-        assert relative is not None, "called only for paths inside the repository"
-        upper = os.path.join(self.upper, relative)
-        if os.path.lexists(upper):
-            (self.real_rmtree if is_dir and not os.path.islink(upper) else self.real["unlink"])(upper)
-        self.deleted.add(relative)
-        self._log(relative)
-
-    # -- the patched functions -----------------------------------------------------------
     def open(self, file: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if self.relative(file) is None:
+        if self.layer.relative(file) is None:
             return self.real_open(file, mode, *args, **kwargs)
         writes = any(flag in mode for flag in "wax+")
         copy_up = "a" in mode or "+" in mode and "w" not in mode
-        target = self.for_writing(file, copy_up=copy_up) if writes else self.for_reading(file)
+        target = self.layer.for_writing(file, copy_up=copy_up) if writes else self.layer.for_reading(file)
         return self.real_open(target, mode, *args, **kwargs)
 
     def os_open(self, path: Path, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-        if dir_fd is not None or self.relative(path) is None:
+        if dir_fd is not None or self.layer.relative(path) is None:
             return self.real["open"](path, flags, mode, dir_fd=dir_fd)
         if flags & _WRITE_FLAGS:
-            target = self.for_writing(path, copy_up=not flags & os.O_TRUNC)
+            target = self.layer.for_writing(path, copy_up=not flags & os.O_TRUNC)
         else:
-            target = self.for_reading(path)
+            target = self.layer.for_reading(path)
         return self.real["open"](target, flags, mode)
 
     def remove(self, path: Path, *, dir_fd: int | None = None) -> None:
-        if dir_fd is not None or self.relative(path) is None:
+        if dir_fd is not None or self.layer.relative(path) is None:
             return self.real["remove"](path, dir_fd=dir_fd)
-        self.real["lstat"](self.for_reading(path))  # FileNotFoundError as without taas
-        self._delete(path, is_dir=False)
+        self.real["lstat"](self.layer.for_reading(path))  # FileNotFoundError as without taas
+        self.layer.delete(path, is_dir=False)
 
     def rmdir(self, path: Path, *, dir_fd: int | None = None) -> None:
-        if dir_fd is not None or self.relative(path) is None:
+        if dir_fd is not None or self.layer.relative(path) is None:
             return self.real["rmdir"](path, dir_fd=dir_fd)
         if self.listdir(path):
             raise OSError(39, "Directory not empty", path)
-        self._delete(path, is_dir=True)
+        self.layer.delete(path, is_dir=True)
 
     def rmtree(self, path: Path, *args: Any, **kwargs: Any) -> None:
-        if self.relative(path) is None:
+        if self.layer.relative(path) is None:
             return self.real_rmtree(path, *args, **kwargs)
-        self.real["lstat"](self.for_reading(path))
-        self._delete(path, is_dir=True)
+        self.real["lstat"](self.layer.for_reading(path))
+        self.layer.delete(path, is_dir=True)
 
     def rename(self, src: Path, dst: Path, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
-        if src_dir_fd is not None or dst_dir_fd is not None or (self.relative(src) is None and self.relative(dst) is None):
+        layer = self.layer
+        if src_dir_fd is not None or dst_dir_fd is not None or (layer.relative(src) is None and layer.relative(dst) is None):
             return self.real["rename"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
-        source = self.for_reading(src)
-        target = self.for_writing(dst, copy_up=False)
+        source = layer.for_reading(src)
+        target = layer.for_writing(dst, copy_up=False)
         if os.path.isdir(target) and not os.path.isdir(source):
             raise IsADirectoryError(21, "Is a directory", dst)
-        if self.relative(src) is None:  # into the repository from outside: move it in
+        if layer.relative(src) is None:  # into the repository from outside: move it in
             return self.real["rename"](source, target)
         if os.path.isdir(source):
             if os.path.lexists(target):
@@ -163,48 +103,41 @@ class Diversion:
             shutil.copytree(source, target, symlinks=True)
         else:
             shutil.copy2(source, target)
-        self._delete(src, is_dir=os.path.isdir(source))
+        layer.delete(src, is_dir=os.path.isdir(source))
 
     def mkdir(self, path: Path, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
-        if dir_fd is not None or self.relative(path) is None:
+        if dir_fd is not None or self.layer.relative(path) is None:
             return self.real["mkdir"](path, mode, dir_fd=dir_fd)
-        if os.path.lexists(self.for_reading(path)):
+        if os.path.lexists(self.layer.for_reading(path)):
             raise FileExistsError(17, "File exists", path)
-        self.real["mkdir"](self.for_writing(path, copy_up=False), mode)
+        self.real["mkdir"](self.layer.for_writing(path, copy_up=False), mode)
 
     def chmod(self, path: Path, mode: int, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> None:
-        if dir_fd is not None or self.relative(path) is None:
+        if dir_fd is not None or self.layer.relative(path) is None:
             return self.real["chmod"](path, mode, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
-        self.real["lstat"](self.for_reading(path))
-        self.real["chmod"](self.for_writing(path, copy_up=True), mode, follow_symlinks=follow_symlinks)
+        self.real["lstat"](self.layer.for_reading(path))
+        self.real["chmod"](self.layer.for_writing(path, copy_up=True), mode, follow_symlinks=follow_symlinks)
 
     def stat(self, path: Path, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> os.stat_result:
         if dir_fd is None:
-            path = self.for_reading(path)
+            path = self.layer.for_reading(path)
         return self.real["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
 
     def lstat(self, path: Path, *, dir_fd: int | None = None) -> os.stat_result:
         if dir_fd is None:
-            path = self.for_reading(path)
+            path = self.layer.for_reading(path)
         return self.real["lstat"](path, dir_fd=dir_fd)
 
     def listdir(self, path: Path = ".") -> list[str]:
-        relative = self.relative(path)
+        relative = self.layer.relative(path)
         if relative is None:
             return self.real["listdir"](path)
-        names = set()
-        base = os.path.join(self.repository, relative)
-        if os.path.isdir(base) and not self._is_deleted(relative):
-            names.update(self.real["listdir"](base))
-        upper = os.path.join(self.upper, relative)
-        if os.path.isdir(upper):
-            names.update(self.real["listdir"](upper))
-        return sorted(name for name in names if not self._is_deleted(os.path.normpath(os.path.join(relative, name))))
+        return self.layer.names(relative, self.real["listdir"])
 
     def torch_save(self, real_save: Callable[..., None]) -> Callable[..., None]:
         def save(obj: object, f: Any, *args: Any, **kwargs: Any) -> None:
             if isinstance(f, (str, bytes, os.PathLike)):
-                f = self.for_writing(f, copy_up=False)
+                f = self.layer.for_writing(f, copy_up=False)
             return real_save(obj, f, *args, **kwargs)
 
         return save

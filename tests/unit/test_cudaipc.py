@@ -16,7 +16,7 @@ from taas_magic.cell.closure import serialise_closure
 from taas_magic.protocol import ClosureHostWanted, Elements, Released, SendHost, ToKernel, ToPeer
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile, returns, unpack
-from taas_magic.transfer.handoff import ClosureHandoff, answer_host_copy, closure_route, receive_closure
+from taas_magic.transfer.handoff import ClosureHandoff, closure_route, receive_closure
 from taas_magic.transfer.pack import pack
 from taas_magic.transfer.results import apply_results, cuda_line, keep_result, take_device_copies
 
@@ -125,7 +125,7 @@ def test_a_rank_that_cannot_open_the_handles_gets_the_kernels_host_copy_and_the_
 
     def kernel(request):  # the supervisor's part: answer, and say so in the cell
         assert isinstance(request, ClosureHostWanted)
-        body, line = answer_host_copy(1, request)
+        body, line = handoff.answer_host_copy(1, request)
         lines.append(line)
         return body
 
@@ -140,6 +140,8 @@ def test_a_rank_that_cannot_open_the_handles_gets_the_kernels_host_copy_and_the_
         assert lines[0].endswith("its 1 CUDA tensor(s), 262.1 kB, came through host memory")
         host_path = handoff.host.path
         assert host_path and os.path.exists(host_path)
+        _, line = handoff.answer_host_copy(2, ClosureHostWanted("another run", "stale"))  # not this run's tensors
+        assert line.endswith("nor get a host copy")
         # another rank opens them: it copies them onto its device and never asks the kernel
         kernel_storage = packing.blobs[0].source
         monkeypatch.setattr(cudaipc, "open_all", lambda handles: ({i: kernel_storage for i in handles}, ""))
@@ -151,7 +153,7 @@ def test_a_rank_that_cannot_open_the_handles_gets_the_kernels_host_copy_and_the_
     finally:
         handoff.remove()
     assert not os.path.exists(host_path)
-    _, line = answer_host_copy(1, ClosureHostWanted("unit", "late"))  # the cell ended: nothing left to serve
+    _, line = handoff.answer_host_copy(1, ClosureHostWanted("unit", "late"))  # the cell ended: nothing left to serve
     assert line.endswith("nor get a host copy")
 
 

@@ -133,3 +133,7 @@ def test_the_magic_and_the_supervisor_never_ask_which_backend():
     naming = [node.name for node in ast.walk(magics) if isinstance(node, ast.FunctionDef)
               and any(isinstance(n, ast.Name) and n.id in concrete for n in ast.walk(node))]
     assert naming == ["_backend"], naming  # the one place that chooses
+    for path in ("taas_magic/kernel/execute.py", "taas_magic/kernel/commands.py", "taas_magic/kernel/session.py"):
+        moved = _modules()[path]  # the magic's run step, line commands and session state: they never ask either
+        assert not {node.id for node in ast.walk(moved) if isinstance(node, ast.Name)} & concrete, path
+        assert not _imported(path, moved) & {"taas_magic.launch.local", "taas_magic.launch.ray"}, path

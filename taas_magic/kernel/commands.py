@@ -1,0 +1,140 @@
+"""``%taas`` line commands: ``help``, ``status``, ``config repo PATH``, ``config isolation
+auto|overlay|python``, ``warm off|auto|N`` and ``cluster ADDRESS|local``.
+
+:func:`run` reads one command line and applies it to the session's state (kernel/session.py),
+printing what it did; a command it does not know, or a value it refuses, raises IPython's
+``UsageError`` with the line the cell shows. The session's settings stay the magic's
+traitlets (``%config TaasMagics.warm``): the magic (kernel/magics.py) passes them in as
+:class:`MagicSettings`, their values and the one setter a command needs (``warm``), so
+nothing here refers back to the magic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from IPython.core.error import UsageError
+
+from taas_magic.cell.pragma import shown_defaults
+from taas_magic.errors import ClusterError
+from taas_magic.kernel.cluster import Cluster
+from taas_magic.kernel.dataplane import describe_registered
+from taas_magic.kernel.session import Session
+from taas_magic.kernel.settings import Warm
+from taas_magic.kernel.status import help_text, status_text
+from taas_magic.launch.rankenv import visible_gpu_count
+from taas_magic.writes.rule import MODES, OVERLAY, probe_overlay
+
+
+@dataclass(frozen=True)
+class MagicSettings:
+    """The magic's traitlets as a command sees them."""
+
+    warm: str  # TaasMagics.warm
+    set_warm: Callable[[str], None]  # sets TaasMagics.warm (validated as any setting is)
+    defaults: dict[str, object]  # every option's session default, by setting name
+    namespace: dict  # the notebook's names, to describe the registered loaders
+
+
+def run(line: str, session: Session, settings: MagicSettings) -> None:
+    """One ``%taas`` line (empty: ``help``)."""
+    command = line.strip() or "help"
+    words = command.split(maxsplit=2)
+    if words[:2] == ["config", "repo"] and len(words) == 3:
+        _set_repository(session, words[2])
+    elif words[:2] == ["config", "isolation"] and len(words) == 3:
+        _set_isolation(session, words[2])
+    elif words[:1] == ["warm"] and len(words) == 2:
+        _set_warm(session, settings, words[1])
+    elif words[:1] == ["cluster"] and len(words) == 2:
+        _attach(session, words[1])
+    elif command == "help":
+        print(help_text())
+    elif command == "status":
+        _status(session, settings)
+    else:
+        raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")
+
+
+def _set_repository(session: Session, given: str) -> None:
+    """``%taas config repo PATH``."""
+    path = os.path.realpath(os.path.expanduser(given))
+    if not os.path.isdir(path):
+        raise UsageError(f"taas: the repository must be a directory, got {given!r}")
+    session.repository = path
+    print(f"taas: repository {path}")
+
+
+def _set_isolation(session: Session, mode: str) -> None:
+    """``%taas config isolation auto|overlay|python``: overlay refused where this host has none."""
+    if mode not in MODES:
+        raise UsageError(f"taas: isolation must be one of {', '.join(MODES)}, got {mode!r}")
+    unavailable = probe_overlay() if mode == OVERLAY else None
+    if unavailable is not None:
+        raise UsageError(f"taas: isolation overlay is unavailable on this host ({unavailable}); "
+                         "use auto or python")
+    session.isolation = mode
+    print(f"taas: isolation {mode}")
+
+
+def _set_warm(session: Session, settings: MagicSettings, text: str) -> None:
+    """``%taas warm off|auto|N``."""
+    try:
+        warm = Warm.parse(text)
+    except ValueError:
+        raise UsageError(f"taas: warm must be off, auto or a number of spares, got {text!r}") from None
+    settings.set_warm(text)
+    if warm.off:
+        session.spares.close()
+        print("taas: warm spares off")
+    elif warm.count is not None:
+        session.spares.fill(warm.count, visible_gpu_count(), visible_gpu_count())
+        print(f"taas: keeping {text} warm spare rank(s)")
+    else:
+        print("taas: after each cell, keeping as many warm spares as its --gpus")
+
+
+def _attach(session: Session, address: str) -> None:
+    """``%taas cluster ADDRESS|local``."""
+    if address == "local":
+        if session.cluster is not None:
+            session.cluster.detach()
+            session.cluster = None
+        print("taas: local mode (ranks are processes on this host)")
+        return
+    try:
+        attached = Cluster.attach(address)  # an unreachable address fails before the current one is let go
+    except ClusterError:
+        if session.cluster is not None and not session.cluster.ray.is_initialized():
+            session.cluster = None  # Ray let go of it before failing: the local mode now
+        raise
+    session.cluster = attached
+    session.spares.close()  # the cluster's agents start fresh ranks; local spares only hold memory
+    print("taas: attached; " + "\n".join(session.cluster.status_lines()))
+
+
+def _status(session: Session, settings: MagicSettings) -> None:
+    """``%taas status``: the last run, the devices, the defaults, the spares, the write rule, the cluster."""
+    import taas
+
+    rule = session.write_rule()
+    defaults = shown_defaults(settings.defaults)
+    print(status_text(session.last_run, visible_gpu_count(), defaults,
+                      [describe_registered(loader, settings.namespace) for loader in taas.registered()]))
+    spares = session.spares
+    print(f"warm spares: {settings.warm}, {len(spares.spares)} waiting, {spares.resident_bytes() / 2**20:.0f} MB resident"
+          + _spares_gpu_text(session))
+    print("write rule: " + rule.header())
+    print("\n".join(session.cluster.status_lines()) if session.cluster is not None else "cluster: none (local processes)")
+
+
+def _spares_gpu_text(session: Session) -> str:
+    """What the GPU-bound spares hold on their GPUs (their CUDA contexts), for ``%taas status``."""
+    bound = session.spares.gpu_bound()
+    if not bound:
+        return ""
+    held = session.spares.gpu_bytes()
+    amount = f"{held / 2**20:.0f} MiB" if held is not None else "GPU memory unknown (nvidia-smi cannot see them)"
+    return f"; {len(bound)} bound to GPU(s) {', '.join(str(s.gpu) for s in bound)}, {amount} on the GPUs"

@@ -1,0 +1,84 @@
+"""The run step: a planned run (kernel/run.py) started and supervised, its parts wired in.
+
+:func:`execute` makes what the supervisor (kernel/supervisor.py) is given as ``RunParts``
+from the run's parts: the handshake line every peer is started with, each peer's greeting
+(the spec and closure frames for a rank, its plan for a data worker), the relay over the
+cell's output ``budget``, the live board, the hang autopsy over the notebook's sources, and
+the closure handoff's answer to a rank that asks for a host copy. It starts the data workers
+(when the cell reads registered loaders), then each attempt's ranks (after a failed one,
+what it left is swept and a later attempt first recovers the backend's lost hosts), and
+returns how the ranks ended. Whatever happens, the board's last reports become ``taas.metrics()``'s.
+Everything shown goes through ``publish`` and the process's streams; nothing is released
+here: the run releases what it holds when the magic leaves it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+from taas_magic import wire
+from taas_magic.autopsy import stacks
+from taas_magic.kernel.dataplane import DataPlane
+from taas_magic.kernel.restarts import Attempts
+from taas_magic.kernel.run import Run
+from taas_magic.kernel.supervisor import RunOutcome, RunParts, run_ranks
+from taas_magic.launch.base import ProcessGroup
+from taas_magic.output.board import Board
+from taas_magic.output.budget import OutputBudget
+from taas_magic.output.relay import OutputRelay, Publish
+from taas_magic.peers import Peer
+from taas_magic.procs import kill_tagged
+from taas_magic.runspec import RunSpec
+from taas_magic.transfer import memfile
+
+
+def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
+    """The cell's lines and earlier cells' (the autopsy shows frames there at their cell lines)."""
+    sources = {name: (f"Cell In[{number}]", lines) for name, (number, lines) in spec.cells.items()}
+    sources[spec.filename] = ("Cell", spec.display_source.splitlines())
+    return sources
+
+
+def execute(run: Run, publish: Publish, budget: OutputBudget) -> RunOutcome:
+    """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
+    peers, server, layers, bodies = run.peers, run.server, run.layers, run.bodies
+    owner = run.owner
+    handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
+    streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+    data = run.data
+
+    def greeting(peer: Peer) -> list[bytes]:
+        if peer.is_rank:
+            return bodies
+        assert data is not None  # a data worker exists only with a data plan
+        return data.greeting(peer.index)
+
+    def start_data() -> DataPlane:
+        assert data is not None
+        start = functools.partial(data.start, run.spec.run_id, handshake, peers, layers.worker_dirs,
+                                  run.rule, publish)
+        return run.backend.start_data(data.cache_ram, start, server.key)
+
+    def start_ranks(attempt: int) -> ProcessGroup:
+        if attempt:
+            run.backend.recover()  # a host that went away: its ranks are placed elsewhere
+        return run.backend.start_ranks(run.launch_plan(handshake, attempt), server.key)
+
+    def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
+        kill_tagged(owner)
+        memfile.remove_run(os.getpid(), run.spec.run_id)
+
+    explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
+    board = Board(peers.ranks, publish)
+    parts = RunParts(server, peers, greeting,
+                     lambda on_marker: OutputRelay(run.spec.output, peers, streams, budget=budget, on_marker=on_marker),
+                     publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain)
+    try:
+        return run_ranks(parts, start_ranks, start_data if data is not None else None,
+                         Attempts(run.settings.restarts, between, run.backend.standby))
+    finally:
+        import taas
+
+        taas._last_metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing

@@ -1,0 +1,52 @@
+"""The notebook session's state that ``%taas`` line commands set and every cell reads.
+
+:class:`Session` holds the repository and the isolation (so the write rule), the warm
+spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers)
+and the last run, for ``%taas status``. The magic (kernel/magics.py) makes one when it is
+made and hands it to the line commands (kernel/commands.py); the session's settings are
+not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from taas_magic.errors import ClusterError
+from taas_magic.kernel.cluster import Cluster, address_from_environment
+from taas_magic.kernel.settings import Warm
+from taas_magic.kernel.status import LastRun
+from taas_magic.launch.rankenv import visible_gpu_count
+from taas_magic.launch.spares import SparePool
+from taas_magic.writes.rule import WriteRule, choose_rule, find_repository
+
+
+@dataclass
+class Session:
+    """What ``%taas config``, ``warm`` and ``cluster`` changed, and what the last cell left."""
+
+    spares: SparePool = field(default_factory=SparePool)
+    repository: str | None = None  # %taas config repo PATH
+    isolation: str = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
+    cluster: Cluster | None = None  # %taas cluster ADDRESS, or $TAAS_CLUSTER at load
+    last_run: LastRun | None = None
+
+    @classmethod
+    def start(cls, warm: Warm) -> Session:
+        """A new session: ``warm``'s spares warming, attached to ``$TAAS_CLUSTER`` if it is set."""
+        session = cls()
+        if warm.count is not None:
+            session.spares.fill(warm.count, visible_gpu_count(), visible_gpu_count())
+        address = address_from_environment()
+        if address is not None:
+            try:
+                session.cluster = Cluster.attach(address)
+            except ClusterError as exc:  # the extension still loads: the local mode works
+                print(f"{exc} ($TAAS_CLUSTER); cells run as local processes", file=sys.stderr)
+        return session
+
+    def write_rule(self) -> WriteRule:
+        """The write rule for a cell run now: the repository holding the working directory (or the
+        one set), and the isolation set."""
+        return choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
