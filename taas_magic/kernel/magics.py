@@ -29,7 +29,7 @@ from taas_magic.cell.pragma import SETTINGS, PragmaOptions, RunSettings, parse_c
 from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import ClusterError, RunInterrupted
 from taas_magic.kernel.cluster import Cluster, address_from_environment
-from taas_magic.kernel.dataplane import DataPlane, DataRun, default_cache_ram, describe_registered
+from taas_magic.kernel.dataplane import DataPlane, DataRun, describe_registered
 from taas_magic.kernel.restarts import Attempts
 from taas_magic.kernel.run import Run
 from taas_magic.kernel.settings import VALIDATED, Warm, option_trait, refuse
@@ -266,15 +266,7 @@ class TaasMagics(Magics):
         return [describe_registered(loader, self._shell.user_ns) for loader in taas.registered()]
 
     def _data_run(self, loaders: dict, settings: RunSettings) -> DataRun:
-        return DataRun(
-            loaders,
-            self._shell.user_ns,
-            units=settings.units,
-            ranks=settings.gpus,
-            workers=settings.cpus,
-            cache_ram=settings.cache_ram if settings.cache_ram is not None else default_cache_ram(),
-            ahead=settings.ahead,
-        )
+        return DataRun(loaders, self._shell.user_ns, settings)
 
     def _attach(self, address: str) -> None:
         if address == "local":
