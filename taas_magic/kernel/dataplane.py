@@ -3,8 +3,8 @@
 Given the registered loaders the cell's closure reached and the run's settings, :class:`DataRun`
 makes their plans (``--units`` checked here, before anything is launched), pickles each loader
 once (the same bytes go to the workers and, for ``loader.dataset`` and friends, to the
-ranks), makes the cache directories, and starts the workers (``start``) with the
-environment and write rule of a rank other than 0, minus any GPU.
+ranks), makes the cache directories and the workers' launch plan (``prepare``), with the
+environment and write rule of a rank other than 0, minus any GPU, and starts them (``start``).
 """
 
 from __future__ import annotations
@@ -111,16 +111,10 @@ class DataRun:
                            self.cache_ram // self.workers, self.segment_bytes(), list(sys.path))
         return [protocol.encode(job), protocol.encode(protocol.Loaders(self.originals))]
 
-    def start(
-        self, run_id: str, handshake: str, peers: PeerIds, layers: Mapping[int, str], rule: WriteRule, publish: Publish,
-        launch: Callable[[LaunchPlan, tuple[str, ...]], ProcessGroup] | None = None, courier: Callable[[], Any] | None = None,
-    ) -> DataPlane:
-        """Make the cache directories and start the workers (``peers`` numbers them on the wire).
-
-        ``launch`` starts them elsewhere (the cluster mode: on CPU hosts, given the plan and
-        the cache directories to make there); ``courier()`` then makes what carries their
-        elements to the ranks' hosts.
-        """
+    def prepare(self, run_id: str, handshake: str, peers: PeerIds, layers: Mapping[int, str],
+                rule: WriteRule) -> LaunchPlan:
+        """Make the cache directories, and the workers' launch plan: each one's environment (``peers``
+        numbers them on the wire; ``layers``: a worker's scratch layer, where the write ``rule`` isolates it)."""
         self.dirs = CacheDirs.create(run_id)
         envs = []
         for worker in range(self.workers):
@@ -135,7 +129,19 @@ class DataRun:
             if worker in layers and not self._cache_inside(rule.repository):
                 env.update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layers[worker], TAAS_WRITE_MODE=rule.mode)
             envs.append(env)
-        plan = LaunchPlan(self.workers, envs, os.getcwd(), handshake)
+        return LaunchPlan(self.workers, envs, os.getcwd(), handshake)
+
+    def start(
+        self, plan: LaunchPlan, publish: Publish,
+        launch: Callable[[LaunchPlan, tuple[str, ...]], ProcessGroup] | None = None, courier: Callable[[], Any] | None = None,
+    ) -> DataPlane:
+        """Start the workers of ``plan`` (:meth:`prepare` made it, and the cache directories).
+
+        ``launch`` starts them elsewhere (the cluster mode: on CPU hosts, given the plan and
+        the cache directories to make there); ``courier()`` then makes what carries their
+        elements to the ranks' hosts. ``publish`` shows the data line in the cell.
+        """
+        assert self.dirs is not None, "prepare makes the cache directories first"
         if launch is not None:
             group: ProcessGroup = launch(plan, (self.dirs.ram, self.dirs.disk))
         else:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 PlaneT = TypeVar("PlaneT")  # what starting the data workers makes (kernel/dataplane.py's DataPlane)
 WorkerLaunch = Callable[[LaunchPlan, "tuple[str, ...]"], ProcessGroup]  # starts the workers elsewhere, given their cache folders
-# DataRun.start with the run's arguments bound: (launch, courier) -> the data plane
+# DataRun.start with the workers' plan and the publisher bound: (launch, courier) -> the data plane
 StartData = Callable[[Optional[WorkerLaunch], Optional[Callable[[], object]]], PlaneT]
 
 
@@ -68,7 +68,7 @@ class Backend(Protocol):
         """Start the ranks of ``plan``."""
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
-        """Start the data workers through ``start`` (DataRun.start with the run's arguments bound);
+        """Start the data workers through ``start`` (DataRun.start with their plan bound);
         ``cache_ram`` bounds what another host keeps of their elements."""
 
     def standby(self, may_restart: bool) -> None:
