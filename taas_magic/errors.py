@@ -23,14 +23,16 @@ IPython shows an exception through its ``_render_traceback_`` when it has one (a
 ipyparallel's RemoteError does): the lines are the rank's traceback, already pointing
 at the cell's own line numbers, not the kernel's frames that supervised it.
 Every class defines ``__reduce__`` so it survives pickling. A run's error is built whole:
-what the failing process printed last and the notes after it (why it was not restarted,
-where the ranks were) are constructor arguments, and :meth:`RunError.with_output` makes a
-new error with them rather than changing the one the supervisor first saw.
+what went wrong (a :class:`Failure`), what the failing process printed last and the notes
+after it (why it was not restarted, where the ranks were) are constructor arguments, and
+:meth:`RunError.with_output` makes a new error with them rather than changing the one the
+supervisor first saw.
 """
 
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from taas_magic.peers import Peer
@@ -111,24 +113,23 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _failure_report(
-    who: str, host: str, summary: str, stopped: str, traceback_text: str, last_lines: tuple[str, ...],
-    notes: tuple[str, ...] = (),
-) -> list[str]:
-    """The cell's error lines for a failed process: what happened, its traceback, its last output."""
-    lines = [f"taas: {who} on {host} {summary}; {stopped}.", *notes]
-    if traceback_text:
-        lines.append(f"--- traceback of {who} ---")
-        lines.extend(traceback_text.rstrip("\n").splitlines())
-    if last_lines:
-        lines.append(f"--- last {len(last_lines)} lines of output of {who} ---")
-        lines.extend(last_lines)
-    return lines
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong in a failed process: in words (``raised ValueError: x``, ``was killed by
+    SIGKILL without reporting an error``), its traceback (the cell's line numbers; empty when
+    it sent none), and a Python exception's signature: (type, innermost notebook file, line),
+    which kernel/restarts.py compares between attempts."""
+
+    summary: str
+    traceback_text: str = ""
+    signature: tuple[str, str, int] | None = None
 
 
 class PeerFailed(RunError):
-    """The first process of a run to fail, a rank or a data worker, built whole: what happened,
-    its traceback (cell line numbers), its last lines of output, and the notes shown below it.
+    """The first process of a run to fail, a rank or a data worker, built whole: which process
+    (``peer``), on which host, what went wrong there (a :class:`Failure`: what happened, its
+    traceback with cell line numbers, its signature), its last lines of output, and the notes
+    shown below it.
 
     ``PeerFailed(peer, ...)`` is a :class:`RankFailed` for a rank and a :class:`WorkerFailed`
     for a data worker: the names the cell shows and the README promises, which a person may
@@ -140,33 +141,33 @@ class PeerFailed(RunError):
             cls = RankFailed if peer.is_rank else WorkerFailed
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        peer: Peer,
-        host: str,
-        summary: str,
-        traceback_text: str = "",
-        last_lines: tuple[str, ...] = (),
-        signature: tuple[str, str, int] | None = None,
-        notes: tuple[str, ...] = (),
-    ):
-        super().__init__(f"{self._who(peer)} on {host} {summary}")
-        self.peer, self.host, self.summary = peer, host, summary
-        self.traceback_text, self.last_lines = traceback_text, tuple(last_lines)
-        self.signature = signature  # a Python exception's (type, innermost notebook file, line): restarts.py
-        self.notes = tuple(notes)
+    def __init__(self, peer: Peer, host: str, what: Failure, last_lines: tuple[str, ...] = (),
+                 notes: tuple[str, ...] = ()):
+        super().__init__(f"{self._who(peer)} on {host} {what.summary}")
+        self.peer, self.host, self.what = peer, host, what
+        self.last_lines, self.notes = tuple(last_lines), tuple(notes)
+
+    @property
+    def summary(self) -> str:
+        return self.what.summary
+
+    @property
+    def traceback_text(self) -> str:
+        return self.what.traceback_text
+
+    @property
+    def signature(self) -> tuple[str, str, int] | None:
+        return self.what.signature
 
     @staticmethod
     def _who(peer: Peer) -> str:
         return f"rank {peer.index}" if peer.is_rank else f"data worker {peer.index}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (PeerFailed, (self.peer, self.host, self.summary, self.traceback_text, self.last_lines, self.signature,
-                             self.notes))
+        return (PeerFailed, (self.peer, self.host, self.what, self.last_lines, self.notes))
 
     def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "PeerFailed":
-        return PeerFailed(self.peer, self.host, self.summary, self.traceback_text, last_lines, self.signature,
-                          (*self.notes, *notes))
+        return PeerFailed(self.peer, self.host, self.what, last_lines, (*self.notes, *notes))
 
     @classmethod
     def from_worker_report(cls, peer: Peer, host: str, loader: str, report: WorkerFailure) -> "PeerFailed":
@@ -187,12 +188,20 @@ class PeerFailed(RunError):
         exception = report.exception.strip()
         raised = exception.splitlines()[-1] if exception else "an error"
         summary = f"raised {raised} while preparing {report.element} of {loader}"
-        return PeerFailed(peer, host, summary, "".join(lines) + report.exception)
+        return PeerFailed(peer, host, Failure(summary, "".join(lines) + report.exception))
 
     def _render_traceback_(self) -> list[str]:
+        """The cell's error lines: what happened and the notes, the traceback, the last lines of output."""
+        who = self._who(self.peer)
         stopped = "every rank was stopped" if self.peer.is_rank else "every rank and worker was stopped"
-        return _failure_report(self._who(self.peer), self.host, self.summary, stopped,
-                               self.traceback_text, self.last_lines, self.notes)
+        lines = [f"taas: {who} on {self.host} {self.summary}; {stopped}.", *self.notes]
+        if self.traceback_text:
+            lines.append(f"--- traceback of {who} ---")
+            lines.extend(self.traceback_text.rstrip("\n").splitlines())
+        if self.last_lines:
+            lines.append(f"--- last {len(self.last_lines)} lines of output of {who} ---")
+            lines.extend(self.last_lines)
+        return lines
 
 
 class RankFailed(PeerFailed):

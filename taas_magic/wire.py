@@ -54,7 +54,8 @@ RANK_TO_KERNEL = b"r>k"
 @dataclass(frozen=True)
 class Handshake:
     """Where the kernel listens and the run's key: the one line a process the kernel starts
-    reads on its stdin (rank/startup.py), never in its environment."""
+    reads on its stdin (rank/startup.py), never in its environment; and, given to a cluster
+    host's agent, where the kernel's output hub listens (launch/agent.py)."""
 
     host: str
     port: int

@@ -21,6 +21,7 @@ cached fresh passes in turn, in a new order each time if the loader shuffles. El
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from taas_magic.errors import DataPlanError
@@ -48,15 +49,28 @@ def _length(loader: Any) -> int | None:
         return None
 
 
-def plan_feed(
-    feed: int, name: str, loader: Any, *, units: int | None, ranks: int, workers: int, seed: int, ahead: int
-) -> FeedPlan:
-    """The plan for one registered loader the cell uses.
+@dataclass(frozen=True)
+class FeedTerms:
+    """What a run asks of every registered loader it reads, the same for each: ``units`` (K,
+    ``--units``; None: one pass), the ranks it feeds (N), the data workers that prepare it
+    (M, ``--cpus``), the run's seed, and ``ahead`` (``--ahead``)."""
+
+    units: int | None
+    ranks: int
+    workers: int
+    seed: int
+    ahead: int
+
+
+def plan_feed(feed: int, name: str, loader: Any, terms: FeedTerms) -> FeedPlan:
+    """The plan for one registered loader the cell uses (``feed``: its id in the run; ``name``:
+    the notebook's name for it), read on the run's ``terms``.
 
     Raises:
         DataPlanError: no ``len`` and no ``--units``, or fewer elements than ranks.
     """
     kind, length, shuffle = loader_kind(loader)
+    units, ranks = terms.units, terms.ranks
     if units is None:
         if length is None:
             raise DataPlanError(
@@ -68,4 +82,4 @@ def plan_feed(
         raise DataPlanError(f"taas: {name} yields {length} element(s) per pass, fewer than the {ranks} ranks")
     if units < ranks:
         raise DataPlanError(f"taas: --units {units} is fewer than the {ranks} ranks: every rank needs an element")
-    return FeedPlan(feed, name, kind, length, units, ranks, workers, shuffle, seed, ahead)
+    return FeedPlan(feed, name, kind, length, units, ranks, terms.workers, shuffle, terms.seed, terms.ahead)

@@ -1,10 +1,10 @@
 """The data side of one run, set up by the kernel before any process starts.
 
-Given the registered loaders the cell's closure reached, :class:`DataRun` makes their
-plans (``--units`` checked here, before anything is launched), pickles each loader
+Given the registered loaders the cell's closure reached and the run's settings, :class:`DataRun`
+makes their plans (``--units`` checked here, before anything is launched), pickles each loader
 once (the same bytes go to the workers and, for ``loader.dataset`` and friends, to the
-ranks), makes the cache directories, and starts the workers (``start``) with the
-environment and write rule of a rank other than 0, minus any GPU.
+ranks), makes the cache directories and the workers' launch plan (``prepare``), with the
+environment and write rule of a rank other than 0, minus any GPU, and starts them (``start``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any, Callable, Mapping
 import cloudpickle
 
 from taas_magic import protocol
+from taas_magic.cell.pragma import RunSettings
 from taas_magic.feed.coordinator import FeedCoordinator
-from taas_magic.feed.plan import loader_kind, plan_feed
+from taas_magic.feed.plan import FeedTerms, loader_kind, plan_feed
 from taas_magic.feed.progress import ProgressLine
 from taas_magic.feed.segments import SEGMENT_BYTES, CacheDirs
 from taas_magic.launch.base import LaunchPlan, ProcessGroup
@@ -78,27 +79,18 @@ def describe_registered(loader: Any, user_ns: Mapping[str, Any]) -> str:
 
 
 class DataRun:
-    def __init__(
-        self,
-        loaders: Mapping[int, Any],
-        user_ns: Mapping[str, Any],
-        *,
-        units: int | None,
-        ranks: int,
-        workers: int,
-        cache_ram: int,
-        ahead: int,
-    ):
-        seed = secrets.randbits(31)
-        self.workers = workers
-        self.cache_ram = cache_ram
+    def __init__(self, loaders: Mapping[int, Any], user_ns: Mapping[str, Any], settings: RunSettings):
+        """The plans of ``loaders`` (by feed id; ``user_ns`` names them) on the run's ``--units``,
+        ``--gpus`` (ranks), ``--cpus`` (workers) and ``--ahead``, with a new seed; ``--cache-ram``
+        unset is :func:`default_cache_ram`."""
+        terms = FeedTerms(settings.units, settings.gpus, settings.cpus, secrets.randbits(31), settings.ahead)
+        self.workers = terms.workers
+        self.cache_ram = settings.cache_ram if settings.cache_ram is not None else default_cache_ram()
         self.plans: list[FeedPlan] = [
-            plan_feed(feed, notebook_name(loader, user_ns), loader,
-                      units=units, ranks=ranks, workers=workers, seed=seed, ahead=ahead)
-            for feed, loader in loaders.items()
+            plan_feed(feed, notebook_name(loader, user_ns), loader, terms) for feed, loader in loaders.items()
         ]
         self.originals = {feed: cloudpickle.dumps(loader, protocol=5) for feed, loader in loaders.items()}
-        self.seed = seed
+        self.seed = terms.seed
         self.dirs: CacheDirs | None = None
 
     def rank_feeds(self) -> tuple[RankFeed, ...]:
@@ -119,16 +111,10 @@ class DataRun:
                            self.cache_ram // self.workers, self.segment_bytes(), list(sys.path))
         return [protocol.encode(job), protocol.encode(protocol.Loaders(self.originals))]
 
-    def start(
-        self, run_id: str, handshake: str, peers: PeerIds, layers: Mapping[int, str], rule: WriteRule, publish: Publish,
-        launch: Callable[[LaunchPlan, tuple[str, ...]], ProcessGroup] | None = None, courier: Callable[[], Any] | None = None,
-    ) -> DataPlane:
-        """Make the cache directories and start the workers (``peers`` numbers them on the wire).
-
-        ``launch`` starts them elsewhere (the cluster mode: on CPU hosts, given the plan and
-        the cache directories to make there); ``courier()`` then makes what carries their
-        elements to the ranks' hosts.
-        """
+    def prepare(self, run_id: str, handshake: str, peers: PeerIds, layers: Mapping[int, str],
+                rule: WriteRule) -> LaunchPlan:
+        """Make the cache directories, and the workers' launch plan: each one's environment (``peers``
+        numbers them on the wire; ``layers``: a worker's scratch layer, where the write ``rule`` isolates it)."""
         self.dirs = CacheDirs.create(run_id)
         envs = []
         for worker in range(self.workers):
@@ -143,7 +129,19 @@ class DataRun:
             if worker in layers and not self._cache_inside(rule.repository):
                 env.update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layers[worker], TAAS_WRITE_MODE=rule.mode)
             envs.append(env)
-        plan = LaunchPlan(self.workers, envs, os.getcwd(), handshake)
+        return LaunchPlan(self.workers, envs, os.getcwd(), handshake)
+
+    def start(
+        self, plan: LaunchPlan, publish: Publish,
+        launch: Callable[[LaunchPlan, tuple[str, ...]], ProcessGroup] | None = None, courier: Callable[[], Any] | None = None,
+    ) -> DataPlane:
+        """Start the workers of ``plan`` (:meth:`prepare` made it, and the cache directories).
+
+        ``launch`` starts them elsewhere (the cluster mode: on CPU hosts, given the plan and
+        the cache directories to make there); ``courier()`` then makes what carries their
+        elements to the ranks' hosts. ``publish`` shows the data line in the cell.
+        """
+        assert self.dirs is not None, "prepare makes the cache directories first"
         if launch is not None:
             group: ProcessGroup = launch(plan, (self.dirs.ram, self.dirs.disk))
         else:

@@ -57,8 +57,8 @@ def execute(run: Run, publish: Publish, budget: OutputBudget) -> RunOutcome:
 
     def start_data() -> DataPlane:
         assert data is not None
-        start = functools.partial(data.start, run.spec.run_id, handshake, peers, layers.worker_dirs,
-                                  run.rule, publish)
+        plan = data.prepare(run.spec.run_id, handshake, peers, layers.worker_dirs, run.rule)
+        start = functools.partial(data.start, plan, publish)
         return run.backend.start_data(data.cache_ram, start, server.key)
 
     def start_ranks(attempt: int) -> ProcessGroup:

@@ -32,7 +32,7 @@ from taas_magic.cell.pragma import SETTINGS, PragmaOptions, RunSettings, parse_c
 from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel import commands
-from taas_magic.kernel.dataplane import DataRun, default_cache_ram
+from taas_magic.kernel.dataplane import DataRun
 from taas_magic.kernel.execute import execute
 from taas_magic.kernel.run import Run
 from taas_magic.kernel.session import Session
@@ -177,15 +177,7 @@ class TaasMagics(Magics):
         )
 
     def _data_run(self, loaders: dict, settings: RunSettings) -> DataRun:
-        return DataRun(
-            loaders,
-            self._shell.user_ns,
-            units=settings.units,
-            ranks=settings.gpus,
-            workers=settings.cpus,
-            cache_ram=settings.cache_ram if settings.cache_ram is not None else default_cache_ram(),
-            ahead=settings.ahead,
-        )
+        return DataRun(loaders, self._shell.user_ns, settings)
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from taas_magic.errors import PeerFailed, RunError, RunTimeout, describe_exit
+from taas_magic.errors import Failure, PeerFailed, RunError, RunTimeout, describe_exit
 from taas_magic.kernel import restarts
 from taas_magic.kernel.mux import Event, FrameArrived, FrameRefused, PeerExited
 from taas_magic.peers import RANK, Peer
@@ -64,8 +64,8 @@ class Verdict:
         match event:
             case FrameArrived(peer=peer, frame=RankError() as report) if peer.is_rank:
                 self.reported.add(peer)
-                self._fail(PeerFailed(peer, self.host(peer), report.summary, report.traceback,
-                                      signature=report.signature), peer)
+                what = Failure(report.summary, report.traceback, report.signature)
+                self._fail(PeerFailed(peer, self.host(peer), what), peer)
             case FrameArrived(peer=peer, frame=WorkerFailure() as report) if not peer.is_rank:
                 self._fail(PeerFailed.from_worker_report(peer, self.host(peer), self.loader(report.feed), report), peer)
             case FrameArrived(peer=peer, frame=Done()) if not peer.is_rank:
@@ -86,7 +86,7 @@ class Verdict:
             self._fail(self._failed(peer, "exited before preparing its share of the elements"), peer)
 
     def _failed(self, peer: Peer, summary: str) -> RunError:
-        return PeerFailed(peer, self.host(peer), summary)
+        return PeerFailed(peer, self.host(peer), Failure(summary))
 
     def _fail(self, failure: RunError, peer: Peer, silent: bool = False) -> None:
         if silent and self.failure is not None and not self.silent and self.cause != peer:

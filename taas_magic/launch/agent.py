@@ -40,9 +40,10 @@ from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.tempdirs import remove_tree
 
 
-def connect_channel(address: tuple[str, int], key: bytes, channel: int, timeout: float = 30) -> socket.socket:
+def connect_channel(hub: wire.Handshake, channel: int, timeout: float = 30) -> socket.socket:
+    """One channel to the kernel's output ``hub``, the run's key proven for it."""
     try:
-        sock, _ = wire.connect(address, key, channel, timeout)
+        sock, _ = wire.connect((hub.host, hub.port), hub.key, channel, timeout)
     except ConnectionError as exc:
         raise ConnectionError(f"taas: the kernel's output hub closed the connection during the handshake ({exc})") from None
     return sock
@@ -75,13 +76,14 @@ class HostAgent:
         self._port = reserve_port(address)
         return self._port.getsockname()[1]
 
-    def start(self, plan: LaunchPlan, first_rank: int, hub: tuple[str, int], key: bytes, control: int,
+    def start(self, plan: LaunchPlan, first_rank: int, hub: wire.Handshake, control: int,
               command: tuple[str, ...] | None = None, dirs: tuple[str, ...] = ()) -> None:
         """Start this host's ranks (global ranks ``first_rank`` ...) and their pumps.
 
-        ``command`` starts data workers instead of ranks; ``dirs`` are directories the
-        kernel made on its host for them (the data cache), made here too if this is
-        another host, and removed at :meth:`close`.
+        ``hub`` is where the kernel's output hub listens and the run's key; this host's
+        exit codes go on its channel ``control``. ``command`` starts data workers instead of
+        ranks; ``dirs`` are directories the kernel made on its host for them (the data cache),
+        made here too if this is another host, and removed at :meth:`close`.
         """
         cwd = plan.cwd if os.path.isdir(plan.cwd) else tempfile.gettempdir()
         layers = [env["TAAS_WRITE_LAYER"] for env in plan.envs if env.get("TAAS_WRITE_LAYER")]
@@ -100,10 +102,10 @@ class HostAgent:
         outputs = []
         for local in self.group.children:
             for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
-                sock = connect_channel(hub, key, HubChannels.stream(first_rank + local.index, stream))
+                sock = connect_channel(hub, HubChannels.stream(first_rank + local.index, stream))
                 self._sockets.append(sock)
                 outputs.append((local.index, fd, sock))
-        control_sock = connect_channel(hub, key, control)
+        control_sock = connect_channel(hub, control)
         self._sockets.append(control_sock)
         pumps: dict[int, list[threading.Thread]] = {}
         for rank, fd, sock in outputs:

@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 from taas_magic.launch.base import LaunchPlan, ProcessGroup
 from taas_magic.launch.local import LocalProcessGroup
 from taas_magic.launch.placement import Node, RankSlot
-from taas_magic.launch.rankenv import LOOPBACK, DevicePlan, idle_cores, plan_devices, rank_environment, reserve_port
+from taas_magic.launch.rankenv import (
+    LOOPBACK,
+    DevicePlan,
+    Rendezvous,
+    idle_cores,
+    plan_devices,
+    rank_environment,
+    reserve_port,
+)
 from taas_magic.launch.spares import SparePool
 
 if TYPE_CHECKING:
@@ -32,7 +40,7 @@ if TYPE_CHECKING:
 
 PlaneT = TypeVar("PlaneT")  # what starting the data workers makes (kernel/dataplane.py's DataPlane)
 WorkerLaunch = Callable[[LaunchPlan, "tuple[str, ...]"], ProcessGroup]  # starts the workers elsewhere, given their cache folders
-# DataRun.start with the run's arguments bound: (launch, courier) -> the data plane
+# DataRun.start with the workers' plan and the publisher bound: (launch, courier) -> the data plane
 StartData = Callable[[Optional[WorkerLaunch], Optional[Callable[[], object]]], PlaneT]
 
 
@@ -68,7 +76,7 @@ class Backend(Protocol):
         """Start the ranks of ``plan``."""
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
-        """Start the data workers through ``start`` (DataRun.start with the run's arguments bound);
+        """Start the data workers through ``start`` (DataRun.start with their plan bound);
         ``cache_ram`` bounds what another host keeps of their elements."""
 
     def standby(self, may_restart: bool) -> None:
@@ -233,14 +241,10 @@ class ClusterBackend:
 def rank_environments(backend: Backend, base: dict[str, str], run_id: str) -> list[dict[str, str]]:
     """Every rank's environment: torchrun's variables for its slot, and what the backend adds."""
     master_addr, master_port = backend.master()
-    world_size = len(backend.slots)
+    rendezvous = Rendezvous(master_addr, master_port, len(backend.slots), run_id)
     envs = []
     for slot in backend.slots:
-        env = rank_environment(
-            dict(base), rank=slot.rank, local_rank=slot.local_rank, world_size=world_size,
-            local_world_size=slot.local_world_size, group_rank=slot.group_rank, master_addr=master_addr,
-            master_port=master_port, run_id=run_id, loopback_only=backend.loopback_only,
-        )
+        env = rank_environment(dict(base), slot, rendezvous, loopback_only=backend.loopback_only)
         env.update(backend.rank_extra_env(slot.rank))
         envs.append(env)
     return envs

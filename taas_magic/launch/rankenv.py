@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from taas_magic.errors import LaunchError
+from taas_magic.launch.placement import RankSlot
 
 LOOPBACK = "127.0.0.1"
 
@@ -157,34 +158,35 @@ def idle_cores(ranks: int) -> bool:
     return _cores() >= SPARE_CORES_PER_RANK * max(1, ranks)
 
 
-def rank_environment(
-    base: dict[str, str],
-    *,
-    rank: int,
-    local_rank: int,
-    world_size: int,
-    local_world_size: int,
-    group_rank: int,
-    master_addr: str,
-    master_port: int,
-    run_id: str,
-    loopback_only: bool,
-) -> dict[str, str]:
-    """The environment of one rank: the kernel's environment plus torchrun's variables."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the ranks of a run find one another, the same for every rank: rank 0's store at
+    ``MASTER_ADDR:MASTER_PORT``, ``WORLD_SIZE`` ranks, the run's ``TORCHELASTIC_RUN_ID``."""
+
+    master_addr: str
+    master_port: int
+    world_size: int
+    run_id: str
+
+
+def rank_environment(base: dict[str, str], slot: RankSlot, rendezvous: Rendezvous, *,
+                     loopback_only: bool) -> dict[str, str]:
+    """The environment of the rank in ``slot``: the kernel's environment plus torchrun's variables
+    (``loopback_only``: every rank runs on this host, so gloo and tensorpipe use ``lo``)."""
     env = dict(base)
     env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(local_world_size),
-        GROUP_RANK=str(group_rank),
-        ROLE_RANK=str(rank),
-        ROLE_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(master_port),
-        TORCHELASTIC_RUN_ID=run_id,
+        RANK=str(slot.rank),
+        LOCAL_RANK=str(slot.local_rank),
+        WORLD_SIZE=str(rendezvous.world_size),
+        LOCAL_WORLD_SIZE=str(slot.local_world_size),
+        GROUP_RANK=str(slot.group_rank),
+        ROLE_RANK=str(slot.rank),
+        ROLE_WORLD_SIZE=str(rendezvous.world_size),
+        MASTER_ADDR=rendezvous.master_addr,
+        MASTER_PORT=str(rendezvous.master_port),
+        TORCHELASTIC_RUN_ID=rendezvous.run_id,
     )
-    env.setdefault("OMP_NUM_THREADS", str(omp_threads(local_world_size)))
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(slot.local_world_size)))
     if loopback_only:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("TP_SOCKET_IFNAME", "lo")

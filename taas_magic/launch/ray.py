@@ -80,6 +80,11 @@ class OutputHub:
         self.address = self.listener.getsockname()[:2]
         self.connected: dict[int, socket.socket] = {}
 
+    @property
+    def handshake(self) -> wire.Handshake:
+        """Where the hub listens and the run's key: what each host's agent connects with (launch/agent.py)."""
+        return wire.Handshake(self.address[0], self.address[1], self.key)
+
     def collect(self, deadline: float, starting: list, ray: Any) -> None:
         """Accept until every channel has connected; fail if an agent's start fails or the deadline passes."""
         selector = selectors.DefaultSelector()
@@ -188,7 +193,7 @@ class RayProcessGroup:
         try:
             starting, first = [], 0
             for index, (agent, plan, _) in enumerate(hosts):
-                starting.append(agent.start.remote(plan, first, hub.address, key, channels.control(index), **start_options))
+                starting.append(agent.start.remote(plan, first, hub.handshake, channels.control(index), **start_options))
                 first += plan.world_size
             hub.collect(time.monotonic() + timeout, starting, ray)
             first = 0

@@ -35,6 +35,7 @@ RANK_0 = Peer(RANK, 0)
 # Shows a display message in the cell (display_data, update_display_data, clear_output).
 Publish = Callable[[Display | ClearOutput], None]
 
+KEEP_LINES = 20  # lines of each process's output kept for error reports
 PARTIAL_KEEP = 4096  # characters of an unfinished line kept for error reports
 _LINE_END = re.compile(r"(?<=[\n\r])")
 MARKER_PREFIX = "\x00taas-display:"
@@ -114,15 +115,16 @@ class OutputRelay:
         streams: dict[str, IO[str]],
         *,
         budget: OutputBudget | None = None,
-        keep_lines: int = 20,
         flush_interval: float = 0.02,
         on_marker: Callable[[Peer, int], None] | None = None,
     ):
+        """The relay of ``--output`` ``mode`` for ``peers`` into the kernel's ``streams``: text through
+        ``budget``, written at most once per ``flush_interval``; ``on_marker`` places the displays."""
         self.mode = mode
         self.streams = streams
         self.flush_interval = flush_interval
         # Every rank and data worker (a worker's output is shown only with --output all).
-        self.texts = {peer: _RankText(keep_lines) for peer in peers.all()}
+        self.texts = {peer: _RankText(KEEP_LINES) for peer in peers.all()}
         self.pending: dict[str, list[str]] = {name: [] for name in streams}
         self.last_flush = 0.0
         self.muted = False

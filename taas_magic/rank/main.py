@@ -129,19 +129,25 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
         startup.finish(EXIT_CELL_RAISED)
 
 
-def _send_results(spec: RunSpec, channel: PeerChannel, namespace: dict, before: dict[str, int],
-                  closure: dict, received: ReceivedClosure, loaders: dict, final: object) -> None:
-    """Rank 0: what the cell bound or changed, and its final value (transfer/returns.py)."""
+def _cell_results(spec: RunSpec, namespace: dict, before: dict[str, int], final: object) -> returns.CellResults:
+    """Rank 0: what the cell bound or changed since ``before`` (its snapshot), what it deleted, and
+    its final value unless there is none or the cell ends with ``;``."""
     private = shell.hidden_names() | {"get_ipython", "__builtins__"}
     names, deleted = returns.changed_names(namespace, before, private)
     has_final = final is not execute.NO_VALUE and not spec.suppress_final
+    return returns.CellResults(namespace, names, deleted, final, has_final)
+
+
+def _send_results(spec: RunSpec, channel: PeerChannel, results: returns.CellResults, closure: dict,
+                  received: ReceivedClosure, loaders: dict) -> None:
+    """Rank 0: the cell's ``results`` sent back (transfer/returns.py), the shipped ``closure`` as
+    loaded from what the rank ``received``, ``loaders`` by feed index."""
     externals = [loaders.get(index) for index in range(max(loaders, default=-1) + 1)]
     why: str | None = None
     for attempt in range(2):  # a second time only when the kernel did not take the CUDA IPC handles
         try:
             if attempt == 0:
-                returned = returns.pack_returns(namespace, closure, received, names, deleted, final, has_final,
-                                                externals, spec)
+                returned = returns.pack_returns(results, closure, received, externals, spec)
             message = returned.message(spec.cuda_ipc and attempt == 0, why or "")
         except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
             _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
@@ -175,6 +181,6 @@ def main() -> None:
     final = _run(spec, channel, module)
     reports.flush()  # the last reports reach the chart before the results
     if rank == 0:
-        _send_results(spec, channel, module.__dict__, before, closure, received, loaders, final)
+        _send_results(spec, channel, _cell_results(spec, module.__dict__, before, final), closure, received, loaders)
     channel.close()
     startup.finish(0)

@@ -212,15 +212,29 @@ class Returns:
                       cuda_host=(count, nbytes, why or failed))
 
 
-def pack_returns(namespace: dict[str, Any], closure: dict[str, Any], received: ReceivedClosure,
-                 changed: list[str], deleted: list[str], final: Any, has_final: bool,
+@dataclass(frozen=True)
+class CellResults:
+    """What rank 0's cell left to send back: its namespace, the names it bound or changed and
+    those it deleted (:func:`changed_names`), and its final value when it has one to show."""
+
+    namespace: dict[str, Any]
+    changed: list[str]
+    deleted: list[str]
+    final: Any = None
+    has_final: bool = False  # False: no last expression, or the cell ends with ";"
+
+
+def pack_returns(results: CellResults, closure: dict[str, Any], received: ReceivedClosure,
                  loaders: Sequence[Any], spec: RunSpec) -> Returns:
-    """What the kernel must load and bind; :meth:`Returns.message` is the ``Result`` frame."""
+    """What the kernel must load and bind of ``results``, given the ``closure`` as loaded from what
+    the rank ``received`` (``loaders``: the registered loaders, by index); :meth:`Returns.message`
+    is the ``Result`` frame."""
+    namespace = results.namespace
     items = [(name if namespace.get(name, _ABSENT) is closure[name] else SHIPPED.format(name), closure[name])
              for name in received.names]
-    items += [(name, namespace[name]) for name in changed]
-    if has_final:
-        items.append((FINAL, final))
+    items += [(name, namespace[name]) for name in results.changed]
+    if results.has_final:
+        items.append((FINAL, results.final))
     packing = pack(items, loaders, unwrap=True, track=True)
     shipped = _Shipped(received, packing)
     decisions = _decide(packing, received, shipped)
@@ -232,7 +246,7 @@ def pack_returns(namespace: dict[str, Any], closure: dict[str, Any], received: R
         "skeleton": packing.skeleton[: included[-1].end] if included else b"",
         "segments": [dataclasses.replace(segment, bind=b) for segment, b in zip(included, bound)],
         "failed": packing.failed,
-        "deleted": deleted,
+        "deleted": results.deleted,
     }
     return Returns(packing, head, places, to_write, spec)
 

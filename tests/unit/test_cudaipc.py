@@ -160,7 +160,7 @@ def test_a_rank_that_cannot_open_the_handles_gets_the_kernels_host_copy_and_the_
 def _returns(namespace, spec):
     empty = ClosureHandoff(serialise_closure({}), spec.run_id)
     received = receive_closure(_Channel(empty.body))
-    return returns.pack_returns(namespace, {}, received, list(namespace), [], None, False, [], spec)
+    return returns.pack_returns(returns.CellResults(namespace, list(namespace), []), {}, received, [], spec)
 
 
 def test_results_whose_export_fails_come_back_through_the_memory_file(monkeypatch, capsys):

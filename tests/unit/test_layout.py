@@ -124,6 +124,32 @@ def test_no_function_is_longer_than_sixty_lines():
     assert not long, long
 
 
+def _parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Positional, keyword-only, ``*args`` and ``**kwargs``; a method's ``self`` or ``cls`` is not counted."""
+    args = node.args
+    positional = [arg.arg for arg in args.posonlyargs + args.args]
+    count = len(positional) + len(args.kwonlyargs) + (args.vararg is not None) + (args.kwarg is not None)
+    return count - (positional[:1] in (["self"], ["cls"]))
+
+
+def test_no_parameter_list_is_longer_than_six():
+    wide = []
+    for path, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameter_count(node) > 6:
+                wide.append(f"{path}:{node.lineno} {node.name} ({_parameter_count(node)} parameters)")
+    assert not wide, wide
+
+
+def test_no_class_is_longer_than_one_hundred_and_fifty_lines():
+    long = []
+    for path, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 150:
+                long.append(f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+
+
 def test_the_magic_and_the_supervisor_never_ask_which_backend():
     concrete = {"LocalProcessGroup", "RayProcessGroup", "LocalBackend", "ClusterBackend", "ClusterLaunch"}
     supervisor = _modules()["taas_magic/kernel/supervisor.py"]

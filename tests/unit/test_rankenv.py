@@ -3,7 +3,16 @@ import socket
 import pytest
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.rankenv import RankChoice, choose_ranks, idle_cores, plan_devices, rank_environment, reserve_port
+from taas_magic.launch.placement import RankSlot
+from taas_magic.launch.rankenv import (
+    RankChoice,
+    Rendezvous,
+    choose_ranks,
+    idle_cores,
+    plan_devices,
+    rank_environment,
+    reserve_port,
+)
 
 
 def test_cpu_when_the_host_has_no_gpu():
@@ -41,8 +50,8 @@ def test_reserved_port_is_not_handed_out_again_but_can_be_bound_by_the_store():
 
 def test_person_set_omp_threads_wins():
     base = {"OMP_NUM_THREADS": "7", "GLOO_SOCKET_IFNAME": "eth9"}
-    env = rank_environment(base, rank=1, local_rank=1, world_size=2, local_world_size=2, group_rank=0,
-                           master_addr="127.0.0.1", master_port=1234, run_id="r", loopback_only=True)
+    slot = RankSlot(rank=1, local_rank=1, local_world_size=2, group_rank=0)
+    env = rank_environment(base, slot, Rendezvous("127.0.0.1", 1234, world_size=2, run_id="r"), loopback_only=True)
     assert env["OMP_NUM_THREADS"] == "7" and env["GLOO_SOCKET_IFNAME"] == "eth9"
     assert env["RANK"] == "1" and env["MASTER_PORT"] == "1234" and env["TORCHELASTIC_RUN_ID"] == "r"
 

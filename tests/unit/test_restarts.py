@@ -12,18 +12,18 @@ import pytest
 
 from taas_magic import checkpoints
 from taas_magic.autopsy import stacks
-from taas_magic.errors import PeerFailed, RankFailed, RunTimeout, WorkerFailed
+from taas_magic.errors import Failure, PeerFailed, RankFailed, RunTimeout, WorkerFailed
 from taas_magic.peers import RANK, WORKER, Peer
 from taas_magic.kernel.restarts import how, refusal, restart_line
 from taas_magic.procs import kill_tagged
 
 
 def _raised(line: int, kind: str = "ValueError") -> PeerFailed:
-    return PeerFailed(Peer(RANK, 1), "localhost", f"raised {kind}: x", "", (), (kind, "<taas In[3]>", line))
+    return PeerFailed(Peer(RANK, 1), "localhost", Failure(f"raised {kind}: x", "", (kind, "<taas In[3]>", line)))
 
 
 def test_any_failure_restarts_until_k_is_spent():
-    killed = PeerFailed(Peer(RANK, 1), "localhost", "was killed by SIGKILL without reporting an error")
+    killed = PeerFailed(Peer(RANK, 1), "localhost", Failure("was killed by SIGKILL without reporting an error"))
     assert refusal(0, 2, killed, None) is None
     assert refusal(1, 2, RunTimeout(5, (0, 1)), killed) is None
     assert refusal(2, 2, killed, killed) == "all 2 restarts (--restarts 2) were used"
@@ -38,11 +38,11 @@ def test_the_same_exception_at_the_same_line_twice_is_not_retried():
 
 
 def test_a_data_workers_failure_is_not_restarted():
-    assert "data worker" in refusal(0, 3, PeerFailed(Peer(WORKER, 0), "localhost", "raised OSError"), None)
+    assert "data worker" in refusal(0, 3, PeerFailed(Peer(WORKER, 0), "localhost", Failure("raised OSError")), None)
 
 
 def test_the_restart_line_names_the_attempt_the_rank_and_how():
-    killed = PeerFailed(Peer(RANK, 1), "localhost", "was killed by SIGKILL without reporting an error")
+    killed = PeerFailed(Peer(RANK, 1), "localhost", Failure("was killed by SIGKILL without reporting an error"))
     assert restart_line(0, 3, killed) == ("taas: attempt 1 of 4 failed: rank 1 was killed by SIGKILL; "
                                           "restarting every rank (attempt 2 of 4)")
     assert how(RunTimeout(5, (0, 2))) == "--timeout 5s passed (ranks still running: 0, 2)"
@@ -152,7 +152,7 @@ def test_a_peer_failure_is_one_class_under_the_names_the_cell_shows():
     may catch); it pickles as itself, and with_output builds a new one instead of changing it."""
     import pickle
 
-    rank, worker = _raised(4), PeerFailed(Peer(WORKER, 2), "localhost", "raised OSError")
+    rank, worker = _raised(4), PeerFailed(Peer(WORKER, 2), "localhost", Failure("raised OSError"))
     assert type(rank) is RankFailed and type(worker) is WorkerFailed
     assert isinstance(rank, PeerFailed) and rank.rank == 1 and worker.worker == 2
     assert str(worker) == "data worker 2 on localhost raised OSError"
