@@ -90,7 +90,7 @@ def test_the_same_exception_twice_is_not_restarted_again(kernel):
     started = time.monotonic()
     ran = kernel.execute(REPEATING)
     assert ran.reply["status"] == "error"
-    assert ran.error["ename"] == "RankFailed"
+    assert ran.error["ename"] == "RankFailed", ran.error_text()
     text, err = ran.error_text(), ran.stream("stderr")
     assert "attempt 1 of 4 failed: rank 1 raised ValueError: bad batch in attempt 0; restarting" in err
     assert "attempt 2 of 4 failed" not in err  # the second identical error ends the cell
@@ -107,7 +107,7 @@ def test_restarts_0_fails_at_once_and_every_rank_sees_torchrun_s_counters(kernel
     ran = kernel.execute("#pragma taas --device cpu --gpus 2\nimport os, signal\n"
                          "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
                          "import time; time.sleep(30)")
-    assert ran.error["ename"] == "RankFailed"
+    assert ran.error["ename"] == "RankFailed", ran.error_text()
     assert "restarting" not in ran.stream("stderr") and "was killed by SIGKILL" in ran.error_text()
 
 
