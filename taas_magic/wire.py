@@ -130,7 +130,7 @@ class Hello:
     def read(self, key: bytes, valid: Callable[[int], bool]) -> int | None:
         try:
             chunk = self.sock.recv(HELLO_SIZE - len(self.received))
-        except (BlockingIOError, socket.timeout):
+        except BlockingIOError:  # a non-blocking socket with nothing yet; a blocking one's timeout is an OSError
             return None
         if not chunk:
             raise ConnectionError("the peer closed the connection during the handshake")

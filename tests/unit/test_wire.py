@@ -1,6 +1,7 @@
 import pickle
 import socket
 import threading
+import time
 
 import pytest
 
@@ -150,4 +151,17 @@ def test_the_blocking_accept_serves_the_hub_with_the_same_hello():
         sock.close()
     assert [result if result is None else result[1] for result in results] == [2, None, None]
     results[0][0].close()
+    listener.close()
+
+
+def test_the_blocking_accept_gives_up_on_a_peer_that_never_says_hello():
+    """A connection that sends nothing costs the hub its timeout, once: it is closed, not waited on forever."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    silent = socket.create_connection(listener.getsockname()[:2])
+    started = time.monotonic()
+    assert wire.accept(listener, wire.new_key(), lambda claimed: True, timeout=0.3) is None
+    assert time.monotonic() - started < 5
+    silent.recv(wire.NONCE_SIZE)
+    assert silent.recv(1) == b""  # closed by the hub
+    silent.close()
     listener.close()
