@@ -270,12 +270,6 @@ class BlockingChannel:
         ready, _, _ = select.select([self._sock], [], [], timeout)
         return bool(ready)
 
-    def expect(self, kind: str) -> memoryview:
-        got, body = self.recv()
-        if got != kind:
-            raise ConnectionError(f"expected a {kind!r} frame from the kernel, got {got!r}")
-        return body
-
     def close(self) -> None:
         self._sock.close()
 

@@ -116,7 +116,8 @@ def test_rank_with_key_connects_and_exchanges_frames():
     connection = outcome["result"]
     assert connection.peer_id == 1
     connection.send(wire.encode_body("spec", wire.dumps({"x": 1})))
-    assert wire.loads_verified(channel.expect("spec")) == {"x": 1}
+    kind, body = channel.recv()
+    assert kind == "spec" and wire.loads_verified(body) == {"x": 1}
     channel.send("error", wire.dumps("boom"))
     connection.sock.setblocking(True)
     frames = connection.reader.feed(connection.sock.recv(1 << 16))
