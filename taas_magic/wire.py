@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import pickle
 import secrets
@@ -38,7 +39,7 @@ import select
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 KEY_SIZE = 32
@@ -68,6 +69,27 @@ class Handshake:
     def parse(cls, line: str) -> "Handshake":
         host, port, key_hex = line.split()
         return cls(host, int(port), bytes.fromhex(key_hex))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Who one started process is: its id on the wire, the name its messages use, and, where
+    the write rule isolates it, its scratch layer over the repository. The line after the
+    handshake on its stdin (after a spare's settings): run data never rides in the
+    environment, which the cell's own subprocesses inherit and read."""
+
+    peer_id: int
+    who: str  # "rank 1", "data worker 0"
+    repository: str | None = None
+    layer: str | None = None  # its private scratch layer: writes under the repository land here
+    write_mode: str | None = None  # "overlay" or "python" (writes/rule.py)
+
+    def line(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, line: str) -> "Placement":
+        return cls(**json.loads(line))
 
 
 class AuthenticationError(ConnectionError):

@@ -1,10 +1,9 @@
 """A data worker's life: ``python -m taas_magic.feed.worker``.
 
 Started by the kernel before the ranks, like a rank (its own session, pipes, the
-handshake ``HOST PORT KEY`` on stdin kept open as its lifeline, the write rule of a
-rank other than 0), with ``TAAS_PEER`` (its id on the kernel's channel) and
-``TAAS_WORKER`` (w). It receives its job (the plans and the loaders, pickled once by
-the kernel), then loops:
+handshake ``HOST PORT KEY`` and its placement on stdin kept open as its lifeline: its id
+on the kernel's channel and the write rule of a rank other than 0). It receives its job
+(the plans and the loaders, pickled once by the kernel), then loops:
 
 - take the next element of some feed that the kernel's horizon allows (backpressure:
   the kernel moves the horizon as the ranks consume);
@@ -170,7 +169,7 @@ class Worker:
         self.channel.send(Done(self.worker))
 
 def main() -> None:
-    channel = startup.begin(worker=True)  # its dataset's code may write too: it gets a rank's write rule
+    channel = startup.begin()  # its dataset's code may write too: it gets a rank's write rule
     job = channel.expect(Job)
     pickles = channel.expect(Loaders).pickles
     sys.path[:] = job.sys_path

@@ -9,6 +9,7 @@ environment and write rule of a rank other than 0, minus any GPU, and starts the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -17,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 import cloudpickle
 
-from taas_magic import protocol
+from taas_magic import protocol, wire
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.feed.coordinator import FeedCoordinator
 from taas_magic.feed.plan import FeedTerms, loader_kind, plan_feed
@@ -116,20 +117,20 @@ class DataRun:
         """Make the cache directories, and the workers' launch plan: each one's environment (``peers``
         numbers them on the wire; ``layers``: a worker's scratch layer, where the write ``rule`` isolates it)."""
         self.dirs = CacheDirs.create(run_id)
-        envs = []
+        envs, places = [], []
         for worker in range(self.workers):
             env = dict(os.environ)
             env.update(
-                TAAS_PEER=str(peers.wire_id(Peer(WORKER, worker))),
-                TAAS_WORKER=str(worker),
                 CUDA_VISIBLE_DEVICES="",  # data workers prepare on CPU; GPUs belong to the ranks
                 OMP_NUM_THREADS="1",  # as torch sets in DataLoader workers
             )
             env[OWNER_VARIABLE] = f"{os.getpid()}-{run_id}-data"  # what it starts is found and ended with the run
+            place = wire.Placement(peers.wire_id(Peer(WORKER, worker)), f"data worker {worker}")
             if worker in layers and not self._cache_inside(rule.repository):
-                env.update(TAAS_REPOSITORY=rule.repository, TAAS_WRITE_LAYER=layers[worker], TAAS_WRITE_MODE=rule.mode)
+                place = dataclasses.replace(place, repository=rule.repository, layer=layers[worker], write_mode=rule.mode)
             envs.append(env)
-        return LaunchPlan(self.workers, envs, os.getcwd(), handshake)
+            places.append(place)
+        return LaunchPlan(self.workers, envs, os.getcwd(), handshake, places)
 
     def start(
         self, plan: LaunchPlan, publish: Publish,

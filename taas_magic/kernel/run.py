@@ -101,16 +101,22 @@ class Run:
         return f"{os.getpid()}-{self.spec.run_id}-ranks"
 
     def launch_plan(self, handshake: str, attempt: int) -> LaunchPlan:
-        """Attempt ``attempt``'s ranks: torchrun's variables (restarts too), the owner tag, and
-        the write rule (applied before a rank has the spec: rank/startup.py); run data is in the spec."""
+        """Attempt ``attempt``'s ranks: torchrun's variables (restarts too) and the owner tag in
+        their environments; each one's place (its id and write rule, applied before it has the
+        spec: rank/startup.py) on its stdin; the rest of the run's data is in the spec."""
         envs = rank_environments(self.backend, dict(os.environ), self.spec.run_id)
         for env in envs:
             env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.settings.restarts))
             env[OWNER_VARIABLE] = self.owner
-        for rank, layer in self.layers.dirs.items():
-            envs[rank].update(TAAS_REPOSITORY=self.rule.repository, TAAS_WRITE_LAYER=layer, TAAS_WRITE_MODE=self.rule.mode)
+        places = [self._place(rank) for rank in range(self.peers.ranks)]
         files = [stack_file(self.spec.stacks_dir, rank) for rank in range(self.peers.ranks)]
-        return LaunchPlan(self.peers.ranks, envs, os.getcwd(), handshake, files)
+        return LaunchPlan(self.peers.ranks, envs, os.getcwd(), handshake, places, files)
+
+    def _place(self, rank: int) -> wire.Placement:
+        layer = self.layers.dirs.get(rank)  # rank 0 has none: it writes to the repository
+        if layer is None:
+            return wire.Placement(rank, f"rank {rank}")
+        return wire.Placement(rank, f"rank {rank}", self.rule.repository, layer, self.rule.mode)
 
     # -- the end ---------------------------------------------------------------------------------
     def __enter__(self) -> "Run":

@@ -86,7 +86,7 @@ class HostAgent:
         made here too if this is another host, and removed at :meth:`close`.
         """
         cwd = plan.cwd if os.path.isdir(plan.cwd) else tempfile.gettempdir()
-        layers = [env["TAAS_WRITE_LAYER"] for env in plan.envs if env.get("TAAS_WRITE_LAYER")]
+        layers = [place.layer for place in plan.places if place.layer]
         stacks = {os.path.dirname(path) for path in plan.stack_files}
         self._owners = {env[OWNER_VARIABLE] for env in plan.envs if env.get(OWNER_VARIABLE)}
         self._first_rank = first_rank

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Mapping, Protocol, Sequence
 
+from taas_magic.wire import Placement
+
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -20,12 +22,13 @@ class LaunchPlan:
     envs: Sequence[Mapping[str, str]]  # one environment per rank, index = RANK
     cwd: str
     handshake: str  # rank/startup.py's Handshake line, written on each rank's stdin (never in its environment)
+    places: Sequence[Placement]  # each one's id, name and write rule, the next line on its stdin; index = RANK
     stack_files: Sequence[str] = field(default=())  # where each rank's autopsy lands (autopsy/dump.py), index = RANK
 
     def part(self, first: int, count: int) -> "LaunchPlan":
         """Ranks ``first`` .. ``first + count - 1`` of this plan (one host's share), renumbered from 0."""
         return LaunchPlan(count, self.envs[first:first + count], self.cwd, self.handshake,
-                          self.stack_files[first:first + count])
+                          self.places[first:first + count], self.stack_files[first:first + count])
 
 
 class ChildProcess(Protocol):

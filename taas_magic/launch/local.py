@@ -105,7 +105,7 @@ class LocalProcessGroup:
                 process = warm[rank]
                 if process is not None:
                     settings = json.dumps({"env": dict(env), "cwd": plan.cwd})
-                    message = f"{plan.handshake}\n{settings}\n"
+                    message = f"{plan.handshake}\n{settings}\n{plan.places[rank].line()}\n"
                 else:
                     process = subprocess.Popen(
                         command,
@@ -117,7 +117,7 @@ class LocalProcessGroup:
                         start_new_session=True,
                         close_fds=True,
                     )
-                    message = f"{plan.handshake}\n"
+                    message = f"{plan.handshake}\n{plan.places[rank].line()}\n"
                 ranks.append(LocalChild(rank, process))
                 assert process.stdin is not None  # started with PIPE
                 process.stdin.write(message.encode("utf-8"))

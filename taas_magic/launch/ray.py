@@ -381,8 +381,8 @@ class ClusterLaunch:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
             ).remote()
             self.worker_agents.append(agent)
-            envs = [plan.envs[w] for w in workers]
-            hosts.append((agent, LaunchPlan(len(workers), envs, plan.cwd, plan.handshake), node.label))
+            envs, places = [plan.envs[w] for w in workers], [plan.places[w] for w in workers]
+            hosts.append((agent, LaunchPlan(len(workers), envs, plan.cwd, plan.handshake, places), node.label))
             self.worker_agent_of.extend([agent] * len(workers))
         self.worker_layout = ", ".join(
             (f"workers {ws[0]}-{ws[-1]}" if len(ws) > 1 else f"worker {ws[0]}") + f" on {node.label}" for node, ws in blocks

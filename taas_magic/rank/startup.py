@@ -1,13 +1,14 @@
 """How every process the kernel starts begins and ends: a rank, a warm spare, a data worker.
 
-The kernel (or a host's agent) writes one ``wire.Handshake`` line, ``HOST PORT KEY``, on
-the process's stdin, which then stays open as its lifeline; a warm spare gets one more
-line, the settings of the launch that takes it (spare.py). :func:`begin` then, in this
-order, because each step needs the one before:
+The kernel (or a host's agent) writes a ``wire.Handshake`` line, ``HOST PORT KEY``, and a
+``wire.Placement`` line (its peer id, its name, its write rule) on the process's stdin, which
+then stays open as its lifeline; a warm spare gets one more line between the two, the
+settings of the launch that takes it (spare.py). :func:`begin` then, in this order, because
+each step needs the one before:
 
 1. forks the watchdog while the process is single-threaded (lifeline.py);
-2. reads the handshake (a spare first imports torch, then waits here);
-3. applies the write rule when the kernel asked for it (a private layer over the
+2. reads the handshake (a spare first imports torch, then waits here) and its placement;
+3. applies the write rule when its placement has one (a private layer over the
    repository: before any thread starts, since ``unshare`` needs a single thread);
 4. holds the lifeline and dies with its parent (and, as a child subreaper, keeps what
    the cell starts among its descendants even when it leaves the session: finish ends them);
@@ -16,7 +17,7 @@ order, because each step needs the one before:
 
 :func:`finish` flushes, reaps the watchdog and leaves with ``os._exit``, so no atexit
 hook or non-daemon thread of the cell can hang the run. The key never enters the
-environment (the cell's own subprocesses inherit that).
+environment (the cell's own subprocesses inherit that), nor does anything else of the run.
 """
 
 from __future__ import annotations
@@ -51,14 +52,7 @@ def spare_namespace() -> bool:
     return bool(spare is not None and spare.namespace_ready)
 
 
-def _apply_write_rule(who: str) -> None:
-    layer, repository = os.environ.pop("TAAS_WRITE_LAYER", None), os.environ.pop("TAAS_REPOSITORY", None)
-    write_mode = os.environ.pop("TAAS_WRITE_MODE", None)
-    if layer and repository:
-        isolate_writes(repository, layer, write_mode, who)
-
-
-def begin(*, worker: bool = False, spare: bool = False) -> protocol.PeerChannel:
+def begin(*, spare: bool = False) -> protocol.PeerChannel:
     """Steps 1 to 5 above; the connected, authenticated channel to the kernel."""
     lifeline.start_watchdog()  # first, while single-threaded: see lifeline.py
     lifeline.adopt_orphans()
@@ -70,13 +64,14 @@ def begin(*, worker: bool = False, spare: bool = False) -> protocol.PeerChannel:
     handshake = wire.Handshake.parse(lifeline.read_first_line())
     if spare:
         spare_start.adopt(lifeline.read_first_line())
-    _apply_write_rule(f"data worker {os.environ['TAAS_WORKER']}" if worker else f"rank {os.environ['RANK']}")
+    place = wire.Placement.parse(lifeline.read_first_line())
+    if place.layer and place.repository:
+        isolate_writes(place.repository, place.layer, place.write_mode, place.who)
     if spare:
         spare_start.use_launch_threads()
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
-    peer_id = int(os.environ["TAAS_PEER"] if worker else os.environ["RANK"])
-    return protocol.PeerChannel(wire.BlockingChannel.connect(handshake.host, handshake.port, handshake.key, peer_id))
+    return protocol.PeerChannel(wire.BlockingChannel.connect(handshake.host, handshake.port, handshake.key, place.peer_id))
 
 
 def flush_output() -> None:

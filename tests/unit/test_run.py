@@ -64,7 +64,10 @@ def test_the_ranks_get_run_data_in_the_spec_and_only_torchruns_variables_and_the
             assert not set(RUN_DATA) & set(env), env
             assert (env["RANK"], env["WORLD_SIZE"], env["TORCHELASTIC_RESTART_COUNT"]) == (str(rank), "2", "1")
             assert env["TORCHELASTIC_MAX_RESTARTS"] == "2" and env["TAAS_OWNER"] == run.owner
-        assert "TAAS_WRITE_LAYER" in plan.envs[1] and "TAAS_WRITE_LAYER" not in plan.envs[0]  # rank 0 writes
+            assert not {key for key in env if key.startswith("TAAS_")} - {"TAAS_OWNER"} - set(os.environ), env
+        assert [(place.peer_id, place.who) for place in plan.places] == [(0, "rank 0"), (1, "rank 1")]
+        assert plan.places[0].layer is None  # rank 0 writes to the repository
+        assert plan.places[1].layer == run.layers.dirs[1] and plan.places[1].repository == run.rule.repository
         assert (run.spec.checkpoints, run.spec.keep_checkpoints, run.spec.seed) == (
             str(tmp_path / "checkpoints" / "testrun00001"), 3, 7)
 
