@@ -15,9 +15,7 @@ torch's elastic agent keeps its process context, its restart loop and its log ta
 :class:`Supervisor` routes each event: pipe output to the relay, frames to the board,
 rank 0's results, a request for the closure's host copy to the run's handoff (given in the
 run's parts, as ``host_copy``), the data plane's coordinator (whose answers go back out), and
-everything to the verdict. Because a rank flushes its pipes before it
-sends a display frame, and marks its place in its text, the display is published when the
-relay reaches the marker, after the text the rank printed before it.
+everything to the verdict; a display waits for its marker in the rank's text (output/displays.py).
 
 The first failure stops every rank; the cell's error names that process, with what it
 printed last. ``--timeout`` stops every rank and names those still running, and where each
@@ -43,6 +41,7 @@ from taas_magic.kernel.server import PeerServer
 from taas_magic.kernel.verdict import TimedOut, Verdict
 from taas_magic.launch.base import ProcessGroup
 from taas_magic.output.board import Board
+from taas_magic.output.displays import HeldDisplays
 from taas_magic.output.relay import OutputRelay, Publish
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
 from taas_magic.protocol import ClearOutput, ClosureHostWanted, Display, Done, Exhausted, Ready, Report, Result, Want
@@ -87,7 +86,7 @@ class Supervisor:
         self.mux = Mux(parts.server, parts.ids, parts.greeting)
         self.relay = parts.relay(self._on_marker)
         self.verdict = Verdict(parts.ids.ranks, self._host, data.coordinator.name_of if data is not None else _no_feed)
-        self.displays = _Displays(self.relay, parts.publish, parts.ids)
+        self.displays = HeldDisplays(self.relay, parts.publish, parts.ids)
         self.group: ProcessGroup | None = None  # the current attempt's ranks (attach / detach)
         self.result: Result | None = None
         self.running: Callable[[], None] | None = None  # once per attempt, when every rank has connected
@@ -226,35 +225,6 @@ class Supervisor:
     def outcome(self) -> RunOutcome:
         self.displays.show_leftovers()
         return RunOutcome(self.result, dict(self.verdict.exit_codes))
-
-
-class _Displays:
-    """Rich output held until the relay reaches its marker in the rank's text (output/relay.py)."""
-
-    def __init__(self, relay: OutputRelay, publish: Publish, ids: PeerIds):
-        self.relay, self.publish, self.ids = relay, publish, ids
-        self.held: dict[tuple[Peer, int], Display | ClearOutput] = {}
-
-    def keep(self, peer: Peer, frame: Display | ClearOutput) -> None:
-        self.held[(peer, frame.number)] = frame
-
-    def has(self, peer: Peer, number: int) -> bool:
-        return (peer, number) in self.held
-
-    def show(self, peer: Peer, number: int) -> None:
-        shown = self.held.pop((peer, number), None)
-        if shown is not None and self.relay.shows(peer):
-            self.relay.flush(force=True)
-            self.publish(shown)
-
-    def show_leftovers(self) -> None:
-        """Displays whose marker never came (the cell closed fd 1): show them last."""
-        for peer, number in sorted(self.held, key=lambda key: (self.ids.wire_id(key[0]), key[1])):
-            self.show(peer, number)
-        self.held.clear()
-
-    def forget_ranks(self) -> None:
-        self.held = {key: shown for key, shown in self.held.items() if not key[0].is_rank}
 
 
 def _no_feed(feed: int | None) -> str:
