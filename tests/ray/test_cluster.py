@@ -32,8 +32,8 @@ def cell_processes() -> list[psutil.Process]:
             line = " ".join(proc.info["cmdline"] or [])
         except psutil.Error:
             continue
-        if "--spare" in line and proc.info["name"] in ("taas-spare", "taas-watchdog"):
-            continue  # a waiting spare, or its watchdog (an adopted spare is named taas-rank)
+        if "--spare" in line and proc.info["name"] != "taas-rank":
+            continue  # a spare still warming or waiting, or its watchdog (an adopted spare is named taas-rank)
         if "taas_magic.rank" in line or "taas_magic.feed.worker" in line or "HostAgent" in line:
             found.append(proc)
     return found
@@ -207,7 +207,8 @@ def test_kernel_death_leaves_nothing_on_any_host(ray_cluster):
         assert kernel.execute(f"%taas cluster {ray_cluster.address}", timeout=120).reply["status"] == "ok"
         msg_id, _ = kernel.submit("#pragma taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(300)")
         kernel.wait_for_stream(msg_id, "up", timeout=120)
-        running = [" ".join(p.cmdline()) for p in cell_processes() if p.name() != "taas-watchdog"]
+        running = [f"{p.pid} {p.name()} (parent {p.ppid()}): " + " ".join(p.cmdline())
+                   for p in cell_processes() if p.name() != "taas-watchdog"]
         # ranks, not an agent whose (padded) title happens to mention the module it starts
         assert sum("-m taas_magic.rank" in line and "HostAgent" not in line for line in running) == 4, running
         assert sum("HostAgent" in line for line in running) == 2, running  # one agent per host
