@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import IO, Protocol, Sequence
 
 # (signal, seconds to wait after sending it). The whole ladder stays under 5 s.
 LADDER: tuple[tuple[signal.Signals, float], ...] = (
@@ -31,6 +30,27 @@ RESTART_LADDER: tuple[tuple[signal.Signals, float], ...] = (
 )
 
 
+class Process(Protocol):
+    """What stopping and reaping need of a process: a ``subprocess.Popen``, or a spare the factory
+    forked (launch/factory.py), which is not the kernel's child."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+
+    @property
+    def stderr(self) -> IO[bytes] | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class StopReport:
     signals: list[str] = field(default_factory=list)
@@ -45,12 +65,12 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def kill_leftovers(proc: subprocess.Popen) -> None:
+def kill_leftovers(proc: Process) -> None:
     """After a group leader exited: kill what it left running in its group."""
     signal_group(proc.pid, signal.SIGKILL)
 
 
-def reap(proc: subprocess.Popen) -> None:
+def reap(proc: Process) -> None:
     """After it was stopped: close the pipes we hold to it and wait for its exit status."""
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
@@ -61,7 +81,7 @@ def reap(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def stop_groups(procs: Sequence[subprocess.Popen], ladder: Sequence[tuple[signal.Signals, float]] = LADDER) -> StopReport:
+def stop_groups(procs: Sequence[Process], ladder: Sequence[tuple[signal.Signals, float]] = LADDER) -> StopReport:
     """Stop every process group in ``procs``; return what it took."""
     report = StopReport()
     for sig, grace in ladder:

@@ -68,8 +68,8 @@ class Kernel:
         return self.manager.provisioner.pid  # type: ignore[union-attr]
 
     def children(self) -> list[psutil.Process]:
-        """The kernel's descendants started for cells (warm spares, kept on purpose, excluded)."""
-        spares = {p.pid for p in self.spares()}
+        """The kernel's descendants started for cells (warm spares and their factory, kept on purpose, excluded)."""
+        kept_on_purpose = {p.pid for p in self.spares()} | {p.pid for p in self.factories()}
         try:
             found = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -77,24 +77,32 @@ class Kernel:
         kept = []
         for proc in found:
             try:
-                if proc.pid not in spares and proc.ppid() not in spares:  # a waiting spare's watchdog is the spare's
+                spare_watchdog = proc.ppid() in kept_on_purpose and proc.name() == "taas-watchdog"
+                if proc.pid not in kept_on_purpose and not spare_watchdog:
                     kept.append(proc)
             except psutil.NoSuchProcess:
                 pass
         return kept
 
     def spares(self) -> list[psutil.Process]:
-        """Warm spare ranks waiting for the next cell (``taas_magic.rank --spare``; once a cell
-        takes one it renames itself ``taas-rank`` and counts as the cell's)."""
+        """Warm spare ranks waiting for the next cell (``taas_magic.rank --spare``: fresh, or forked by
+        the spare factory; once a cell takes one it renames itself ``taas-rank`` and counts as the cell's)."""
+        return self._named_spares(lambda name: name not in ("taas-rank", "taas-watchdog", "taas-factory"))
+
+    def factories(self) -> list[psutil.Process]:
+        """The spare factory (launch/factory.py): it forks the spares and outlives them."""
+        return self._named_spares(lambda name: name == "taas-factory")
+
+    def _named_spares(self, wanted) -> list[psutil.Process]:
         try:
-            children = psutil.Process(self.pid).children()
+            descendants = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
         found = []
-        for child in children:
+        for proc in descendants:
             try:
-                if "--spare" in child.cmdline() and child.name() not in ("taas-rank", "taas-watchdog"):
-                    found.append(child)
+                if "--spare" in proc.cmdline() and wanted(proc.name()):
+                    found.append(proc)
             except psutil.NoSuchProcess:
                 pass
         return found

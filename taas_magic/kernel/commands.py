@@ -124,8 +124,9 @@ def _status(session: Session, settings: MagicSettings) -> None:
     print(status_text(session.last_run, visible_gpu_count(), defaults,
                       [describe_registered(loader, settings.namespace) for loader in taas.registered()]))
     spares = session.spares
+    factory = " with their factory" if spares.factory is not None else ""
     print(f"warm spares: {settings.warm}, {len(spares.spares)} waiting, {spares.resident_bytes() / 2**20:.0f} MB resident"
-          + _spares_gpu_text(session))
+          f"{factory} (proportional: shared pages split)" + _spares_gpu_text(session))
     print("write rule: " + rule.header())
     print("\n".join(session.cluster.status_lines()) if session.cluster is not None else "cluster: none (local processes)")
 

@@ -23,7 +23,7 @@ from typing import Sequence
 from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan
 from taas_magic.launch.spares import SparePool, bindings
-from taas_magic.procs import LADDER, RESTART_LADDER, kill_leftovers, reap, stop_groups
+from taas_magic.procs import LADDER, RESTART_LADDER, Process, kill_leftovers, reap, stop_groups
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
 WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
@@ -53,7 +53,7 @@ def _open_pidfd(pid: int) -> int | None:
 @dataclass
 class LocalChild:
     index: int
-    process: subprocess.Popen
+    process: Process  # a fresh interpreter, or a spare: maybe a fork of the spare factory
     host: str = "localhost"
     stdout_fd: int = field(init=False)
     stderr_fd: int = field(init=False)

@@ -36,9 +36,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
-from taas_magic.procs import reap, signal_group
+from taas_magic.launch.factory import SpareFactory
+from taas_magic.procs import Process, reap, signal_group
 from taas_magic.rank.spare import WAITING_NAME
 
 SPARE_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare")
@@ -60,7 +62,7 @@ class Spare:
     and the kernel's :func:`frozen_settings` when it started (GPU ``gpu`` is a device of that
     ``CUDA_VISIBLE_DEVICES``)."""
 
-    process: subprocess.Popen
+    process: Process  # a fork of the factory, or a fresh interpreter while the factory still imports
     gpu: int | None
     settings: dict[str, str]
 
@@ -78,6 +80,23 @@ class Spare:
             return False
 
 
+def proportional_bytes(pid: int) -> int:
+    """A process's proportional set size (its private pages, and its share of the shared ones);
+    its resident size where /proc has no smaps_rollup; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def bindings(count: int, gpus: int) -> list[int | None]:
     """What rank ``k``'s spare is bound to: GPU ``k`` while the host has one, else the CPU."""
     return [rank if rank < gpus else None for rank in range(count)]
@@ -86,15 +105,17 @@ def bindings(count: int, gpus: int) -> list[int | None]:
 class SparePool:
     def __init__(self) -> None:
         self.spares: list[Spare] = []
+        self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/factory.py)
+        self._retired: list[SpareFactory] = []  # until the spares they forked have ended
 
-    def take(self, wanted: list[int | None]) -> list[subprocess.Popen | None]:
+    def take(self, wanted: list[int | None]) -> list[Process | None]:
         """For each rank (bound to ``wanted[k]``: a GPU, or None for the CPU), a spare that serves
         it, ready ones first, still warming ones next; None where there is none (start that
         rank fresh). A warming spare is taken rather than thrown away: its warm-up is already
         ahead of any fresh process's."""
         self._drop_dead()
         by_readiness = sorted(self.spares, key=lambda spare: not spare.ready)
-        taken: list[subprocess.Popen | None] = []
+        taken: list[Process | None] = []
         for gpu in wanted:
             match = next((spare for spare in by_readiness if spare.serves(gpu)), None)
             if match is not None:
@@ -120,22 +141,38 @@ class SparePool:
                 keep.append(match)
         _stop([spare.process for spare in spare_list])
         self.spares = keep
+        factory = self._factory(step=host_gpus == 0) if missing else None
         for gpu in missing:
-            spare = _start(gpu, hide_gpus=host_gpus > 0)
+            hide_gpus = gpu is None and host_gpus > 0  # a CPU spare on a GPU host: for --device cpu ranks only
+            forked = factory.spawn(gpu, hide_gpus) if factory is not None else None
+            spare = Spare(forked, gpu, factory.settings) if forked is not None and factory is not None else _start(gpu, hide_gpus)
             if spare is None:
                 return  # the next cell starts fresh processes instead
             self.spares.append(spare)
 
-    def resident_bytes(self) -> int:
-        """The spares' resident memory, from /proc (what keeping them costs)."""
-        total = 0
-        for spare in self.spares:
+    def _factory(self, step: bool) -> SpareFactory | None:
+        """The factory for spares started now: the running one while it serves the kernel's frozen
+        settings, else a new one (the old one retired)."""
+        self._release_retired()
+        current = self.factory
+        if current is not None and (current.broken or not current.alive() or current.settings != frozen_settings()):
+            current.retire()
+            self._retired.append(current)
+            current = self.factory = None
+        if current is None:
             try:
-                with open(f"/proc/{spare.process.pid}/statm") as statm:
-                    total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, ValueError, IndexError):
-                pass
-        return total
+                current = self.factory = SpareFactory({**os.environ, **SINGLE_THREADED}, frozen_settings(), step)
+            except OSError:
+                return None  # spares start as fresh interpreters
+        return current
+
+    def resident_bytes(self) -> int:
+        """What keeping the spares costs in memory: theirs and the factory's, each process's
+        proportional share (a forked spare shares the factory's pages; /proc's PSS splits them)."""
+        processes = [spare.process.pid for spare in self.spares]
+        if self.factory is not None:
+            processes.append(self.factory.process.pid)
+        return sum(proportional_bytes(pid) for pid in processes)
 
     def gpu_bound(self) -> list[Spare]:
         return [spare for spare in self.spares if spare.gpu is not None]
@@ -161,8 +198,25 @@ class SparePool:
         return sum(used[pid] for pid in pids) if pids <= set(used) else None
 
     def close(self) -> None:
+        """Stop the waiting spares; the factory retires (it leaves once what it forked has ended)."""
         _stop([spare.process for spare in self.spares])
         self.spares = []
+        if self.factory is not None:
+            self.factory.retire()
+            self._retired.append(self.factory)
+            self.factory = None
+        self._release_retired(wait=1.0)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
+
+    def _release_retired(self, wait: float = 0.0) -> None:
+        """Reap the retired factories that have left (within ``wait`` seconds), closing their pipe and socket."""
+        deadline = time.monotonic() + wait
+        while True:
+            for gone in [old for old in self._retired if not old.alive()]:
+                gone.close()
+                self._retired.remove(gone)
+            if not self._retired or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
     def _drop_dead(self) -> None:
         _stop([spare.process for spare in self.spares if spare.process.poll() is not None])
@@ -170,6 +224,7 @@ class SparePool:
 
 
 def _start(gpu: int | None, hide_gpus: bool) -> Spare | None:
+    """A spare as a fresh interpreter (the factory is still importing, or could not start)."""
     command = SPARE_COMMAND if gpu is None else (*SPARE_COMMAND, "--gpu", str(gpu))
     env = {**os.environ, **SINGLE_THREADED}
     if gpu is None and hide_gpus:
@@ -184,7 +239,7 @@ def _start(gpu: int | None, hide_gpus: bool) -> Spare | None:
     return Spare(process, gpu, frozen_settings())
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
+def _stop(processes: list[Process]) -> None:
     """Kill at once: a waiting spare holds nothing worth a graceful stop."""
     for process in processes:
         signal_group(process.pid, signal.SIGKILL)

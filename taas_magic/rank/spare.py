@@ -25,13 +25,14 @@ WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distri
                 "taas", "taas_magic.rank.loaders", "taas_magic.rank.devices")
 
 
+first_step_taken = False  # the factory took the first CPU step before forking this spare (factory.py)
 namespace_ready = False  # a GPU spare for rank 1 or above entered its namespaces while single-threaded
 
 WAITING_NAME = b"taas-spare"  # the process name (comm) once warm and waiting; tools and tests tell spares by it
 TAKEN_NAME = b"taas-rank"
 
 
-def _set_name(name: bytes) -> None:
+def set_name(name: bytes) -> None:
     import ctypes
 
     from taas_magic.rank.lifeline import PR_SET_NAME, prctl
@@ -72,9 +73,9 @@ def warm_up(gpu: int | None = None) -> None:
     else:
         if gpu is not None:
             _bind(gpu)  # the rank would make this context first thing: never wasted
-        if not cell_waiting():
-            _first_step("cpu")  # only while idle: a cell already waiting would wait for it
-    _set_name(WAITING_NAME)
+        if not cell_waiting() and not first_step_taken:
+            first_step("cpu")  # only while idle: a cell already waiting would wait for it
+    set_name(WAITING_NAME)
 
 
 def cell_waiting(fd: int = 0) -> bool:
@@ -94,14 +95,14 @@ def _bind(gpu: int) -> None:
         torch.cuda.set_device(gpu)
         torch.zeros(1, device=f"cuda:{gpu}")  # the context
         if not cell_waiting():
-            _first_step(f"cuda:{gpu}")
+            first_step(f"cuda:{gpu}")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the context stays; the step's blocks go back to the GPU
     except Exception:  # noqa: BLE001 - a GPU that cannot be bound now: the rank binds it itself (rank/devices.py)
         pass
 
 
-def _first_step(device: str) -> None:
+def first_step(device: str) -> bool:
     """One tiny training step: the first forward, backward and optimizer steps pay lazy
     imports and first-call set-up (about 0.7 s here on CPU; kernel loading on a GPU) that
     every cell would pay again. It stays on the calling thread (OMP at one thread); on the
@@ -117,12 +118,13 @@ def _first_step(device: str) -> None:
             optimizer.step()
             optimizer.zero_grad()
     except Exception:  # noqa: BLE001 - warming is an optimisation; the cell runs regardless
-        pass
+        return False
+    return True
 
 
 def adopt(settings_line: str) -> None:
     """Become a rank of this launch: its environment and working directory, not the spare's."""
-    _set_name(TAKEN_NAME)
+    set_name(TAKEN_NAME)
     settings = json.loads(settings_line)
     os.environ.clear()
     os.environ.update(settings["env"])

@@ -1,0 +1,176 @@
+"""The kernel's half of the spare factory (rank/factory.py): start it, ask it for spares, hear their exits.
+
+:class:`SpareFactory` starts ``python -m taas_magic.rank --spare --factory FD`` once; while
+it imports, :meth:`SpareFactory.spawn` says None and the pool starts a spare the slow way
+(a fresh interpreter). Once it is ready, a spare is a fork of it: the kernel makes the
+spare's three pipes, hands their far ends over the socket, and gets a :class:`ForkedSpare`,
+which the pool, the launcher and the stop ladder use as they use a ``subprocess.Popen``:
+``pid``, the pipes, ``poll``, ``wait``. Its exit code comes from the factory, its parent.
+
+The factory fixes what a spare fixes when it imports (launch/spares.py's frozen settings):
+it serves while the kernel's values are the ones it started under, and is retired (it
+leaves once its last spare has ended) when they change or the spares are turned off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from typing import IO
+
+FACTORY_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare", "--factory")
+ANSWER_SECONDS = 5.0  # a ready factory forks in milliseconds; past this it is taken for broken
+MESSAGE_BYTES = 64 * 1024
+
+
+class SpareFactory:
+    """One factory process and the exits it reported."""
+
+    def __init__(self, env: dict[str, str], settings: dict[str, str], step: bool):
+        """Start it with ``env`` (one thread for OpenMP and BLAS); ``settings`` are the kernel's
+        frozen settings it imports under; with ``step`` (a host without GPUs) it also takes the
+        spares' first CPU training step before it forks them."""
+        self.settings = settings
+        self.exits: dict[int, int] = {}
+        self.ready = False
+        self.broken = False
+        self.retired = False
+        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.process = subprocess.Popen(
+                (*FACTORY_COMMAND, str(theirs.fileno()), *(["--step"] if step else [])), stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=os.getcwd(),
+                start_new_session=True, pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()
+        self._control.setblocking(False)
+
+    def spawn(self, gpu: int | None, hide_gpus: bool) -> ForkedSpare | None:
+        """A forked spare (bound to ``gpu``; seeing no GPU with ``hide_gpus``), or None while the
+        factory still imports or if it broke (start one the slow way)."""
+        self.collect()
+        if not self.ready or self.broken or self.retired:
+            return None
+        pipes = [os.pipe() for _ in range(3)]
+        mine = [pipes[0][1], pipes[1][0], pipes[2][0]]  # we write its stdin, read its stdout and stderr
+        theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
+        request = {"gpu": gpu, "hide_gpus": hide_gpus, "cwd": os.getcwd()}
+        try:
+            socket.send_fds(self._control, [json.dumps(request).encode()], theirs)
+            pid = self._await_spawned()
+        except OSError:
+            pid = None
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        if pid is None:
+            self.broken = self.broken or not self.retired  # a refusal is not a fault
+            for fd in mine:
+                os.close(fd)
+            return None
+        return ForkedSpare(self, pid, *mine)
+
+    def collect(self) -> None:
+        """Read what the factory said since (non-blocking)."""
+        while True:
+            try:
+                message = self._control.recv(MESSAGE_BYTES)
+            except BlockingIOError:
+                return
+            except OSError:
+                message = b""
+            if not message:
+                self.broken = True  # it is gone: spares it forked and that are still running end when their lifeline does
+                return
+            self._heard(json.loads(message))
+
+    def _heard(self, message: dict) -> int | None:
+        if message.get("ready"):
+            self.ready = True
+        if message.get("refused"):
+            self.retired = True
+        if "exited" in message:
+            self.exits[message["exited"]] = message["code"]
+        return message.get("spawned")
+
+    def _await_spawned(self) -> int | None:
+        deadline = time.monotonic() + ANSWER_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([self._control], [], [], left)[0]:
+                break
+            try:
+                message = self._control.recv(MESSAGE_BYTES)
+            except BlockingIOError:
+                continue
+            if not message:
+                return None
+            spawned = self._heard(json.loads(message))
+            if spawned is not None or self.retired:
+                return spawned
+        return None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def retire(self) -> None:
+        """Fork no more; it leaves once the spares it forked have ended (it reports their exits until then)."""
+        self.retired = True
+        try:
+            self._control.send(json.dumps({"retire": True}).encode())
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Now (the kernel leaves, or the extension unloads): its stdin closes and it exits."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._control.close()
+
+
+class ForkedSpare:
+    """A spare the factory forked, used where a ``subprocess.Popen`` is: its pid (it leads its own
+    session), its pipes, and its exit code once the factory reported it."""
+
+    def __init__(self, factory: SpareFactory, pid: int, stdin: int, stdout: int, stderr: int):
+        self.factory, self.pid = factory, pid
+        self.stdin: IO[bytes] | None = os.fdopen(stdin, "wb")
+        self.stdout: IO[bytes] | None = os.fdopen(stdout, "rb", buffering=0)
+        self.stderr: IO[bytes] | None = os.fdopen(stderr, "rb", buffering=0)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.factory.collect()
+            self.returncode = self.factory.exits.pop(self.pid, None)
+            if self.returncode is None and self.factory.broken and not _exists(self.pid):
+                self.returncode = -9  # its parent died before it could say: killed with it
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"spare {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        return code
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

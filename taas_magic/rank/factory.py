@@ -1,0 +1,177 @@
+"""The spare factory: one process that imports torch once and forks every warm spare from itself.
+
+Importing torch is most of what a spare costs (1 to 2 s here, 3 to 4 s with a CUDA build),
+and the pool starts new spares the moment a cell's ranks are gone: a cell run right after
+another used to wait for that import. The kernel's pool (launch/factory.py) starts this
+process once, with OpenMP and OpenBLAS at one thread; it imports what a spare imports and,
+on a host without GPUs, takes the spare's first CPU training step (about 1 s of lazy
+imports and first-call set-up), and nothing else: no CUDA (a forked CUDA context is
+broken, an imported CUDA library is not; on a GPU host even the CPU step would start the
+driver, so there each spare takes it). It stays single-threaded, and a fork of it is a
+warm spare in a few milliseconds, as ``multiprocessing``'s forkserver with preloaded modules is.
+
+Its requests and answers are messages on a ``SOCK_SEQPACKET`` socket (``--factory FD``):
+
+    kernel -> factory : {"gpu": K|None, "hide_gpus": bool, "cwd": ...} with three fds:
+                        the spare's stdin (read end), stdout and stderr (write ends)
+    factory -> kernel : {"ready": true}                   its imports are done
+                        {"spawned": PID}                  the spare asked for
+                        {"exited": PID, "code": CODE}     a spare ended (negative: its signal)
+
+A forked spare starts its own session, puts the three fds on 0, 1 and 2, and from there is
+a spare like any other (rank/spare.py): warm-up, handshake, cell. Its parent is this
+process, which reaps it and reports its exit code, so the factory outlives its spares: it
+leaves when the kernel closes its stdin (the kernel is gone; its spares' lifelines end them
+too) or after ``{"retire": true}`` once its last spare has ended.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import NoReturn
+
+from taas_magic.rank import spare
+from taas_magic.rank.spare import WARM_MODULES, set_name
+
+FACTORY_NAME = b"taas-factory"
+FORKED_NAME = b"taas-warming"  # a forked spare until its warm-up ends (then taas-spare)
+MESSAGE_BYTES = 64 * 1024
+
+
+def serve(control: socket.socket, step: bool) -> NoReturn:
+    """Import (and with ``step``, take the first CPU step), say so, then fork a spare per request
+    and report each one's exit, until told to leave."""
+    from taas_magic.rank.lifeline import PR_SET_PDEATHSIG, prctl
+
+    set_name(FACTORY_NAME)
+    kernel = os.getppid()
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))  # not Linux: its stdin's end-of-file alone
+    if os.getppid() != kernel:
+        os._exit(0)
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a broken torch: each spare finds out and the cell says so
+            break
+    else:
+        if step:
+            spare.first_step_taken = spare.first_step("cpu")
+    if _threads() != 1:
+        os._exit(3)  # a fork of a threaded process may inherit a held lock: the kernel starts spares fresh
+    control.send(json.dumps({"ready": True}).encode())
+    children: set[int] = set()
+    retiring = False
+    while not (retiring and not children):
+        readable, _, _ = select.select([control, sys.stdin.fileno()], [], [], 0.05)
+        if sys.stdin.fileno() in readable and not os.read(sys.stdin.fileno(), 1):
+            os._exit(0)  # the kernel is gone; its spares' lifelines end them as well
+        if control in readable:
+            retiring = _answer(control, children, retiring) or retiring
+        _report_exits(control, children)
+    os._exit(0)
+
+
+def _answer(control: socket.socket, children: set[int], retiring: bool) -> bool:
+    """One request: fork the spare it asks for (True: retire instead; once retiring, fork no more)."""
+    try:
+        message, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, 3)
+    except OSError:
+        os._exit(0)
+    if not message:
+        os._exit(0)  # the kernel closed its end
+    request = json.loads(message)
+    if request.get("retire") or retiring:
+        for fd in fds:
+            os.close(fd)
+        if not request.get("retire"):
+            control.send(json.dumps({"refused": True}).encode())
+        return True
+    sys.stdout.flush()
+    sys.stderr.flush()
+    started, leads = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(started)
+        os.setsid()  # before the kernel hears of it: it stops a spare by signalling its session's group
+        os.close(leads)
+        _become_spare(control, fds, request)
+    os.close(leads)
+    os.read(started, 1)  # end-of-file once the child leads its session
+    os.close(started)
+    for fd in fds:
+        os.close(fd)
+    children.add(pid)
+    control.send(json.dumps({"spawned": pid}).encode())
+    return False
+
+
+def _report_exits(control: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        try:
+            control.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        except OSError:
+            pass  # the kernel is gone
+
+
+def _become_spare(control: socket.socket, fds: list[int], request: dict) -> NoReturn:
+    """In the forked child: a spare of its own session on its own pipes; never returns to the factory."""
+    code = 1
+    try:
+        set_name(FORKED_NAME)
+        control.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        if request.get("hide_gpus"):
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything starts CUDA: a spare for --device cpu
+        os.chdir(request["cwd"])
+        _fresh_randomness()
+        gpu = request.get("gpu")
+        sys.argv = [sys.argv[0], "--spare", *(["--gpu", str(gpu)] if gpu is not None else [])]
+        from taas_magic.rank.main import main
+
+        main()  # ends in os._exit
+    except SystemExit as exc:  # as the interpreter would end: a number is the code, anything else is printed
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - whatever happens, this process never returns into the factory
+        traceback.print_exc()
+    finally:
+        from taas_magic.rank import lifeline
+
+        lifeline.end_watchdog()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()  # not Linux: Python's threads are what can be counted
+
+
+def _fresh_randomness() -> None:
+    """Python's ``random`` reseeds itself in a fork; numpy's global generator does not, and every
+    spare would draw the factory's numbers: reseed it from the OS, as a fresh process is."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()

@@ -1,0 +1,115 @@
+"""The spare factory: a real factory process imports torch once and forks real spares.
+
+What the pool and the launcher rely on: a forked spare is warm at once, leads its own
+session on its own pipes, and its exit code reaches the kernel through the factory (its
+parent); while the factory imports the pool starts spares the slow way; a retired factory
+leaves once its last spare has ended, and one whose kernel side closes leaves at once.
+"""
+
+import os
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from taas_magic.launch.factory import ForkedSpare, SpareFactory
+from taas_magic.launch.spares import SINGLE_THREADED, SparePool, frozen_settings
+from taas_magic.procs import reap
+from taas_magic.rank.factory import _fresh_randomness
+
+
+def _ready_factory(step: bool = True, timeout: float = 60) -> SpareFactory:
+    factory = SpareFactory({**os.environ, **SINGLE_THREADED}, frozen_settings(), step)
+    deadline = time.monotonic() + timeout
+    while not factory.ready:
+        assert factory.alive() and time.monotonic() < deadline, "the factory never finished importing"
+        factory.collect()
+        time.sleep(0.05)
+    return factory
+
+
+def _until(condition, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def factory():
+    made = _ready_factory()
+    yield made
+    made.close()
+
+
+def test_a_forked_spare_is_warm_at_once_in_its_own_session_and_its_exit_code_comes_back(factory):
+    started = time.monotonic()
+    spare = factory.spawn(gpu=None, hide_gpus=False)
+    assert isinstance(spare, ForkedSpare)
+    process = psutil.Process(spare.pid)
+    assert _until(lambda: process.name() == "taas-spare"), process.name()  # imported and stepped: waiting
+    warm_in = time.monotonic() - started
+    assert warm_in < 5, warm_in  # a fresh interpreter takes seconds to import torch; a fork, milliseconds
+    assert process.ppid() == factory.process.pid and os.getsid(spare.pid) == spare.pid
+    assert spare.poll() is None
+    spare.stdin.close()  # the kernel's lifeline ends before any handshake: the spare leaves (its watchdog may be first)
+    assert spare.wait(timeout=10) in (1, -9)
+    reap(spare)
+
+
+def test_a_killed_spare_reports_its_signal_and_leaves_no_zombie(factory):
+    spare = factory.spawn(gpu=None, hide_gpus=True)
+    assert spare is not None
+    os.killpg(spare.pid, 9)
+    assert spare.wait(timeout=10) == -9
+    reap(spare)
+    assert not psutil.pid_exists(spare.pid) or psutil.Process(spare.pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_while_the_factory_imports_the_pool_starts_fresh_spares_then_forks_them(monkeypatch):
+    pool = SparePool()
+    try:
+        pool.fill(1)
+        assert isinstance(pool.spares[0].process, subprocess.Popen)  # the factory is still importing
+        assert _until(lambda: pool.factory.collect() or pool.factory.ready, timeout=60)
+        pool.close()
+        pool.factory = _ready_factory()
+        pool.fill(2)
+        assert [type(spare.process) for spare in pool.spares] == [ForkedSpare, ForkedSpare]
+    finally:
+        pool.close()
+
+
+def test_a_retired_factory_leaves_after_its_last_spare_and_a_closed_one_at_once(factory):
+    spare = factory.spawn(gpu=None, hide_gpus=False)
+    assert spare is not None
+    factory.retire()
+    time.sleep(0.3)
+    assert factory.alive()  # its spare (a rank, perhaps) still runs: it reports that exit too
+    assert factory.spawn(gpu=None, hide_gpus=False) is None  # retired: no more forks
+    os.killpg(spare.pid, 9)
+    assert spare.wait(timeout=10) == -9
+    reap(spare)
+    assert _until(lambda: not factory.alive())
+    other = _ready_factory(step=False)
+    other.close()
+    assert other.process.returncode == 0
+
+
+def test_a_fork_draws_its_own_numpy_numbers():
+    numpy = pytest.importorskip("numpy")
+    numpy.random.seed(1234)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _fresh_randomness()
+        os.write(write, numpy.random.bytes(16))
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 16)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child != numpy.random.bytes(16)  # the parent's next numbers, which the fork would have drawn too
