@@ -32,8 +32,9 @@ beside Ray Train's TorchTrainer instead: see bench/cluster.py.
 
 ``--next-cell`` measures what a person who reruns a cell meets, in --repeats fresh kernels:
 the first cell's first line (cold), a cell sent 1 s after the last one's reply (its spares
-are still importing torch: the cell takes them and waits), and one sent once the spares
-are ready; target: the 1 s cell at most 0.6x the cold one.
+are forks of the spare factory once it has imported torch, else still importing: the cell
+takes them and waits), one sent once the spares are ready, and one sent the moment that
+one replied; target: the 1 s cell at most 0.6x the cold one.
 
 ``--throughput-only`` measures steps/s alone, in --repeats pairs of a taas cell (one kernel)
 and a torchrun run, in ABBA order, with the spares a taas cell refills ready before torchrun
@@ -187,7 +188,8 @@ NEXT_CELL_PAUSE = 1.0  # seconds between a cell's reply and the next cell: a per
 
 
 def next_cell(repeats: int) -> None:
-    """Cold first cell, a cell 1 s after the last (spares still warming), a cell on ready spares."""
+    """Cold first cell, a cell 1 s after the last (spares still warming, or forked by the factory once
+    it has imported), a cell on ready spares, and one sent the moment that one replied."""
     rows: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeats):
@@ -200,6 +202,7 @@ def next_cell(repeats: int) -> None:
                                                                       / rows["first cell (cold)"][-1])
                 wait_for_spares(kernel, 2)
                 rows.setdefault("next cell, spares ready", []).append(taas_cell(kernel, ANCHOR_STEPS)[0])
+                rows.setdefault("next cell, at once", []).append(taas_cell(kernel, ANCHOR_STEPS)[0])
             finally:
                 kernel.shutdown()
     cold = statistics.median(rows["first cell (cold)"])

@@ -68,17 +68,15 @@ class Kernel:
         return self.manager.provisioner.pid  # type: ignore[union-attr]
 
     def children(self) -> list[psutil.Process]:
-        """The kernel's descendants started for cells (warm spares and their factory, kept on purpose, excluded)."""
-        kept_on_purpose = {p.pid for p in self.spares()} | {p.pid for p in self.factories()}
-        try:
-            found = psutil.Process(self.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
+        """The kernel's descendants started for cells: not the warm spares, their factory or their
+        watchdogs, which are kept on purpose (``--spare`` in the command line, and not yet
+        renamed ``taas-rank`` by a cell that took them)."""
         kept = []
-        for proc in found:
+        for proc in self._descendants():
             try:
-                spare_watchdog = proc.ppid() in kept_on_purpose and proc.name() == "taas-watchdog"
-                if proc.pid not in kept_on_purpose and not spare_watchdog:
+                parent = proc.parent()
+                watchdog_of_spare = proc.name() == "taas-watchdog" and parent is not None and _kept_spare(parent)
+                if not _kept_spare(proc) and not watchdog_of_spare:
                     kept.append(proc)
             except psutil.NoSuchProcess:
                 pass
@@ -87,25 +85,17 @@ class Kernel:
     def spares(self) -> list[psutil.Process]:
         """Warm spare ranks waiting for the next cell (``taas_magic.rank --spare``: fresh, or forked by
         the spare factory; once a cell takes one it renames itself ``taas-rank`` and counts as the cell's)."""
-        return self._named_spares(lambda name: name not in ("taas-rank", "taas-watchdog", "taas-factory"))
+        return [proc for proc in self._descendants() if _kept_spare(proc) and _name(proc) not in ("taas-factory", "taas-watchdog")]
 
     def factories(self) -> list[psutil.Process]:
         """The spare factory (launch/factory.py): it forks the spares and outlives them."""
-        return self._named_spares(lambda name: name == "taas-factory")
+        return [proc for proc in self._descendants() if _kept_spare(proc) and _name(proc) == "taas-factory"]
 
-    def _named_spares(self, wanted) -> list[psutil.Process]:
+    def _descendants(self) -> list[psutil.Process]:
         try:
-            descendants = psutil.Process(self.pid).children(recursive=True)
+            return psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
-        found = []
-        for proc in descendants:
-            try:
-                if "--spare" in proc.cmdline() and wanted(proc.name()):
-                    found.append(proc)
-            except psutil.NoSuchProcess:
-                pass
-        return found
 
     def submit(self, code: str) -> tuple[str, float]:
         return self.client.execute(code), time.monotonic()
@@ -186,11 +176,43 @@ def in_ci() -> bool:
 
 def assert_nothing_left(kernel: Kernel) -> None:
     """No process started for a cell is still alive (waiting warm spares are kept on purpose)."""
-    alive = wait_until_gone(kernel.children(), timeout=5)
-    left = []
-    for process in alive:
+    left = describe(left_after(kernel, timeout=5))
+    assert not left, f"processes left behind: {left}"
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def _kept_spare(proc: psutil.Process) -> bool:
+    """A spare that no cell has taken (warming or waiting), its factory, or a watchdog a spare just forked."""
+    try:
+        return "--spare" in proc.cmdline() and proc.name() != "taas-rank"
+    except psutil.NoSuchProcess:
+        return False
+
+
+def left_after(kernel: "Kernel", timeout: float) -> list[psutil.Process]:
+    """What the kernel started for cells and is still running after ``timeout``, looked at afresh
+    each time (a spare forked while one look was taken is told apart by the next)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = wait_until_gone(kernel.children(), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        if not alive or time.monotonic() >= deadline:
+            return alive
+
+
+def describe(processes: list[psutil.Process]) -> list[str]:
+    """Each process with its name, state and parent (and the parent's), for a failing assertion."""
+    lines = []
+    for process in processes:
         try:
-            left.append((process.pid, process.cmdline()))
+            parent = process.parent()
+            whose = f"{parent.pid} {parent.name()} {parent.status()}" if parent is not None else "none"
+            lines.append(f"{process.pid} {process.name()} {process.status()} parent {whose}: {' '.join(process.cmdline())}")
         except psutil.NoSuchProcess:
             pass
-    assert not left, f"processes left behind: {left}"
+    return lines

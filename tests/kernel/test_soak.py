@@ -9,7 +9,7 @@ more than one cell's worth of them.
 import psutil
 import pytest
 
-from tests.kernel_client import Kernel, wait_until_gone
+from tests.kernel_client import Kernel, describe, left_after
 
 CELLS = 100
 
@@ -63,10 +63,10 @@ def test_a_hundred_cells_leave_no_trace():
             else:
                 assert ran.reply["status"] == "ok", ran.error_text()
                 outcomes["ok"] += 1
-        assert not wait_until_gone(kernel.children(), timeout=5)
+        assert not left_after(kernel, timeout=5)
         after = _footprint(kernel)
         assert outcomes == {"ok": 80, "error": 10, "interrupted": 10}
-        assert after["children"] == 0
+        assert after["children"] == 0, describe(kernel.children())
         assert after["spares"] <= 2  # the warm spares for the next cell, never more
         assert after["fds"] <= before["fds"] + 4, (before, after)
         assert after["threads"] <= before["threads"] + 2, (before, after)
