@@ -85,11 +85,19 @@ class Kernel:
     def spares(self) -> list[psutil.Process]:
         """Warm spare ranks waiting for the next cell (``taas_magic.rank --spare``: fresh, or forked by
         the spare factory; once a cell takes one it renames itself ``taas-rank`` and counts as the cell's)."""
-        return [proc for proc in self._descendants() if _kept_spare(proc) and _name(proc) not in ("taas-factory", "taas-watchdog")]
+        return [proc for proc in self._descendants()
+                if _kept_spare(proc) and _name(proc) != "taas-factory" and self._started_spares(proc)]
 
     def factories(self) -> list[psutil.Process]:
         """The spare factory (launch/factory.py): it forks the spares and outlives them."""
         return [proc for proc in self._descendants() if _kept_spare(proc) and _name(proc) == "taas-factory"]
+
+    def _started_spares(self, proc: psutil.Process) -> bool:
+        """Whether ``proc``'s parent starts spares: the kernel, or the factory (not a spare: that is its watchdog)."""
+        try:
+            return proc.ppid() == self.pid or _name(psutil.Process(proc.ppid())) == "taas-factory"
+        except psutil.NoSuchProcess:
+            return False
 
     def _descendants(self) -> list[psutil.Process]:
         try:

@@ -67,7 +67,7 @@ def test_a_hundred_cells_leave_no_trace():
         after = _footprint(kernel)
         assert outcomes == {"ok": 80, "error": 10, "interrupted": 10}
         assert after["children"] == 0, describe(kernel.children())
-        assert after["spares"] <= 2  # the warm spares for the next cell, never more
+        assert after["spares"] <= 2, describe(kernel.spares())  # the warm spares for the next cell, never more
         assert after["fds"] <= before["fds"] + 4, (before, after)
         assert after["threads"] <= before["threads"] + 2, (before, after)
         assert after["rss_mb"] <= before["rss_mb"] + 40, (before, after)
