@@ -57,6 +57,17 @@ class StopReport:
     still_running: list[int] = field(default_factory=list)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (perhaps another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def signal_group(pid: int, sig: int) -> None:
     """Signal a process group, ignoring one that is already gone."""
     try:

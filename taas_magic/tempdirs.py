@@ -15,6 +15,8 @@ import stat
 import tempfile
 from typing import Callable
 
+from taas_magic.procs import pid_alive
+
 SHM = "/dev/shm"
 
 
@@ -59,7 +61,7 @@ def sweep_orphans(directory: str | None = None, prefix: str = "taas-scratch-") -
         if not name.startswith(prefix):
             continue
         pid = name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         path = os.path.join(directory, name)
         try:
@@ -71,13 +73,3 @@ def sweep_orphans(directory: str | None = None, prefix: str = "taas-scratch-") -
                 os.unlink(path)
         except FileNotFoundError:
             pass  # another kernel swept it first
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import IO
 
+from taas_magic.procs import pid_alive
+
 FACTORY_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare", "--factory")
 ANSWER_SECONDS = 5.0  # a ready factory forks in milliseconds; past this it is taken for broken
 MESSAGE_BYTES = 64 * 1024
@@ -153,7 +155,7 @@ class ForkedSpare:
         if self.returncode is None:
             self.factory.collect()
             self.returncode = self.factory.exits.pop(self.pid, None)
-            if self.returncode is None and self.factory.broken and not _exists(self.pid):
+            if self.returncode is None and self.factory.broken and not pid_alive(self.pid):
                 self.returncode = -9  # its parent died before it could say: killed with it
         return self.returncode
 
@@ -164,13 +166,3 @@ class ForkedSpare:
                 raise subprocess.TimeoutExpired(f"spare {self.pid}", timeout or 0.0)
             time.sleep(0.005)
         return code
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
