@@ -78,19 +78,21 @@ class SpareFactory:
             return None
         return ForkedSpare(self, pid, *mine)
 
-    def collect(self) -> None:
-        """Read what the factory said since (non-blocking)."""
+    def collect(self) -> int | None:
+        """Read what the factory said since (non-blocking); the pid of a spare it said it forked, if it did."""
+        spawned = None
         while True:
             try:
                 message = self._control.recv(MESSAGE_BYTES)
             except BlockingIOError:
-                return
+                return spawned
             except OSError:
                 message = b""
             if not message:
                 self.broken = True  # it is gone: spares it forked and that are still running end when their lifeline does
-                return
-            self._heard(json.loads(message))
+                return spawned
+            heard = self._heard(json.loads(message))
+            spawned = heard if heard is not None else spawned
 
     def _heard(self, message: dict) -> int | None:
         if message.get("ready"):
@@ -103,17 +105,11 @@ class SpareFactory:
 
     def _await_spawned(self) -> int | None:
         deadline = time.monotonic() + ANSWER_SECONDS
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not (self.broken or self.retired):
             if not select.select([self._control], [], [], left)[0]:
                 break
-            try:
-                message = self._control.recv(MESSAGE_BYTES)
-            except BlockingIOError:
-                continue
-            if not message:
-                return None
-            spawned = self._heard(json.loads(message))
-            if spawned is not None or self.retired:
+            spawned = self.collect()
+            if spawned is not None:
                 return spawned
         return None
 

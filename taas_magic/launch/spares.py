@@ -143,9 +143,7 @@ class SparePool:
         self.spares = keep
         factory = self._factory(step=host_gpus == 0) if missing else None
         for gpu in missing:
-            hide_gpus = gpu is None and host_gpus > 0  # a CPU spare on a GPU host: for --device cpu ranks only
-            forked = factory.spawn(gpu, hide_gpus) if factory is not None else None
-            spare = Spare(forked, gpu, factory.settings) if forked is not None and factory is not None else _start(gpu, hide_gpus)
+            spare = _fork(factory, gpu, host_gpus > 0) or _start(gpu, host_gpus > 0)
             if spare is None:
                 return  # the next cell starts fresh processes instead
             self.spares.append(spare)
@@ -156,9 +154,8 @@ class SparePool:
         self._release_retired()
         current = self.factory
         if current is not None and (current.broken or not current.alive() or current.settings != frozen_settings()):
-            current.retire()
-            self._retired.append(current)
-            current = self.factory = None
+            self._retire_factory()
+            current = None
         if current is None:
             try:
                 current = self.factory = SpareFactory({**os.environ, **SINGLE_THREADED}, frozen_settings(), step)
@@ -201,11 +198,15 @@ class SparePool:
         """Stop the waiting spares; the factory retires (it leaves once what it forked has ended)."""
         _stop([spare.process for spare in self.spares])
         self.spares = []
+        self._retire_factory()
+        self._release_retired(wait=1.0)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
+
+    def _retire_factory(self) -> None:
+        """The factory forks no more; it is kept until it has left (the spares it forked have ended)."""
         if self.factory is not None:
             self.factory.retire()
             self._retired.append(self.factory)
             self.factory = None
-        self._release_retired(wait=1.0)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
 
     def _release_retired(self, wait: float = 0.0) -> None:
         """Reap the retired factories that have left (within ``wait`` seconds), closing their pipe and socket."""
@@ -221,6 +222,14 @@ class SparePool:
     def _drop_dead(self) -> None:
         _stop([spare.process for spare in self.spares if spare.process.poll() is not None])
         self.spares = [spare for spare in self.spares if spare.process.poll() is None]
+
+
+def _fork(factory: SpareFactory | None, gpu: int | None, hide_gpus: bool) -> Spare | None:
+    """A spare forked by ``factory`` (None while it imports, or where there is none)."""
+    if factory is None:
+        return None
+    forked = factory.spawn(gpu, hide_gpus=gpu is None and hide_gpus)  # a CPU spare on a GPU host: --device cpu only
+    return Spare(forked, gpu, factory.settings) if forked is not None else None
 
 
 def _start(gpu: int | None, hide_gpus: bool) -> Spare | None:
