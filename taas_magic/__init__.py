@@ -18,29 +18,42 @@ _loaded: dict[str, Any] = {}
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:
-    from taas_magic.cell.transformer import route_taas_cell
+    from taas_magic.cell.transformer import taas_cells
     from taas_magic.kernel.magics import TaasMagics
 
     if _loaded.get("shell") is ipython:
         return
     magics = TaasMagics(shell=ipython)
     ipython.register_magics(magics)
-    ipython.input_transformers_cleanup.insert(0, route_taas_cell)
+    ipython.input_transformers_cleanup.insert(0, taas_cells(lambda: _runs_coroutines(ipython)))
     _loaded.update(shell=ipython, magics=magics)
 
 
-def unload_ipython_extension(ipython: InteractiveShell) -> None:
-    from taas_magic.cell.transformer import route_taas_cell
+def _runs_coroutines(ipython: InteractiveShell) -> bool:
+    """The shell awaits a cell's top-level ``await`` on asyncio (IPython's autoawait; ipykernel's default)."""
+    from IPython.core.async_helpers import _asyncio_runner
 
+    return bool(getattr(ipython, "autoawait", False)) and getattr(ipython, "loop_runner", None) is _asyncio_runner
+
+
+async def run_cell(line: str, cell: str) -> object:
+    """What a taas cell awaits (cell/transformer.py): the loaded magic's coroutine."""
+    magics = _loaded.get("magics")
+    if magics is None:
+        raise RuntimeError("taas: the taas_magic extension is not loaded here (%load_ext taas_magic)")
+    return await magics.taas_cell_async(line, cell)
+
+
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
     magics = _loaded.get("magics")
     if magics is not None:
-        magics.spares.close()
+        magics.close()
     # IPython has no API to unregister magics: remove our entries, as alias.py does.
     manager = ipython.magics_manager
     for kind in ("line", "cell"):
         if getattr(manager.magics[kind].get("taas"), "__self__", None) is _loaded.get("magics"):
             del manager.magics[kind]["taas"]
     manager.registry.pop("TaasMagics", None)
-    while route_taas_cell in ipython.input_transformers_cleanup:
-        ipython.input_transformers_cleanup.remove(route_taas_cell)
+    ipython.input_transformers_cleanup[:] = [transform for transform in ipython.input_transformers_cleanup
+                                             if not getattr(transform, "taas", False)]
     _loaded.clear()

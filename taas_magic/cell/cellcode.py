@@ -17,7 +17,6 @@ from IPython.core.displayhook import DisplayHook
 from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.interactiveshell import InteractiveShell
 
-from taas_magic.cell.transformer import route_taas_cell
 from taas_magic.errors import TaasError
 
 
@@ -33,7 +32,7 @@ class CellCode:
 def _transformer_manager(shell: InteractiveShell) -> TransformerManager:
     manager = TransformerManager()
     own = shell.input_transformer_manager
-    manager.cleanup_transforms = [t for t in own.cleanup_transforms if t is not route_taas_cell]
+    manager.cleanup_transforms = [t for t in own.cleanup_transforms if not getattr(t, "taas", False)]
     manager.line_transforms = list(own.line_transforms)
     manager.token_transformers = list(own.token_transformers)
     return manager

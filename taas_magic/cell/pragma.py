@@ -66,6 +66,7 @@ class PragmaOptions:
     per_host: int | None = None  # None: as many as each host has free
     place_timeout: float | None = None  # None: the session default
     restarts: int | None = None  # None: the session default (0)
+    detach: bool = False  # --detach: the cell returns at once, the run goes on (kernel/background.py)
     configs: tuple[str, ...] = field(default=())
 
 
@@ -85,6 +86,7 @@ class RunSettings:
     per_host: int | None  # None: as many as each host has free
     place_timeout: float
     output: str
+    detach: bool = False
     configs: tuple[str, ...] = ()
 
 
@@ -198,6 +200,19 @@ class RankCount(Count):
         return AUTO if token == AUTO else super().parse(flag, token)
 
 
+class Flag:
+    """An option that takes no value: present or not."""
+
+    def parse(self, flag: str, token: str) -> bool:
+        raise PragmaError(f"{flag} takes no value, got {token!r}")
+
+    def refusal(self, value: object) -> str | None:
+        return None if isinstance(value, bool) else "True or False"
+
+    def from_setting(self, value: object) -> object:
+        return value
+
+
 def parse_size(token: str) -> int | None:
     """``4G``, ``512MiB``, ``1.5g``, ``1000`` -> bytes (K/M/G/T are powers of 1024); None if malformed."""
     match = _SIZE.match(token.strip())
@@ -206,7 +221,7 @@ def parse_size(token: str) -> int | None:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-Value = Union[Count, Seconds, Size, Choice]
+Value = Union[Count, Seconds, Size, Choice, Flag]
 
 
 @dataclass(frozen=True)
@@ -226,6 +241,11 @@ class Option:
 
     def parse(self, token: str) -> object:
         return self.value.parse(self.flag, token)
+
+    @property
+    def signature(self) -> str:
+        """``--gpus N|auto``; a flag alone, ``--detach``."""
+        return f"{self.flag} {self.metavar}".strip()
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -256,6 +276,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--output", "rank0|all", "output", Choice(*OUTPUT_MODES),
            "rank0 (default): only rank 0's output reaches the cell; all: every rank's, prefixed [rank k]",
            default="rank0", setting="output"),
+    Option("--detach", "", "detach", Flag(),
+           "run in the background: the cell returns at once with the live view; %taas wait binds rank 0's names",
+           default=False),
 )
 _BY_FLAG = {option.flag: option for option in OPTIONS}
 SETTINGS = {option.setting: option for option in OPTIONS if option.setting is not None}  # TaasMagics name -> option
@@ -294,7 +317,7 @@ def shown_defaults(session: Mapping[str, object]) -> list[tuple[str, object]]:
 
 
 def usage() -> str:
-    words = [f"{o.flag} {o.metavar}" if o.required else f"[{o.flag} {o.metavar}]" for o in OPTIONS]
+    words = [o.signature if o.required else f"[{o.signature}]" for o in OPTIONS]
     return "usage: #pragma taas " + " ".join(words)
 
 
@@ -312,6 +335,12 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
             raise PragmaError(f"unexpected token {token!r} (options start with --)")
         if name in values:
             raise PragmaError(f"duplicate option {name!r}")
+        if isinstance(_BY_FLAG[name].value, Flag):
+            if eq:
+                _BY_FLAG[name].parse(inline)  # raises: a flag takes no value
+            values[name] = True
+            i += 1
+            continue
         if eq:
             if not inline:
                 raise PragmaError(f"{name} needs a value, got {token!r}")

@@ -19,6 +19,7 @@ from IPython.core.error import UsageError
 
 from taas_magic.cell.pragma import shown_defaults
 from taas_magic.errors import ClusterError
+from taas_magic.kernel import runcommands
 from taas_magic.kernel.cluster import Cluster
 from taas_magic.kernel.dataplane import describe_registered
 from taas_magic.kernel.session import Session
@@ -36,13 +37,25 @@ class MagicSettings:
     set_warm: Callable[[str], None]  # sets TaasMagics.warm (validated as any setting is)
     defaults: dict[str, object]  # every option's session default, by setting name
     namespace: dict  # the notebook's names, to describe the registered loaders
+    viewing: runcommands.Viewing  # how a run is shown in this cell (attach)
+    take: runcommands.Take  # binds a finished run's names in the notebook (wait)
 
 
-def run(line: str, session: Session, settings: MagicSettings) -> None:
-    """One ``%taas`` line (empty: ``help``)."""
+def run(line: str, session: Session, settings: MagicSettings) -> object:
+    """One ``%taas`` line (empty: ``help``); ``wait`` returns the run's value."""
     command = line.strip() or "help"
     words = command.split(maxsplit=2)
-    if words[:2] == ["config", "repo"] and len(words) == 3:
+    given = words[1] if len(words) == 2 else None
+    if words[:1] in (["attach"], ["wait"], ["stop"]) and len(words) <= 2:
+        if words[0] == "wait":
+            return runcommands.wait(session.runs, given, settings.take)
+        if words[0] == "attach":
+            runcommands.attach(session.runs, given, settings.viewing)
+        else:
+            runcommands.stop(session.runs, given)
+    elif command == "runs":
+        runcommands.list_runs(session.runs)
+    elif words[:2] == ["config", "repo"] and len(words) == 3:
         _set_repository(session, words[2])
     elif words[:2] == ["config", "isolation"] and len(words) == 3:
         _set_isolation(session, words[2])
@@ -56,6 +69,7 @@ def run(line: str, session: Session, settings: MagicSettings) -> None:
         _status(session, settings)
     else:
         raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")
+    return None
 
 
 def _set_repository(session: Session, given: str) -> None:

@@ -2,21 +2,22 @@
 
 :func:`execute` makes what the supervisor (kernel/supervisor.py) is given as ``RunParts``
 from the run's parts: the handshake line every peer is started with, each peer's greeting
-(the spec and closure frames for a rank, its plan for a data worker), the relay over the
-cell's output ``budget``, the live board, the hang autopsy over the notebook's sources, and
-the closure handoff's answer to a rank that asks for a host copy. It starts the data workers
+(the spec and closure frames for a rank, its plan for a data worker), the relay into the
+run's log, the live board, the hang autopsy over the notebook's sources, the closure
+handoff's answer to a rank that asks for a host copy, and whether a stop was asked. It starts the data workers
 (when the cell reads registered loaders), then each attempt's ranks (after a failed one,
 what it left is swept and a later attempt first recovers the backend's lost hosts), and
 returns how the ranks ended. Whatever happens, the board's last reports become ``taas.metrics()``'s.
-Everything shown goes through ``publish`` and the process's streams; nothing is released
-here: the run releases what it holds when the magic leaves it.
+Everything shown goes into the run's log (output/runlog.py), which the views read; it runs
+on the run's own thread (kernel/background.py) and releases nothing: the run releases what
+it holds when that thread leaves it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import sys
+from typing import Callable
 
 from taas_magic import wire
 from taas_magic.autopsy import stacks
@@ -26,8 +27,7 @@ from taas_magic.kernel.run import Run
 from taas_magic.kernel.supervisor import RunOutcome, RunParts, run_ranks
 from taas_magic.launch.base import ProcessGroup
 from taas_magic.output.board import Board
-from taas_magic.output.budget import OutputBudget
-from taas_magic.output.relay import OutputRelay, Publish
+from taas_magic.output.relay import OutputRelay, TextOut
 from taas_magic.peers import Peer
 from taas_magic.procs import kill_tagged
 from taas_magic.runspec import RunSpec
@@ -41,12 +41,13 @@ def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
     return sources
 
 
-def execute(run: Run, publish: Publish, budget: OutputBudget) -> RunOutcome:
-    """Every rank's environment and the handshake; then the ranks (and data workers), supervised."""
-    peers, server, layers, bodies = run.peers, run.server, run.layers, run.bodies
+def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
+    """Every rank's environment and the handshake; then the ranks (and data workers), supervised
+    until they end or ``stop_asked()``."""
+    peers, server, layers, bodies, log = run.peers, run.server, run.layers, run.bodies, run.log
     owner = run.owner
     handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
-    streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+    streams: dict[str, TextOut] = {"stdout": log.stream("stdout"), "stderr": log.stream("stderr")}
     data = run.data
 
     def greeting(peer: Peer) -> list[bytes]:
@@ -58,12 +59,12 @@ def execute(run: Run, publish: Publish, budget: OutputBudget) -> RunOutcome:
     def start_data() -> DataPlane:
         assert data is not None
         plan = data.prepare(run.spec.run_id, handshake, peers, layers.worker_dirs, run.rule)
-        start = functools.partial(data.start, plan, publish)
-        return run.backend.start_data(data.cache_ram, start, server.key)
+        start = functools.partial(data.start, plan, log.publish)
+        return run.backend.start_data(data.cache_ram, start, server.key, log.say)
 
     def start_ranks(attempt: int) -> ProcessGroup:
         if attempt:
-            run.backend.recover()  # a host that went away: its ranks are placed elsewhere
+            run.backend.recover(log.say)  # a host that went away: its ranks are placed elsewhere
         return run.backend.start_ranks(run.launch_plan(handshake, attempt), server.key)
 
     def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
@@ -71,10 +72,10 @@ def execute(run: Run, publish: Publish, budget: OutputBudget) -> RunOutcome:
         memfile.remove_run(os.getpid(), run.spec.run_id)
 
     explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
-    board = Board(peers.ranks, publish)
+    board = Board(peers.ranks, log.publish, log.points)
     parts = RunParts(server, peers, greeting,
-                     lambda on_marker: OutputRelay(run.spec.output, peers, streams, budget=budget, on_marker=on_marker),
-                     publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain)
+                     lambda on_marker: OutputRelay(run.spec.output, peers, streams, on_marker=on_marker),
+                     log.publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain, stop_asked)
     try:
         return run_ranks(parts, start_ranks, start_data if data is not None else None,
                          Attempts(run.settings.restarts, between, run.backend.standby))

@@ -17,7 +17,8 @@ left out of. In the order they are taken:
    the rest is cleaned up).
 
 Leaving the run (``with run:``) records how it ended for ``%taas status`` and releases all
-of it; a run that failed also removes any results file rank 0 had written. A release that
+of it; a run that failed also removes any results file rank 0 had written. The last entry
+of its log (output/runlog.py) says how it ended, written after everything was released. A release that
 raises does not stop the others (``ExitStack``); the first error is the one raised.
 """
 
@@ -25,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
+import traceback as traceback_module
 from contextlib import ExitStack
 from types import TracebackType
 from typing import TypeVar
@@ -40,6 +41,7 @@ from taas_magic.kernel.server import PeerServer
 from taas_magic.kernel.status import LastRun
 from taas_magic.launch.backend import Backend, rank_environments
 from taas_magic.launch.base import LaunchPlan
+from taas_magic.output.runlog import RunLog
 from taas_magic.peers import PeerIds
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.protocol import Result
@@ -52,6 +54,28 @@ from taas_magic.transfer.results import apply_results
 from taas_magic.writes.rule import ScratchLayers, WriteRule
 
 BackendT = TypeVar("BackendT", bound=Backend)
+
+
+OK, FAILED, STOPPED = "ok", "failed", "stopped"
+
+
+def ending(error: BaseException | None) -> str:
+    """How a run that raised ``error`` (None: nothing) ended, in a word."""
+    if error is None:
+        return OK
+    return STOPPED if isinstance(error, KeyboardInterrupt) else FAILED
+
+
+def error_lines(error: BaseException | None) -> tuple[str, ...]:
+    """The error as the cell shows it (taas's errors render themselves)."""
+    if error is None:
+        return ()
+    if isinstance(error, KeyboardInterrupt):
+        return ("KeyboardInterrupt: the run was stopped",)
+    render = getattr(error, "_render_traceback_", None)
+    if render is not None:
+        return tuple(render())
+    return tuple("".join(traceback_module.format_exception_only(type(error), error)).splitlines())
 
 
 class Run:
@@ -78,8 +102,9 @@ class Run:
         return backend
 
     def open(self, spec: RunSpec, rule: WriteRule, record: LastRun) -> None:
-        """The folders, the scratch layers, the server and the closure handoff, in that order."""
+        """The log, the folders, the scratch layers, the server and the closure handoff, in that order."""
         self.rule, self.record = rule, record
+        self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
         self._stack.callback(checkpoints.finished_run, spec.checkpoints)
         stacks_dir = stacks.make_dir(spec.run_id)
         self._stack.callback(remove_tree, stacks_dir)
@@ -128,11 +153,23 @@ class Run:
         if self.record is not None:
             self.record.seconds = time.monotonic() - self._started
             self.record.outcome = "ok" if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
-        self._stack.__exit__(kind, error, traceback)
+        try:
+            self._stack.__exit__(kind, error, traceback)
+        except BaseException as release_error:
+            self._log_end(release_error)
+            raise
+        self._log_end(error)
+
+    def _log_end(self, error: BaseException | None) -> None:
+        """The log's last entry, once everything was released: how the run ended, its error as the cell shows it."""
+        if hasattr(self, "log"):
+            self.log.end(ending(error), error_lines(error))
 
     def close(self) -> None:
         """Release everything taken so far (a plan step that failed half-way)."""
         self._stack.close()
+        if hasattr(self, "log"):
+            self.log.close()
 
     def bind_results(self, result: Result | None, namespace: dict) -> object:
         """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""
@@ -147,7 +184,7 @@ class Run:
 
     def _remove_layers(self) -> None:
         for line in self.layers.report(self.rule.repository):
-            print(line, file=sys.stderr)
+            self.log.say(line, "stderr")
         self.layers.remove()
 
     def _drop_results_on_failure(self, kind: type[BaseException] | None, *_: object) -> bool:

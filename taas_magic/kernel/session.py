@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from taas_magic.errors import ClusterError
+from taas_magic.kernel.background import Runs
 from taas_magic.kernel.cluster import Cluster, address_from_environment
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import LastRun
@@ -31,6 +32,7 @@ class Session:
     isolation: str = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
     cluster: Cluster | None = None  # %taas cluster ADDRESS, or $TAAS_CLUSTER at load
     last_run: LastRun | None = None
+    runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/background.py)
 
     @classmethod
     def start(cls, warm: Warm) -> Session:

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 from traitlets import Enum, Float, Int, TraitError, TraitType, Unicode
 
-from taas_magic.cell.pragma import SETTINGS, Choice, Count, Seconds, Size, option
+from taas_magic.cell.pragma import SETTINGS, Choice, Count, Seconds, Size, Value, option
 
-SESSION_ONLY = {  # what the settings no option has accept
+SESSION_ONLY: dict[str, Value] = {  # what the settings no option has accept
     "max_output_lines": Count(1),
     "max_output_bytes": Count(1),
     "tail_output_lines": Count(0),
     "closure_file_bytes": Count(0),
     "keep_checkpoints": Count(1),
+    "view": Choice("auto", "widget", "stream"),
 }
 WARM_ACCEPTS = "'off', 'auto' or a number of spares"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -14,6 +15,10 @@ LINE_COMMANDS = (
     ("%taas config isolation auto|overlay|python", "how other ranks' writes are diverted (auto: overlay where possible)"),
     ("%taas cluster ADDRESS|local", "run ranks on a Ray cluster (ray.init address), or back to this host"),
     ("%taas warm off|auto|N", "warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus"),
+    ("%taas runs", "this kernel's runs: state, ranks, start time, last line"),
+    ("%taas attach [RUN]", "show a run's live view here: what it showed so far, then live until it ends"),
+    ("%taas wait [RUN]", "wait for a (detached) run, then bind rank 0's names and return its value"),
+    ("%taas stop [RUN]", "stop a run: every rank, with the autopsy of where they were"),
     ("%taas help", "this text"),
 )
 
@@ -30,7 +35,7 @@ taas: run one notebook cell as N DDP ranks.
   #pragma taas --gpus N        first line of the cell (or: %%taas --gpus N)
 
 Options:
-{_columns([(f"{option.flag} {option.metavar}", option.help) for option in OPTIONS])}
+{_columns([(option.signature, option.help) for option in OPTIONS])}
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT and TORCHELASTIC_RUN_ID, so init_process_group(init_method='env://') and
@@ -41,6 +46,19 @@ Only rank 0 writes to the repository (the git work tree holding the working dire
 the other ranks' writes there are diverted to a private layer, thrown away after the cell.
 
 {_columns(LINE_COMMANDS)}"""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run as ``%taas runs`` lists it (kernel/background.py makes them)."""
+
+    run_id: str
+    state: str
+    ranks: int
+    started: float  # time.time()
+    detached: bool
+    taken: bool
+    last_line: str
 
 
 @dataclass
@@ -103,3 +121,33 @@ def status_text(last: LastRun | None, gpus_seen: int, defaults: Sequence[tuple[s
             lines.append("  config: " + ", ".join(settings.configs))
         lines.append("  names sent: " + (", ".join(last.closure_names) or "none"))
     return "\n".join(lines)
+
+
+def _started(summary: RunSummary) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(summary.started))
+
+
+def _state(summary: RunSummary) -> str:
+    if summary.state == "running":
+        return "running (detached)" if summary.detached else "running"
+    if summary.taken or not summary.detached:
+        return summary.state
+    return f"{summary.state}, not taken (%taas wait {summary.run_id})"
+
+
+def runs_table(summaries: Sequence[RunSummary]) -> str:
+    """``%taas runs``: one row per run of this kernel, oldest first."""
+    if not summaries:
+        return "taas: no run in this kernel yet"
+    rows = [("run", "state", "ranks", "started", "last line")]
+    rows += [(s.run_id, _state(s), str(s.ranks), _started(s), s.last_line[-60:]) for s in summaries]
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4]
+                     for row in rows).rstrip()
+
+
+def gpus_held_text(holder: RunSummary) -> str:
+    """The one-line error when this host's GPUs are held by another run of this kernel."""
+    return (f"taas: this host's GPUs are held by run {holder.run_id} ({holder.ranks} rank(s), "
+            f"{'detached, ' if holder.detached else ''}started {_started(holder)}); "
+            f"%taas wait {holder.run_id} or %taas stop {holder.run_id} first, or run this cell with --device cpu")

@@ -70,6 +70,7 @@ class RunParts:
     board: Board | None = None  # the live chart and health line (output/board.py)
     timeout: float | None = None  # --timeout
     explain: Explain | None = None  # the hang autopsy (autopsy/stacks.py)
+    stop_asked: Callable[[], bool] = lambda: False  # %taas stop, or an interrupt of the cell that waits for it
 
 
 @dataclass
@@ -237,7 +238,6 @@ def _close(supervisor: Supervisor) -> None:
     relay.flush(force=True)
     if board is not None:
         board.show(force=True)  # the last reports, drawn
-    relay.finish()
     if data is not None:
         data.workers.close()  # before measuring the cache: nothing writes to it any more
         data.progress.show(force=True, usage=data.usage())
@@ -272,6 +272,8 @@ def _watch(supervisor: Supervisor) -> RunOutcome | None:
             all_exited_at = all_exited_at or now
             if now - all_exited_at > PIPE_GRACE_SECONDS:
                 return supervisor.outcome()  # something the cell started still holds a pipe open: the group's close ends it
+        if supervisor.parts.stop_asked():
+            raise KeyboardInterrupt  # as the person's interrupt: the autopsy, then every rank stopped
         if deadline is not None and now >= deadline:
             assert timeout is not None  # a deadline exists only with a timeout
             running, lines = supervisor.autopsy()

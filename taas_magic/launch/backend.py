@@ -17,7 +17,6 @@ above it (magics.py, supervisor.py) asks which one is in use. A backend answers:
 
 from __future__ import annotations
 
-import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 
@@ -42,6 +41,7 @@ PlaneT = TypeVar("PlaneT")  # what starting the data workers makes (kernel/datap
 WorkerLaunch = Callable[[LaunchPlan, "tuple[str, ...]"], ProcessGroup]  # starts the workers elsewhere, given their cache folders
 # DataRun.start with the workers' plan and the publisher bound: (launch, courier) -> the data plane
 StartData = Callable[[Optional[WorkerLaunch], Optional[Callable[[], object]]], PlaneT]
+Say = Callable[[str], None]  # a line of taas's own into the run's log (output/runlog.py)
 
 
 class ClusterView(Protocol):
@@ -75,17 +75,17 @@ class Backend(Protocol):
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
         """Start the ranks of ``plan``."""
 
-    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
+    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
         """Start the data workers through ``start`` (DataRun.start with their plan bound);
-        ``cache_ram`` bounds what another host keeps of their elements."""
+        ``cache_ram`` bounds what another host keeps of their elements; where they run is said with ``say``."""
 
     def standby(self, may_restart: bool) -> None:
         """Every rank of an attempt connected: ready what may come next while it runs (the
         restart's processes when ``may_restart``, --restarts; perhaps the next cell's)."""
 
-    def recover(self) -> None:
+    def recover(self, say: Say) -> None:
         """Before a restart: where a host of the run went away, place its ranks elsewhere
-        (then ``master`` and ``slots`` may have changed: environments are made again)."""
+        (then ``master`` and ``slots`` may have changed: environments are made again), and ``say`` so."""
 
     def release(self) -> None:
         """Whatever happened: give back what the run held (idempotent: the run releases as soon
@@ -124,7 +124,7 @@ class LocalBackend:
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
         return LocalProcessGroup.start(plan, spares=self._spares, gpus=self._spare_gpus())
 
-    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
+    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
         return start(None, None)
 
     def standby(self, may_restart: bool) -> None:
@@ -146,7 +146,7 @@ class LocalBackend:
         assert self._spares is not None
         self._spares.fill(count, self._spare_gpus(), self.devices.gpus_on_host)
 
-    def recover(self) -> None:
+    def recover(self, say: Say) -> None:
         pass  # this host is the kernel's: if it is gone, so is the run
 
     def release(self) -> None:
@@ -202,27 +202,27 @@ class ClusterBackend:
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
         return self._launch.start(plan, key)
 
-    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes) -> PlaneT:
+    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
         launch = self._launch
         plane = start(lambda plan, dirs: launch.start_workers(plan, key, dirs), lambda: launch.courier(cache_ram))
-        print(f"taas: data {launch.worker_layout}", flush=True)
+        say(f"taas: data {launch.worker_layout}")
         return plane
 
     def standby(self, may_restart: bool) -> None:
         pass  # each host's agent starts its ranks again; the placement is held for the whole cell
 
-    def recover(self) -> None:
+    def recover(self, say: Say) -> None:
         from taas_magic.launch.placement import plan_hosts
 
         lost = self._launch.lost_hosts()
         if not lost:
             return
         cluster, gpus, per_host, wait = self._request
-        print(f"taas: {', '.join(lost)} went away; placing the ranks on the cluster's free GPUs again "
-              f"(waiting up to {wait:g} s, --place-timeout)", file=sys.stderr, flush=True)
+        say(f"taas: {', '.join(lost)} went away; placing the ranks on the cluster's free GPUs again "
+            f"(waiting up to {wait:g} s, --place-timeout)")
         self._launch.replace(plan_hosts(cluster.nodes(), gpus, per_host), wait)  # raises LaunchError when it cannot
         self.slots = self._launch.slots
-        print("taas: cluster: " + self._launch.layout(), file=sys.stderr, flush=True)
+        say("taas: cluster: " + self._launch.layout())
 
     def release(self) -> None:
         if self._released:

@@ -30,6 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from html import escape
+from typing import Callable
 
 from taas_magic.output.relay import Publish
 from taas_magic.protocol import Display, Report
@@ -52,9 +53,10 @@ class _Rank:
 
 
 class Board:
-    def __init__(self, ranks: int, publish: Publish):
+    def __init__(self, ranks: int, publish: Publish, points: Callable[[list], None] | None = None):
         self.ranks = [_Rank() for _ in range(ranks)]
         self.publish = publish
+        self.points = points  # rank 0's reports as they arrive, for the run log's record
         token = secrets.token_hex(4)
         self.chart_id, self.health_id = f"taas-chart-{token}", f"taas-health-{token}"
         self.shown: set[str] = set()
@@ -66,6 +68,8 @@ class Board:
         record = self.ranks[rank]
         if batch.reports:
             record.batches.append((batch.at, len(batch.reports)))
+            if rank == 0 and self.points is not None:
+                self.points(batch.reports)
         for step, metrics in batch.reports:
             if rank == 0:
                 record.reports.append({"step": step, **metrics})

@@ -11,11 +11,11 @@ Rich output keeps its place in the text through markers: a rank that publishes d
 The relay cuts the marker out of the stream and calls ``on_marker(rank, n)`` at exactly
 that point, after the text that preceded it and before the text that follows.
 
-Text is gathered and written to the kernel's streams at most once per
-``flush_interval`` per stream, so a rank printing in a tight loop produces a bounded
-number of iopub messages (about 50 a second), and passes through the cell's output
-budget (budget.py): past a per-cell limit the middle goes to a log file. The last lines
-of every rank are kept for error reports.
+Text is gathered and written at most once per ``flush_interval`` per stream, so a rank
+printing in a tight loop makes a bounded number of entries (about 50 a second) in the run
+log (runlog.py) that every view of the run reads; the cell's budget (budget.py) is applied
+where the log is shown in the cell (cellstream.py). The last lines of every rank are kept
+for error reports.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import codecs
 import collections
 import re
 import time
-from typing import IO, Any, Callable
+from typing import Any, Callable, Protocol
 
-from taas_magic.output.budget import OutputBudget
 from taas_magic.peers import RANK, Peer, PeerIds
 from taas_magic.protocol import ClearOutput, Display
 
@@ -34,6 +33,14 @@ RANK_0 = Peer(RANK, 0)
 
 # Shows a display message in the cell (display_data, update_display_data, clear_output).
 Publish = Callable[[Display | ClearOutput], None]
+
+
+class TextOut(Protocol):
+    """Where the relay writes a stream's text: the run log's (runlog.py), or any text file."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 KEEP_LINES = 20  # lines of each process's output kept for error reports
 PARTIAL_KEEP = 4096  # characters of an unfinished line kept for error reports
@@ -112,14 +119,13 @@ class OutputRelay:
         self,
         mode: str,
         peers: PeerIds,
-        streams: dict[str, IO[str]],
+        streams: dict[str, TextOut],
         *,
-        budget: OutputBudget | None = None,
         flush_interval: float = 0.02,
         on_marker: Callable[[Peer, int], None] | None = None,
     ):
-        """The relay of ``--output`` ``mode`` for ``peers`` into the kernel's ``streams``: text through
-        ``budget``, written at most once per ``flush_interval``; ``on_marker`` places the displays."""
+        """The relay of ``--output`` ``mode`` for ``peers`` into ``streams`` (the run log's), written at
+        most once per ``flush_interval``; ``on_marker`` places the displays."""
         self.mode = mode
         self.streams = streams
         self.flush_interval = flush_interval
@@ -129,7 +135,6 @@ class OutputRelay:
         self.last_flush = 0.0
         self.muted = False
         self.on_marker = on_marker
-        self.budget = budget
 
     def mute(self) -> None:
         """From now on drop everything: ranks being stopped print only noise."""
@@ -207,23 +212,6 @@ class OutputRelay:
             if chunks:
                 text = "".join(chunks)
                 chunks.clear()
-                if self.budget is not None:
-                    text = self.budget.admit(name, text)
-                if text:
-                    self.streams[name].write(text)
-                    self.streams[name].flush()
+                self.streams[name].write(text)
+                self.streams[name].flush()
         self.last_flush = now
-
-    def finish(self) -> None:
-        """The run is over: if output was elided, the notice and the last lines."""
-        if self.budget is None:
-            return
-        runs: list[tuple[str, list[str]]] = []  # consecutive lines of one stream: one write
-        for name, text in self.budget.finish():
-            if runs and runs[-1][0] == name:
-                runs[-1][1].append(text)
-            else:
-                runs.append((name, [text]))
-        for name, texts in runs:
-            self.streams[name].write("".join(texts))
-            self.streams[name].flush()

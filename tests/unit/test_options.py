@@ -20,13 +20,13 @@ def _readme_option_rows() -> list[str]:
 
 
 def test_the_readme_table_lists_exactly_the_grammars_options():
-    assert _readme_option_rows() == [f"{option.flag} {option.metavar}" for option in OPTIONS]
+    assert _readme_option_rows() == [option.signature for option in OPTIONS]
 
 
 def test_help_and_usage_name_every_option_with_its_value():
     for option in OPTIONS:
-        assert f"{option.flag} {option.metavar}" in HELP and option.help in HELP
-        assert f"{option.flag} {option.metavar}" in usage()
+        assert option.signature in HELP and option.help in HELP
+        assert option.signature in usage()
 
 
 def test_every_line_command_is_in_help_and_in_the_readme():
@@ -37,11 +37,14 @@ def test_every_line_command_is_in_help_and_in_the_readme():
 
 def test_every_option_parses_and_sets_its_own_field():
     samples = {"--gpus": "2", "--device": "cpu", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
-               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all"}
+               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": ""}
     assert set(samples) == {option.flag for option in OPTIONS}
     parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items()))
     assert (parsed.gpus, parsed.device, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.restarts,
-            parsed.per_host, parsed.place_timeout, parsed.output) == (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all")
+            parsed.per_host, parsed.place_timeout, parsed.output, parsed.detach) == (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all", True)
+    assert parse_options("--gpus 2").detach is False
+    with pytest.raises(PragmaError, match="--detach takes no value"):
+        parse_options("--gpus 2 --detach=yes")
     with pytest.raises(PragmaError, match=r"--gpus N\|auto is required"):
         parse_options("--cpus 2")
 

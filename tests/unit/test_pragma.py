@@ -1,7 +1,7 @@
 import pytest
 
 from taas_magic.cell.pragma import PragmaError, PragmaOptions, parse_cell, parse_options
-from taas_magic.cell.transformer import route_taas_cell
+from taas_magic.cell.transformer import await_taas_cell, route_taas_cell
 
 VALID = [
     ("--gpus 8", PragmaOptions(gpus=8)),
@@ -140,3 +140,21 @@ def test_transformer(cell, expected):
     once = route_taas_cell(lines)
     assert "".join(once) == expected
     assert route_taas_cell(once) == once  # idempotent
+
+
+AWAITS = [
+    ("%%taas\n#pragma taas --gpus 2\nx = 1\n", "await __import__('taas_magic').run_cell('', '#pragma taas --gpus 2\\nx = 1\\n')\n"),
+    ("%%taas --gpus 2 --detach\nx = 'a'\n", "await __import__('taas_magic').run_cell('--gpus 2 --detach', \"x = 'a'\\n\")\n"),
+    ("\n%%taas --gpus 1\n", "await __import__('taas_magic').run_cell('--gpus 1', '')\n"),
+    ("%%taasx\nx = 1\n", "%%taasx\nx = 1\n"),
+    ("%%time\nx = 1\n", "%%time\nx = 1\n"),
+    ("x = 1\n", "x = 1\n"),
+]
+
+
+@pytest.mark.parametrize(("cell", "expected"), AWAITS)
+def test_a_taas_cell_becomes_one_await_of_the_magics_coroutine(cell, expected):
+    once = await_taas_cell(cell.splitlines(keepends=True))
+    assert "".join(once) == expected
+    assert await_taas_cell(once) == once  # idempotent
+    assert route_taas_cell(once) == once  # and the first step leaves it alone

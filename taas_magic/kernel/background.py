@@ -1,0 +1,149 @@
+"""A run on its own thread, and the runs of this kernel.
+
+Every run, in the foreground or detached (``--detach``), is supervised on a thread of its own
+(:class:`BackgroundRun`): the same supervisor, stop ladder, autopsy and release as ever
+(kernel/execute.py, kernel/run.py), writing everything it shows into its log
+(output/runlog.py). The kernel's main thread only shows the log and waits:
+
+- a foreground cell waits for its run (kernel/foreground.py), which lets the kernel answer a
+  reloaded page's widgets meanwhile, and binds rank 0's names when it ends;
+- a detached cell returns at once; the run's names are bound only when someone asks for
+  them (``%taas wait``, ``taas.wait()``), never behind the person's back while other cells run.
+
+How a run ends is kept until it is taken: its outcome (rank 0's results, still in their
+files) or its error, raised in the cell that waits for it. A stop (``%taas stop``, or an
+interrupt of the cell that waits in the foreground) is the supervisor's interrupt: the
+autopsy, then every rank stopped. An interrupt of the kernel never reaches this thread, so a
+detached run goes on; shutting the kernel down stops every run (:meth:`Runs.close`, at exit),
+and each rank's lifeline stops it should the kernel die without that.
+
+:class:`Runs` holds this kernel's runs in the order they started, finds one by its id (or a
+prefix of it), and says which run holds the host's GPUs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from taas_magic.errors import RunInterrupted
+from taas_magic.kernel.execute import execute
+from taas_magic.kernel.run import Run, ending
+from taas_magic.kernel.status import RunSummary
+from taas_magic.kernel.supervisor import RunOutcome
+
+STOP_WAIT_SECONDS = 60.0  # at exit: how long a run's stop ladder may take before the kernel leaves anyway
+RUNNING = "running"
+
+
+class BackgroundRun:
+    """One run supervised on its own thread (see the module docstring)."""
+
+    def __init__(self, run: Run, detached: bool):
+        self.run, self.log, self.detached = run, run.log, detached
+        self.id: str = run.spec.run_id
+        self.ranks = run.settings.gpus
+        self.on_gpus = run.backend.devices.device == "cuda" and run.backend.loopback_only
+        self.started = time.time()
+        self.outcome: RunOutcome | None = None
+        self.error: BaseException | None = None
+        self.taken = False  # its names were bound (or its error raised) in a cell
+        self.widget: Any = None  # its live widget, once a cell showed one (kernel/views.py)
+        self.views: list[Any] = []  # the pumps feeding its views
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=f"taas-run-{self.id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            with self.run:
+                self.outcome = execute(self.run, self._stop.is_set)
+        except KeyboardInterrupt:  # a stop was asked: the autopsy is in the log, every rank stopped
+            self.error = RunInterrupted()
+        except BaseException as exc:  # noqa: BLE001 - kept and raised in the cell that waits for this run
+            self.error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def state(self) -> str:
+        return ending(self.error) if self._done.is_set() else RUNNING
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def stop(self) -> None:
+        """Ask for the stop ladder (the supervisor sees it within a poll); :meth:`join` waits for it."""
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def take(self, namespace: dict) -> Any:
+        """Once the run ended, in the kernel's main thread: raise its error, or bind rank 0's names in
+        ``namespace`` and return its value, exactly as a foreground cell does; once only."""
+        assert self.done, "take() after the run ended"
+        if self.taken:
+            raise UsageError(f"taas: run {self.id}'s results were already taken; a run binds its names once")
+        self.taken = True
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return self.run.bind_results(self.outcome.result, namespace)
+
+    def summary(self) -> RunSummary:
+        return RunSummary(self.id, self.state, self.ranks, self.started, self.detached, self.taken, self.log.last_line)
+
+
+class Runs:
+    """This kernel's runs, oldest first."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, BackgroundRun] = {}
+        atexit.register(self.close)
+
+    def add(self, run: BackgroundRun) -> BackgroundRun:
+        self._runs[run.id] = run
+        return run
+
+    def all(self) -> list[BackgroundRun]:
+        return list(self._runs.values())
+
+    def running(self) -> list[BackgroundRun]:
+        return [run for run in self._runs.values() if not run.done]
+
+    def find(self, given: str | None, what: str) -> BackgroundRun:
+        """The run ``given`` names (its id or a prefix); with none, the newest running run, else the
+        newest whose names were not taken. ``what`` names the command, for the error."""
+        if given:
+            found = [run for run in self._runs.values() if run.id.startswith(given)]
+            if len(found) == 1:
+                return found[0]
+            known = ", ".join(self._runs) or "none yet"
+            reason = "no run" if not found else "more than one run"
+            raise UsageError(f"taas: {reason} of this kernel matches {given!r} (its runs: {known}); %taas runs lists them")
+        newest = self.running() or [run for run in self._runs.values() if not run.taken]
+        if not newest:
+            raise UsageError(f"taas: {what}: no run of this kernel is running or waiting to be taken; %taas runs lists them")
+        return newest[-1]
+
+    def gpu_holder(self) -> BackgroundRun | None:
+        """The running run whose ranks hold this host's GPUs, if any."""
+        return next((run for run in self.running() if run.on_gpus), None)
+
+    def close(self) -> None:
+        """The kernel is leaving: stop every run that still runs, and wait for their stop ladders."""
+        running = self.running()
+        for run in running:
+            run.stop()
+        deadline = time.monotonic() + STOP_WAIT_SECONDS
+        for run in running:
+            run.join(max(0.0, deadline - time.monotonic()))
