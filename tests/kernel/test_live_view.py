@@ -1,0 +1,92 @@
+"""The live widget's kernel half, over a real kernel whose client speaks the widget protocol.
+
+The client here does what a page's widget manager does (tests/browser does it in a real
+JupyterLab): it opens the ``jupyter.widget.control`` comm when it connects, reads the run's
+widget model from the ``comm_open`` the kernel sends, and asks the model for the entries after
+a sequence number, while the cell still runs. What must hold: the run is shown as the widget
+(not as stream output), the kernel answers the backlog request and a ``kernel_info_request``
+in the middle of the run (the cell waits as a coroutine), and the entries it sends are
+numbered without a gap and are the run's output.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+
+import pytest
+
+pytest.importorskip("anywidget", reason="the live view is an anywidget")
+
+CELL = ("#pragma taas --device cpu --gpus 2\nimport time\nfor i in range(60):\n"
+        "    print('tick', i, flush=True)\n    time.sleep(0.05)\n'done'\n")
+
+
+def _as_a_widget_page(kernel) -> None:
+    """Open the widget manager's control comm, as a page does when it connects."""
+    message = kernel.client.session.msg("comm_open", {"comm_id": "page-control", "target_name": "jupyter.widget.control",
+                                                      "data": {}}, metadata={"version": "1.0.0"})
+    kernel.client.shell_channel.send(message)
+
+
+def _ask(kernel, comm_id: str, content: dict) -> None:
+    message = kernel.client.session.msg("comm_msg", {"comm_id": comm_id, "data": {"method": "custom", "content": content}})
+    kernel.client.shell_channel.send(message)
+
+
+def test_a_run_in_a_widget_page_is_its_live_widget_and_answers_the_page_while_it_runs(new_kernel):
+    kernel = new_kernel()
+    _as_a_widget_page(kernel)
+    kernel.execute("1")  # the comm is open before the next cell starts
+    msg_id, _ = kernel.submit(CELL)
+    comm_id, entries, backlog, info_after, replies = None, {}, None, None, []
+    streamed = ""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "comm_open" and "run_id" in content["data"].get("state", {}):
+            comm_id = content["comm_id"]
+        elif kind == "comm_msg" and content["comm_id"] == comm_id and content["data"].get("method") == "custom":
+            sent = content["data"]["content"]
+            for seq, _stream, text in sent.get("entries", []):
+                entries[seq] = text
+            if sent.get("backlog"):
+                backlog = sent
+        elif kind == "stream" and msg["parent_header"].get("msg_id") == msg_id:
+            streamed += content["text"]
+        elif kind == "status" and msg["parent_header"].get("msg_id") == msg_id and content["execution_state"] == "idle":
+            break
+        if comm_id and backlog is None and "tick 10\n" in "".join(entries.values()):
+            _ask(kernel, comm_id, {"backlog": -1})  # a view made now: everything the kernel keeps
+            backlog = {}
+            asked = time.monotonic()
+            info_id = kernel.client.kernel_info()
+        if info_after is None and backlog is not None:
+            replies.extend(_shell_replies(kernel))
+            if any(reply["parent_header"].get("msg_id") == info_id for reply in replies):
+                info_after = time.monotonic() - asked
+    assert comm_id is not None, "the run was shown as its widget"
+    assert "tick" not in streamed  # not also as stream output
+    assert backlog, "the backlog request was answered"
+    ticks = [int(n) for n in re.findall(r"tick (\d+)", "".join(entries[seq] for seq in sorted(entries)))]
+    assert ticks == list(range(60))
+    assert sorted(entries) == list(range(len(entries)))  # no sequence number missing
+    numbers = [seq for seq, _, _ in backlog["entries"]]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))) and numbers[0] == 0
+    assert max(numbers) < max(entries)  # answered while the run went on: later entries came after it
+    assert info_after is not None and info_after < 1.0, info_after  # kernel_info answered mid-run
+    while not any(reply["parent_header"].get("msg_id") == msg_id for reply in replies):
+        replies.extend(_shell_replies(kernel, timeout=1))
+    assert next(r for r in replies if r["parent_header"].get("msg_id") == msg_id)["content"]["status"] == "ok"
+
+
+def _shell_replies(kernel, timeout: float = 0.01) -> list[dict]:
+    try:
+        return [kernel.client.get_shell_msg(timeout=timeout)]
+    except queue.Empty:
+        return []
