@@ -12,6 +12,7 @@ by :func:`get_worker_info`, inside a rank, where it is already loaded.
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
   restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py).
 - :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/output/board.py).
+- :func:`wait`: a detached run's names and value, once it ends (``%taas wait``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from typing import Any
 
 __all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",
-           "save_checkpoint", "load_checkpoint", "checkpoint_path", "report", "metrics", "lightning_logger"]
+           "save_checkpoint", "load_checkpoint", "checkpoint_path", "report", "metrics", "lightning_logger", "wait"]
 
 _registered: list[Any] = []
 
@@ -158,6 +159,23 @@ def report(step: Any = None, **metrics: Any) -> None:
 def metrics() -> list[dict]:
     """The last taas run's rank-0 reports, in order: ``[{"step": 0, "loss": 1.0, ...}, ...]``."""
     return [dict(item) for item in _last_metrics]
+
+
+def wait(run: str | None = None) -> Any:
+    """Wait for a run of this kernel (a ``--detach`` one) to end, then bind rank 0's names in the
+    notebook and return its final value, exactly as a foreground cell would; raise its error if it
+    failed. ``run``: its id or a prefix (default: the newest running run, else the newest whose
+    names were not taken). ``%taas wait [RUN]`` is the same.
+
+    Raises:
+        RuntimeError: outside an IPython kernel with the taas_magic extension loaded.
+    """
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None or shell.find_line_magic("taas") is None:
+        raise RuntimeError("taas.wait(): the taas_magic extension is not loaded here (%load_ext taas_magic)")
+    return shell.run_line_magic("taas", f"wait {run}" if run else "wait")
 
 
 def lightning_logger() -> Any:

@@ -44,7 +44,7 @@ from taas_magic.output.relay import Publish, publisher
 from taas_magic.protocol import ClearOutput, Display
 
 CONTROL_TARGET = "jupyter.widget.control"
-PROBE_WAIT_SECONDS = 0.5
+PROBE_WAIT_SECONDS = 0.3
 _PROBE_MODULE = "export default { initialize({ model }) { model.send({ hello: 1 }); } };"
 
 

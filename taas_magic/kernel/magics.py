@@ -169,9 +169,5 @@ class TaasMagics(Magics):
                                           self._viewing, self._take)
         return commands.run(line, self.session, settings)
 
-    def wait(self, run: str | None = None) -> object:
-        """``taas.wait()``: ``%taas wait [RUN]`` from code."""
-        return self.taas_line(f"wait {run}" if run else "wait")
-
     def _set_warm(self, text: str) -> None:
         self.warm = text  # validated as %config's is

@@ -43,7 +43,7 @@ def _ranks_of(kernel: Kernel) -> list[psutil.Process]:
 
 
 def test_a_detached_run_returns_at_once_and_the_notebook_goes_on(kernel):
-    ran = kernel.execute(TICKS.format(n=30, pause=0.1))
+    ran = kernel.execute(TICKS.format(n=30, pause=0.1).replace("answer", "detached_answer"))
     assert ran.reply["status"] == "ok", ran.error_text()
     assert ran.reply_at < 2.0, ran.reply_at  # the cell returned with the view; the run goes on
     run_id = _run_id(ran)
@@ -53,11 +53,11 @@ def test_a_detached_run_returns_at_once_and_the_notebook_goes_on(kernel):
     assert other.stream() == "the notebook is usable 2\n" and other.reply_at < 1.0
     listed = _runs(kernel)
     assert re.search(rf"{run_id}\s+running \(detached\)\s+2\s+\d\d:\d\d:\d\d", listed), listed
-    assert kernel.execute("'answer' in dir()").result["text/plain"] == "False"  # nothing bound behind our back
+    assert kernel.execute("'detached_answer' in dir()").result["text/plain"] == "False"  # nothing bound behind our back
     waited = kernel.execute(f"%taas wait {run_id[:6]}")
     assert waited.reply["status"] == "ok", waited.error_text()
     assert waited.result["text/plain"] == "42"  # the final value, as a foreground cell returns it
-    assert kernel.execute("answer").result["text/plain"] == "42"  # and rank 0's names, bound by the wait
+    assert kernel.execute("detached_answer").result["text/plain"] == "42"  # and rank 0's names, bound by the wait
     assert re.search(rf"{run_id}\s+ok\s+2\s+\S+\s+tick 29", _runs(kernel)), _runs(kernel)
     again = kernel.execute(f"%taas wait {run_id}")
     assert "already taken" in again.reply["evalue"]
@@ -140,12 +140,12 @@ def test_shutting_the_kernel_down_stops_a_detached_run_and_leaves_nothing(new_ke
 
 
 def test_a_second_detached_run_goes_on_beside_the_first_and_each_binds_its_own_names(kernel):
-    first = kernel.execute(TICKS.format(n=20, pause=0.05).replace("answer = 6 * 7", "first = 1"))
-    second = kernel.execute(TICKS.format(n=5, pause=0.05).replace("answer = 6 * 7", "second = 2"))
+    first = kernel.execute(TICKS.format(n=20, pause=0.05).replace("answer = 6 * 7\nanswer\n", "first = 1\n41 + first\n"))
+    second = kernel.execute(TICKS.format(n=5, pause=0.05).replace("answer = 6 * 7\nanswer\n", "second = 2\n"))
     assert second.reply["status"] == "ok", second.error_text()
     ids = _run_id(first), _run_id(second)
     kernel.execute(f"%taas wait {ids[1]}")
     assert kernel.execute("(second, 'first' in dir())").result["text/plain"] == "(2, False)"
-    kernel.execute(f"%taas wait {ids[0]}")
-    assert kernel.execute("first").result["text/plain"] == "1"
+    from_code = kernel.execute(f"import taas\nvalue = taas.wait({ids[0]!r})\n(value, first)")
+    assert from_code.result["text/plain"] == "(42, 1)", from_code.error_text()
     assert not left_after(kernel, 5)
