@@ -86,16 +86,24 @@ class Kernel:
         """Warm spare ranks waiting for the next cell (``taas_magic.rank --spare``: fresh, or forked by
         the spare factory; once a cell takes one it renames itself ``taas-rank`` and counts as the cell's)."""
         return [proc for proc in self._descendants()
-                if _kept_spare(proc) and _name(proc) != "taas-factory" and self._started_spares(proc)]
+                if _kept_spare(proc) and not self._factory(proc) and self._started_spares(proc)]
 
     def factories(self) -> list[psutil.Process]:
         """The spare factory (launch/factory.py): it forks the spares and outlives them."""
-        return [proc for proc in self._descendants() if _kept_spare(proc) and _name(proc) == "taas-factory"]
+        return [proc for proc in self._descendants() if _kept_spare(proc) and self._factory(proc)]
+
+    def _factory(self, proc: psutil.Process) -> bool:
+        """The spare factory: named so once it has started, and before that the kernel's child started
+        with ``--factory`` (its forks keep that command line, but their parent is the factory)."""
+        try:
+            return _name(proc) == "taas-factory" or (proc.ppid() == self.pid and "--factory" in proc.cmdline())
+        except psutil.NoSuchProcess:
+            return False
 
     def _started_spares(self, proc: psutil.Process) -> bool:
         """Whether ``proc``'s parent starts spares: the kernel, or the factory (not a spare: that is its watchdog)."""
         try:
-            return proc.ppid() == self.pid or _name(psutil.Process(proc.ppid())) == "taas-factory"
+            return proc.ppid() == self.pid or self._factory(psutil.Process(proc.ppid()))
         except psutil.NoSuchProcess:
             return False
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
@@ -56,6 +56,7 @@ class BackgroundRun:
         self.views: list[Any] = []  # the pumps feeding its views
         self._stop = threading.Event()
         self._done = threading.Event()
+        self._on_done: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._main, name=f"taas-run-{self.id}", daemon=True)
 
     def start(self) -> None:
@@ -71,6 +72,8 @@ class BackgroundRun:
             self.error = exc
         finally:
             self._done.set()
+            for callback in list(self._on_done):
+                callback()
 
     @property
     def state(self) -> str:
@@ -79,6 +82,12 @@ class BackgroundRun:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` from the run's thread as it ends (at once if it has)."""
+        self._on_done.append(callback)
+        if self.done:
+            callback()
 
     def stop(self) -> None:
         """Ask for the stop ladder (the supervisor sees it within a poll); :meth:`join` waits for it."""

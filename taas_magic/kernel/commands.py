@@ -142,6 +142,9 @@ def _status(session: Session, settings: MagicSettings) -> None:
     print(f"warm spares: {settings.warm}, {len(spares.spares)} waiting, {spares.resident_bytes() / 2**20:.0f} MB resident"
           f"{factory} (proportional: shared pages split)" + _spares_gpu_text(session))
     print("write rule: " + rule.header())
+    running = session.runs.running()
+    print(f"runs: {len(running)} running" + (f" ({', '.join(run.id for run in running)}; %taas runs lists them)"
+                                             if running else ""))
     print("\n".join(session.cluster.status_lines()) if session.cluster is not None else "cluster: none (local processes)")
 
 

@@ -63,6 +63,7 @@ async def wait_async(run: BackgroundRun, shown: CellStream | None, on_interrupt:
         loop.call_soon_threadsafe(woken.set)
 
     unlisten = run.log.listen(wake)
+    run.when_done(wake)
     try:
         while not run.done:
             _show(shown)

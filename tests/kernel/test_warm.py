@@ -65,7 +65,10 @@ def test_spares_take_the_environment_and_cwd_of_the_launch_not_their_own(kernel,
 
 
 def test_a_cell_that_comes_while_the_spares_warm_takes_them_instead_of_fresh_processes(kernel):
-    """Warm means warm: a spare still importing torch is further on than any fresh process."""
+    """Warm means warm: a spare still importing torch is further on than any fresh process. (Off and on
+    again: the spare factory is retired, so the spares after the next cell start as fresh processes
+    while a new factory imports, instead of forks that are warm within milliseconds.)"""
+    kernel.execute("%taas warm off")
     kernel.execute("%taas warm auto")
     kernel.execute(PIDS)  # its spares start warming as the cell ends
     warming = kernel.spares()
