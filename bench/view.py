@@ -15,6 +15,8 @@ progress line and calling ``taas.report(loss=...)`` (far more output than a real
 rank 0's steps/s is the cell's value. The order is A B B A per pair (A today's, B now,
 widget and stream taking turns), one kernel per variant, warmed by a first cell; the
 figure is the median over pairs of (B's two runs) / (A's two runs), target at most 1% slower.
+Beside it, the kernel's own CPU seconds per run (user + system): what showing the run costs
+the host, a steadier figure than steps/s on a shared 2-core machine.
 
 Memory: a cell whose rank 0 prints ``--lines`` lines as fast as it can, in a fresh kernel of
 each variant; the kernel's resident memory before the cell and its peak during it (psutil,
@@ -95,10 +97,13 @@ def _kernel(source: Path, variant: str) -> Kernel:
     return kernel
 
 
-def _rate(kernel: Kernel, steps: int) -> float:
+def _rate(kernel: Kernel, steps: int) -> tuple[float, float]:
+    """Rank 0's steps/s, and the kernel's CPU seconds for the run (what showing it cost the host)."""
+    process = psutil.Process(kernel.pid)
+    before = sum(process.cpu_times()[:2])
     ran = kernel.execute(TRAIN.format(steps=steps), timeout=600)
     assert ran.reply["status"] == "ok", ran.error_text()
-    return float(ran.result["text/plain"])
+    return float(ran.result["text/plain"]), sum(process.cpu_times()[:2]) - before
 
 
 def _flood(source: Path, variant: str, lines: int) -> tuple[int, int, int]:
@@ -138,6 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--baseline", default="23e1302", help="today's: the commit before the run log")
+    parser.add_argument("--memory-only", action="store_true", help="only the flood's memory figures")
     args = parser.parse_args()
     old = Path(tempfile.mkdtemp(prefix="taas-bench-baseline-")) / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), args.baseline], check=True)
@@ -145,18 +151,20 @@ def main() -> None:
         sources = {"today": old, "widget": ROOT, "stream": ROOT}
         kernels = {variant: _kernel(source, variant) for variant, source in sources.items()}
         rates: dict[str, list[float]] = {variant: [] for variant in sources}
+        cpu: dict[str, list[float]] = {variant: [] for variant in sources}
         ratios: dict[str, list[float]] = {"widget": [], "stream": []}
         try:
             for kernel in kernels.values():
                 _rate(kernel, 200)  # warm: spares, imports
-            for pair in range(args.pairs):
+            for pair in range(0 if args.memory_only else args.pairs):
                 now = "widget" if pair % 2 == 0 else "stream"
                 order = ["today", now, now, "today"]
                 got = {variant: [] for variant in set(order)}
                 for variant in order:
-                    rate = _rate(kernels[variant], args.steps)
+                    rate, seconds = _rate(kernels[variant], args.steps)
                     got[variant].append(rate)
                     rates[variant].append(rate)
+                    cpu[variant].append(seconds)
                 ratios[now].append(sum(got[now]) / sum(got["today"]))
         finally:
             for kernel in kernels.values():
@@ -168,14 +176,17 @@ def main() -> None:
     print(f"bench/view.py: {args.pairs} ABBA pairs of {args.steps}-step runs (2 CPU ranks, a \\r line and a report "
           f"every step); today's = {args.baseline}; host {os.cpu_count()} cores")
     print(f"{'figure':<46} {'value':>12}  {'target':<14} beside")
-    print(f"{'steps/s, today (stream output)':<46} {m(rates['today']):12.0f}  {'':<14} {len(rates['today'])} runs")
+    if rates["today"]:
+        print(f"{'steps/s, today (stream output)':<46} {m(rates['today']):12.0f}  {'':<14} {len(rates['today'])} runs; "
+              f"kernel CPU {m(cpu['today']):.2f} s a run")
     for variant in ("widget", "stream"):
         if ratios[variant]:
-            slower = 1 - m(ratios[variant])
+            change = m(ratios[variant]) - 1
             print(f"{f'steps/s, now ({variant}, with the run log)':<46} {m(rates[variant]):12.0f}  {'':<14} "
-                  f"{len(rates[variant])} runs")
+                  f"{len(rates[variant])} runs; kernel CPU {m(cpu[variant]):.2f} s a run")
             print(f"{f'  paired ratio now/today ({variant})':<46} {m(ratios[variant]):11.3f}x  {'>= 0.99x':<14} "
-                  f"{100 * slower:+.1f}% slower; pairs {', '.join(f'{r:.3f}' for r in ratios[variant])}")
+                  f"{abs(100 * change):.1f}% {'faster' if change >= 0 else 'slower'}; "
+                  f"pairs {', '.join(f'{r:.3f}' for r in ratios[variant])}")
     for variant, (before, peak, on_disk) in memory.items():
         label = f"kernel RSS, {args.lines:,} lines ({variant})"
         print(f"{label:<46} {peak / 2**20:9.0f} MB  {'bounded':<14} {before / 2**20:.0f} MB before, "

@@ -14,7 +14,7 @@ lines, and a snapshot of rank 0's screen as of log entry ``seq`` (refreshed at m
 :meth:`LiveView.backlog` answers with every entry after it that the kernel still keeps (and,
 were some only on disk, which). :meth:`push` is the :class:`~taas_magic.output.liveview.View`
 a :class:`~taas_magic.output.liveview.LivePump` feeds: the new entries go to every open view
-as one message.
+as one message, with text only for the lines a view's screen can still show (:func:`shown_entries`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,26 @@ from typing import Any
 import anywidget
 import traitlets
 
-from taas_magic.output.liveview import Screen, entry_text, status_lines
+from taas_magic.output.liveview import KEEP_LINES, Screen, entry_text, status_lines
 from taas_magic.output.runlog import END, Entry, RunLog
 
 SNAPSHOT_SECONDS = 1.0
+
+
+def shown_entries(entries: list[Entry], keep: int = KEEP_LINES) -> list[list]:
+    """The entries as a view takes them, ``[seq, stream, text]``, every number kept; text only for
+    the last ``keep`` lines (a flood's older lines would scroll off the view's screen at once, so
+    they are not sent to the page: a million-line run costs the page what its last lines do)."""
+    shown: list[list] = []
+    lines = 0
+    for entry in reversed(entries):
+        stream, text = entry_text(entry)
+        if lines > keep:
+            text = ""
+        lines += text.count("\n")
+        shown.append([entry.seq, stream, text])
+    shown.reverse()
+    return shown
 
 
 class LiveView(anywidget.AnyWidget):
@@ -56,17 +72,15 @@ class LiveView(anywidget.AnyWidget):
 
     # -- fed by the pump (its thread) -----------------------------------------------------------
     def push(self, entries: list[Entry], first: int) -> None:
-        message = []
         for entry in entries:
             stream, text = entry_text(entry)
             if stream != "none":
                 self._screen.feed(text)
-            message.append([entry.seq, stream, text])
             if entry.kind == END:
                 self.error = list(entry.lines)
                 self.state = entry.text
         self._state_from(entries[-1].seq)
-        self.send({"entries": message})
+        self.send({"entries": shown_entries(entries)})
         if entries[-1].kind == END or time.monotonic() - self._snapshot_at >= SNAPSHOT_SECONDS:
             self._snapshot(entries[-1].seq)
 
@@ -98,7 +112,7 @@ class LiveView(anywidget.AnyWidget):
     def backlog(self, seq: int) -> None:
         """Every entry after ``seq`` the kernel keeps, to the views (those that have them ignore them)."""
         first, entries = self._log.since(seq)
-        reply: dict = {"backlog": True, "entries": [[entry.seq, *entry_text(entry)] for entry in entries]}
+        reply: dict = {"backlog": True, "entries": shown_entries(entries)}
         if first > seq + 1:
             reply["skipped"] = [seq + 1, first - 1]
         self.send(reply)
