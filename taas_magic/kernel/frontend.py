@@ -14,8 +14,9 @@ evidence, and assumes none until it has some (:class:`Frontend`):
   thread (ipykernel 7.4 asks a comm there which subshell its message goes to), so it counts
   even while the main thread runs cells queued before it ("Run All").
 
-A run that starts less than ``PROBE_WAIT_SECONDS`` after an unanswered probe waits for the
-rest of that time before it chooses (it has launched already; only its view waits).
+A run that starts less than ``PROBE_WAIT_SECONDS`` after an unanswered probe, from a cell a
+notebook page sent (its request names the cell), waits for the rest of that time before it
+chooses (it has launched already; only its view waits).
 ``TaasMagics.view`` overrides all of it: ``widget`` or ``stream``.
 
 A reloaded page first asks the kernel for its ``kernel_info`` and holds every other message
@@ -76,9 +77,15 @@ class Frontend:
             return setting == "widget" and widgets_installed()
         if self._comms is None:
             return False
-        if not self._seen.is_set() and self._probed_at is not None:
+        if not self._seen.is_set() and self._probed_at is not None and self._from_a_notebook_page():
             self._seen.wait(max(0.0, PROBE_WAIT_SECONDS - (time.monotonic() - self._probed_at)))
         return self._seen.is_set()
+
+    def _from_a_notebook_page(self) -> bool:
+        """The running cell came from a notebook's page (its request names the cell: JupyterLab, Notebook 7
+        and VS Code do; a plain client such as the tests' does not), so its widget answer is worth a wait."""
+        parent = self.shell.kernel.get_parent() if getattr(self.shell, "kernel", None) is not None else {}
+        return bool((parent or {}).get("metadata", {}).get("cellId"))
 
     # -- evidence ---------------------------------------------------------------------------------
     def _control_opened(self, comm: Any, message: dict) -> None:
