@@ -9,9 +9,10 @@ evidence, and assumes none until it has some (:class:`Frontend`):
 - a page's widget manager opens the ``jupyter.widget.control`` comm when it connects to the
   kernel (on load and on every reload) to restore the widgets: the extension listens on that
   target from the moment it loads, then hands the comm to ipywidgets;
-- when the extension loads it sends a probe, a tiny anywidget model whose module answers
-  ``hello`` the moment a page creates it. The answer is noticed on ipykernel's shell channel
-  thread (ipykernel 7.4 asks a comm there which subshell its message goes to), so it counts
+- when the extension loads it sends a probe, a tiny anywidget model (opened as a plain comm,
+  without importing ipywidgets) whose module answers ``hello`` the moment a page creates
+  it. The answer is noticed on ipykernel's shell channel thread (ipykernel 7.4 asks a comm
+  there which subshell its message goes to), so it counts
   even while the main thread runs cells queued before it ("Run All").
 
 A run that starts less than ``PROBE_WAIT_SECONDS`` after an unanswered probe, from a cell a
@@ -46,7 +47,19 @@ from taas_magic.protocol import ClearOutput, Display
 
 CONTROL_TARGET = "jupyter.widget.control"
 PROBE_WAIT_SECONDS = 0.3
+WIDGET_PROTOCOL = "2.1.0"  # ipywidgets' comm protocol, as its models are opened
 _PROBE_MODULE = "export default { initialize({ model }) { model.send({ hello: 1 }); } };"
+
+
+def _probe_state() -> dict[str, object]:
+    """An anywidget model's state, as anywidget opens one, with the probe's module."""
+    from importlib.metadata import version
+
+    parts = version("anywidget").split(".", 2)
+    semver = ".".join(parts) if any(tag in parts[-1] for tag in ("a", "b")) else f"~{parts[0]}.{parts[1]}.*"
+    return {"_model_name": "AnyModel", "_model_module": "anywidget", "_model_module_version": semver,
+            "_view_name": "AnyView", "_view_module": "anywidget", "_view_module_version": semver,
+            "_esm": _PROBE_MODULE, "_anywidget_id": "taas_magic.kernel.frontend.probe", "_dom_classes": []}
 
 
 def widgets_installed() -> bool:
@@ -97,27 +110,24 @@ class Frontend:
         Widget.handle_control_comm_opened(comm, message)
 
     def _send_probe(self) -> None:
-        import anywidget
-
-        class _Probe(anywidget.AnyWidget):
-            _esm = _PROBE_MODULE
+        """The probe model, opened as a plain comm: importing ipywidgets here (anywidget does) made the
+        first cell after loading about 0.1 s slower to start, in every front end."""
+        from comm import create_comm
 
         try:
-            probe = _Probe()
+            probe = create_comm(target_name="jupyter.widget", data={"state": _probe_state(), "buffer_paths": []},
+                                metadata={"version": WIDGET_PROTOCOL})
         except Exception:  # noqa: BLE001 - no kernel to talk to (a plain IPython shell): no widgets either
             return
-        assert self._comms is not None
-        self._comms.register_target(CONTROL_TARGET, self._control_opened)  # importing ipywidgets took it over
-        probe.on_msg(lambda *_: self._heard())
-        comm = getattr(probe, "comm", None)
-        if comm is not None and hasattr(comm, "_reply_subshell_for"):  # ipykernel >= 7.4: heard on its shell thread
-            route = comm._reply_subshell_for
+        probe.on_msg(lambda _message: self._heard())
+        if hasattr(probe, "_reply_subshell_for"):  # ipykernel >= 7.4: heard on its shell thread
+            route = probe._reply_subshell_for
 
             def heard_on_the_shell_thread(data: object, default: object) -> object:
                 self._heard()
                 return route(data, default)
 
-            comm._reply_subshell_for = heard_on_the_shell_thread
+            probe._reply_subshell_for = heard_on_the_shell_thread
         self._probe, self._probed_at = probe, time.monotonic()
 
     def _heard(self) -> None:
