@@ -31,13 +31,11 @@ class CellStream:
         self.log, self.streams, self.publish, self.budget = log, streams, publish, budget
         self.displays_only = displays_only
         self.seq = -1  # the last entry shown
-        self.skipped = 0  # entries no longer kept in the kernel when this view asked for them
 
     def show_new(self) -> bool:
         """Show what arrived since the last call; True if there was anything."""
         first, entries = self.log.since(self.seq)
         if first > self.seq + 1:  # older entries are only on disk now
-            self.skipped += first - (self.seq + 1)
             self._write("stderr", f"[taas] entries {self.seq + 1}..{first - 1} are in {self.log.path}\n")
         for entry in entries:
             self._show(entry)

@@ -68,6 +68,18 @@ def entry_text(entry: Entry) -> tuple[str, str]:
     return "none", ""
 
 
+def feed_screen(screen: Screen, entries: list[Entry]) -> Entry | None:
+    """Feed what ``entries`` add to a view's screen; the run's last entry, if it is among them."""
+    ended = None
+    for entry in entries:
+        stream, text = entry_text(entry)
+        if stream != "none":
+            screen.feed(text)
+        if entry.kind == END:
+            ended = entry
+    return ended
+
+
 def status_lines(displays: list[Entry]) -> tuple[dict[str, str], str]:
     """From the newest display of each id: the status lines (health, data) and the chart's SVG."""
     lines, chart = {}, ""
@@ -83,8 +95,8 @@ def status_lines(displays: list[Entry]) -> tuple[dict[str, str], str]:
 
 
 class View(Protocol):
-    def push(self, entries: list[Entry], first: int) -> None:
-        """New entries in order (``first``: the first sequence number the log still keeps)."""
+    def push(self, entries: list[Entry]) -> None:
+        """New entries, in order."""
 
     def ended(self) -> None:
         """The run's last entry was pushed."""
@@ -101,9 +113,9 @@ class LivePump:
 
     def _main(self) -> None:
         while True:
-            first, entries = self.log.since(self.seq)
+            _, entries = self.log.since(self.seq)
             if entries:
-                self.view.push(entries, first)
+                self.view.push(entries)
                 self.seq = entries[-1].seq
                 if entries[-1].kind == END:
                     self.view.ended()
@@ -129,13 +141,10 @@ class TextView:
         self._show(update=False)  # both displays now, in the cell that detached: later they are updated in place
         self.publish(Display({"text/plain": ""}, {}, {"display_id": self.chart_id}, False))
 
-    def push(self, entries: list[Entry], first: int) -> None:
-        for entry in entries:
-            stream, text = entry_text(entry)
-            if stream != "none":
-                self.screen.feed(text)
-            if entry.kind == END:
-                self.state, self.error = entry.text, entry.lines
+    def push(self, entries: list[Entry]) -> None:
+        ended = feed_screen(self.screen, entries)
+        if ended is not None:
+            self.state, self.error = ended.text, ended.lines
         if time.monotonic() - self._shown_at >= 0.5:
             self._show(update=True)
 

@@ -176,7 +176,7 @@ class RunLog:
 
     def _track_last_line(self, text: str) -> None:
         combined = (self._partial + text)[-4096:]
-        lines = [line for line in combined.replace("\r", "\n").split("\n")]
+        lines = combined.replace("\r", "\n").split("\n")
         self._partial = lines[-1]
         whole = [line for line in lines[:-1] if line.strip()]
         if whole:

@@ -26,7 +26,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from taas_magic.output.liveview import KEEP_LINES, Screen, entry_text, status_lines
+from taas_magic.output.liveview import KEEP_LINES, Screen, entry_text, feed_screen, status_lines
 from taas_magic.output.runlog import END, Entry, RunLog
 
 SNAPSHOT_SECONDS = 1.0
@@ -71,23 +71,20 @@ class LiveView(anywidget.AnyWidget):
         self.on_msg(self._on_message)
 
     # -- fed by the pump (its thread) -----------------------------------------------------------
-    def push(self, entries: list[Entry], first: int) -> None:
-        for entry in entries:
-            stream, text = entry_text(entry)
-            if stream != "none":
-                self._screen.feed(text)
-            if entry.kind == END:
-                self.error = list(entry.lines)
-                self.state = entry.text
-        self._state_from(entries[-1].seq)
+    def push(self, entries: list[Entry]) -> None:
+        ended = feed_screen(self._screen, entries)
+        if ended is not None:
+            self.error = list(ended.lines)
+            self.state = ended.text
+        self._state_from_displays()
         self.send({"entries": shown_entries(entries)})
         if entries[-1].kind == END or time.monotonic() - self._snapshot_at >= SNAPSHOT_SECONDS:
             self._snapshot(entries[-1].seq)
 
     def ended(self) -> None:
-        self._snapshot(self.seq if self.seq >= 0 else -1)
+        pass  # push() took the snapshot with the run's last entry
 
-    def _state_from(self, seq: int) -> None:
+    def _state_from_displays(self) -> None:
         status, chart = status_lines(self._log.displays())
         if status != self.status:
             self.status = status
