@@ -13,6 +13,9 @@ by :func:`get_worker_info`, inside a rank, where it is already loaded.
   restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py).
 - :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/output/board.py).
 - :func:`wait`: a detached run's names and value, once it ends (``%taas wait``).
+- :func:`trial`: the trial a search's cell (``--trials K``) takes its hyperparameters from;
+  alone, a fixed trial of the suggestions' defaults. :func:`trials` / :func:`study`: the last
+  search's trials and its Optuna study.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import os
 from typing import Any
 
 __all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",
-           "save_checkpoint", "load_checkpoint", "checkpoint_path", "report", "metrics", "lightning_logger", "wait"]
+           "save_checkpoint", "load_checkpoint", "checkpoint_path", "report", "metrics", "lightning_logger", "wait",
+           "trial", "trials", "study"]
 
 _registered: list[Any] = []
 
@@ -176,6 +180,39 @@ def wait(run: str | None = None) -> Any:
     if shell is None or shell.find_line_magic("taas") is None:
         raise RuntimeError("taas.wait(): the taas_magic extension is not loaded here (%load_ext taas_magic)")
     return shell.run_line_magic("taas", f"wait {run}" if run else "wait")
+
+
+def trial() -> Any:
+    """The trial this cell's hyperparameters come from: Optuna's ``suggest_float``, ``suggest_int``,
+    ``suggest_categorical``, ``number`` and ``params``, plus ``default=`` on each suggestion.
+
+    In a rank of a search's trial (``#pragma taas --trials K``), each suggestion is the search's
+    value, the same for every rank of the trial. Anywhere else it is the suggestion's ``default=``,
+    so the same cell runs alone; a suggestion without one raises ``ValueError``.
+    """
+    from taas_magic.search.trial import trial as current
+
+    return current()
+
+
+def trials() -> Any:
+    """The last search's trials (number, params, value, state, seconds, log): a pandas DataFrame when
+    pandas is installed, else a list of dicts. ``%taas trials`` is the same."""
+    return _line_magic("trials")
+
+
+def study() -> Any:
+    """The last search's Optuna study (``study.best_trial``, ``optuna.visualization``...). ``%taas study``."""
+    return _line_magic("study")
+
+
+def _line_magic(command: str) -> Any:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None or shell.find_line_magic("taas") is None:
+        raise RuntimeError(f"taas.{command}(): the taas_magic extension is not loaded here (%load_ext taas_magic)")
+    return shell.run_line_magic("taas", command)
 
 
 def lightning_logger() -> Any:

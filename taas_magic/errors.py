@@ -10,6 +10,8 @@
         ├── DataPlanError                  the registered loaders cannot serve the run as asked [feed/plan.py]
         ├── ClusterError                   %taas cluster cannot attach (Ray missing, unreachable) [cluster.py]
         ├── LaunchError                    the ranks cannot be started (too few GPUs, ...)  [rankenv.py, launch/]
+        ├── SearchError                    a search cannot start (no Optuna, a grid with no literal values) [search/]
+        ├── TrialPruned                    the search's pruner stopped this trial early  [kernel/search.py]
         └── RunError                       the ranks started, the run failed                [supervisor.py, launch/]
             ├── RankFailed                 a rank raised, exited non-zero or was killed
             ├── WorkerFailed               a data worker raised preparing an element, or died
@@ -80,6 +82,20 @@ class ClusterError(TaasError):
 
 class LaunchError(TaasError):
     """The ranks could not be started; nothing is left running."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self.args)
+
+
+class SearchError(TaasError):
+    """A search (``--trials``) cannot start or go on: nothing of it is left running."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self.args)
+
+
+class TrialPruned(TaasError):
+    """The search's pruner stopped this trial early (a trial's ending, not a failure of the search)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), self.args)

@@ -16,6 +16,7 @@ Kernel -> peer::
     Job, Loaders    a data worker's plans and its loaders' pickles         every worker, first
     Horizon         how far a worker may extract                                     workers
     NextPass, Stop  an iterable feed's next pass may start; a feed has its elements  workers
+    Suggested       answer to Suggest: the trial's value for that name, or why not     a rank
 
 Peer -> kernel::
 
@@ -27,6 +28,7 @@ Peer -> kernel::
     Want            credit: a rank asks for more elements of a pass                   a rank
     Ready, Exhausted, Done   a worker stored an element; its pass ended; it is done  a worker
     WorkerFailure   a worker's traceback and the element it was preparing           a worker
+    Suggest         a trial's taas.trial().suggest_*: asked once per trial, the same value to every rank  a rank
 
 IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a
 body whose MAC wire.py verified; it refuses a kind it does not know or that travels the
@@ -174,6 +176,15 @@ class Stop(ToPeer, kind="stop"):
 
 # -- peer -> kernel ------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Suggested(ToPeer, kind="suggested"):
+    """The trial's value for ``name`` (the same for every rank of the trial), or ``error``."""
+
+    name: str
+    value: Any = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class RankError(ToKernel, kind="error"):
     summary: str
     traceback: str
@@ -221,6 +232,15 @@ class Result(ToKernel, kind="result"):
     cuda_host: tuple[int, int, str]  # CUDA storages sent through host memory: count, bytes, why
     made: tuple = ()  # the kernel's copies of the ipc storages, ("made", k) is made[k]
     cuda_ipc: tuple[int, int] = (0, 0)  # what came device to device: count, bytes
+
+
+@dataclass(frozen=True)
+class Suggest(ToKernel, kind="suggest"):
+    """``trial.suggest_<kind>(name, ...)`` in a rank of a search's trial (search/trial.py)."""
+
+    name: str
+    kind: str  # "float", "int" or "categorical"
+    args: dict  # low, high, step, log; or choices
 
 
 @dataclass(frozen=True)

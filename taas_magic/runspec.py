@@ -94,4 +94,5 @@ class RunSpec:
     stacks_dir: str = ""  # where rank k arms its hang autopsy: autopsy/dump.py stack_file (empty: no autopsy)
     checkpoints: str = ""  # this run's checkpoint folder (checkpoints.py; empty: taas.save_checkpoint has none)
     keep_checkpoints: int = 2  # the newest kept in it
+    trial: int | None = None  # the search's trial number this run is (kernel/search.py); None: not a trial
     seed: int = 0  # the run's seed: the data workers' (kernel/dataplane.py), rank k's WorkerInfo seed + k

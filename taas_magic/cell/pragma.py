@@ -29,6 +29,8 @@ PRAGMA_RE = re.compile(r"^\s*#\s*pragma\s+taas(?=\s|$)(?P<args>.*)$")
 CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
 
 OUTPUT_MODES = ("rank0", "all")
+SAMPLERS = ("tpe", "random", "grid")
+PRUNERS = ("median", "halving", "none")
 DEVICES = ("auto", "cpu", "cuda")
 AUTO = "auto"  # --gpus auto: one rank per GPU of this host (2 CPU ranks where there is none)
 MAX_CPUS = 8
@@ -67,6 +69,13 @@ class PragmaOptions:
     place_timeout: float | None = None  # None: the session default
     restarts: int | None = None  # None: the session default (0)
     detach: bool = False  # --detach: the cell returns at once, the run goes on (kernel/background.py)
+    trials: int | None = None  # --trials K: a search of K trials (kernel/search.py); None: one run
+    parallel: int | None = None  # trials at a time (None: as the GPUs allow; one on a host without GPUs)
+    objective: str | None = None  # the reported metric a trial is judged by (None: "loss")
+    maximize: bool = False
+    sampler: str | None = None  # None: tpe
+    prune: str | None = None  # None: median
+    study: str | None = None  # a study kept in <repository>/.taas/studies.db, continued by a rerun
     configs: tuple[str, ...] = field(default=())
 
 
@@ -87,6 +96,13 @@ class RunSettings:
     place_timeout: float
     output: str
     detach: bool = False
+    trials: int | None = None
+    parallel: int | None = None
+    objective: str = "loss"
+    maximize: bool = False
+    sampler: str = "tpe"
+    prune: str = "median"
+    study: str | None = None
     configs: tuple[str, ...] = ()
 
 
@@ -213,6 +229,23 @@ class Flag:
         return value
 
 
+class Name:
+    """A name: letters, digits, ``_``, ``-`` and ``.`` (a metric's, a study's)."""
+
+    PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+    def parse(self, flag: str, token: str) -> str:
+        if not self.PATTERN.match(token):
+            raise PragmaError(f"{flag} needs a name of letters, digits, _, - and ., got {token!r}")
+        return token
+
+    def refusal(self, value: object) -> str | None:
+        return None if isinstance(value, str) and self.PATTERN.match(value) else "a name"
+
+    def from_setting(self, value: object) -> object:
+        return value
+
+
 def parse_size(token: str) -> int | None:
     """``4G``, ``512MiB``, ``1.5g``, ``1000`` -> bytes (K/M/G/T are powers of 1024); None if malformed."""
     match = _SIZE.match(token.strip())
@@ -221,7 +254,7 @@ def parse_size(token: str) -> int | None:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-Value = Union[Count, Seconds, Size, Choice, Flag]
+Value = Union[Count, Seconds, Size, Choice, Flag, Name]
 
 
 @dataclass(frozen=True)
@@ -279,7 +312,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("--detach", "", "detach", Flag(),
            "run in the background: the cell returns at once with the live view; %taas wait binds rank 0's names",
            default=False),
+    Option("--trials", "K", "trials", Count(1),
+           "K >= 1: a hyperparameter search of K trials, each a run of --gpus ranks (taas.trial() in the cell)"),
+    Option("--parallel", "P", "parallel", Count(1),
+           "trials at a time (default: as many as the GPUs allow, one on a host without GPUs)"),
+    Option("--objective", "NAME", "objective", Name(),
+           "the metric rank 0 reports with taas.report that judges a trial: its last value (default loss)",
+           default="loss"),
+    Option("--maximize", "", "maximize", Flag(),
+           "the search maximises the objective (default: minimises)", default=False),
+    Option("--sampler", "tpe|random|grid", "sampler", Choice(*SAMPLERS),
+           "Optuna's sampler (default tpe); grid: every combination of the cell's literal suggestions",
+           default="tpe"),
+    Option("--prune", "median|halving|none", "prune", Choice(*PRUNERS),
+           "Optuna's pruner, fed by rank 0's reports of the objective (default median)", default="median"),
+    Option("--study", "NAME", "study", Name(),
+           "keep the study in <repository>/.taas/studies.db: rerunning the cell continues it"),
 )
+SEARCH_ONLY = ("--parallel", "--objective", "--maximize", "--sampler", "--prune", "--study")
 _BY_FLAG = {option.flag: option for option in OPTIONS}
 SETTINGS = {option.setting: option for option in OPTIONS if option.setting is not None}  # TaasMagics name -> option
 
@@ -355,8 +405,19 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
     for option in OPTIONS:
         if option.required and option.flag not in values:
             raise PragmaError(f"{option.flag} {option.metavar} is required")
+    _check_search(values)
     fields = {_BY_FLAG[flag].field: value for flag, value in values.items()}
     return PragmaOptions(configs=configs, **fields)  # type: ignore[arg-type]  # each parser returns its field's type
+
+
+def _check_search(values: dict[str, object]) -> None:
+    """The search's options mean something only in a search; a search is not detached (yet)."""
+    if "--trials" not in values:
+        alone = [flag for flag in SEARCH_ONLY if flag in values]
+        if alone:
+            raise PragmaError(f"{alone[0]} belongs to a search: add --trials K")
+    elif "--detach" in values:
+        raise PragmaError("--detach with --trials: a search runs in its cell (interrupt it to stop every trial)")
 
 
 def _config_name(line: str, lineno: int) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from IPython.core.error import UsageError
 
@@ -35,21 +35,22 @@ from taas_magic.kernel.execute import execute
 from taas_magic.kernel.run import Run, ending
 from taas_magic.kernel.status import RunSummary
 from taas_magic.kernel.supervisor import RunOutcome
+from taas_magic.output.runlog import RunLog
 
 STOP_WAIT_SECONDS = 60.0  # at exit: how long a run's stop ladder may take before the kernel leaves anyway
 RUNNING = "running"
+RunThreadT = TypeVar("RunThreadT", bound="RunThread")
 
 
-class BackgroundRun:
-    """One run supervised on its own thread (see the module docstring)."""
+class RunThread:
+    """Something a cell started that runs on a thread of its own and ends once: a run, or a search of
+    runs (kernel/search.py). Subclasses say what the work is (:meth:`_work`) and how its outcome is
+    bound in the notebook (:meth:`_bind`); the rest (stop, wait, take once) is here."""
 
-    def __init__(self, run: Run, detached: bool):
-        self.run, self.log, self.detached = run, run.log, detached
-        self.id: str = run.spec.run_id
-        self.ranks = run.settings.gpus
-        self.on_gpus = run.backend.devices.device == "cuda" and run.backend.loopback_only
+    def __init__(self, log: RunLog, run_id: str, ranks: int, on_gpus: bool, detached: bool):
+        self.log, self.id, self.ranks, self.on_gpus, self.detached = log, run_id, ranks, on_gpus, detached
         self.started = time.time()
-        self.outcome: RunOutcome | None = None
+        self.outcome: Any = None
         self.error: BaseException | None = None
         self.taken = False  # its names were bound (or its error raised) in a cell
         self.widget: Any = None  # its live widget, once a cell showed one (kernel/views.py)
@@ -62,10 +63,15 @@ class BackgroundRun:
     def start(self) -> None:
         self._thread.start()
 
+    def _work(self) -> Any:
+        raise NotImplementedError
+
+    def _bind(self, namespace: dict) -> Any:
+        raise NotImplementedError
+
     def _main(self) -> None:
         try:
-            with self.run:
-                self.outcome = execute(self.run, self._stop.is_set)
+            self.outcome = self._work()
         except KeyboardInterrupt:  # a stop was asked: the autopsy is in the log, every rank stopped
             self.error = RunInterrupted()
         except BaseException as exc:  # noqa: BLE001 - kept and raised in the cell that waits for this run
@@ -105,31 +111,48 @@ class BackgroundRun:
         self.taken = True
         if self.error is not None:
             raise self.error
-        assert self.outcome is not None
-        return self.run.bind_results(self.outcome.result, namespace)
+        return self._bind(namespace)
 
     def summary(self) -> RunSummary:
         return RunSummary(self.id, self.state, self.ranks, self.started, self.detached, self.taken, self.log.last_line)
+
+
+class BackgroundRun(RunThread):
+    """One run supervised on its own thread (see the module docstring)."""
+
+    def __init__(self, run: Run, detached: bool):
+        on_gpus = run.backend.devices.device == "cuda" and run.backend.loopback_only
+        super().__init__(run.log, run.spec.run_id, run.settings.gpus, on_gpus, detached)
+        self.run = run
+        self.outcome: RunOutcome | None = None
+
+    def _work(self) -> RunOutcome:
+        with self.run:
+            return execute(self.run, self._stop.is_set)
+
+    def _bind(self, namespace: dict) -> Any:
+        assert self.outcome is not None
+        return self.run.bind_results(self.outcome.result, namespace)
 
 
 class Runs:
     """This kernel's runs, oldest first."""
 
     def __init__(self) -> None:
-        self._runs: dict[str, BackgroundRun] = {}
+        self._runs: dict[str, RunThread] = {}
         atexit.register(self.close)
 
-    def add(self, run: BackgroundRun) -> BackgroundRun:
+    def add(self, run: RunThreadT) -> RunThreadT:
         self._runs[run.id] = run
         return run
 
-    def all(self) -> list[BackgroundRun]:
+    def all(self) -> list[RunThread]:
         return list(self._runs.values())
 
-    def running(self) -> list[BackgroundRun]:
+    def running(self) -> list[RunThread]:
         return [run for run in self._runs.values() if not run.done]
 
-    def find(self, given: str | None, what: str) -> BackgroundRun:
+    def find(self, given: str | None, what: str) -> RunThread:
         """The run ``given`` names (its id or a prefix); with none, the newest running run, else the
         newest whose names were not taken. ``what`` names the command, for the error."""
         if given:
@@ -144,7 +167,7 @@ class Runs:
             raise UsageError(f"taas: {what}: no run of this kernel is running or waiting to be taken; %taas runs lists them")
         return newest[-1]
 
-    def gpu_holder(self) -> BackgroundRun | None:
+    def gpu_holder(self) -> RunThread | None:
         """The running run whose ranks hold this host's GPUs, if any."""
         return next((run for run in self.running() if run.on_gpus), None)
 

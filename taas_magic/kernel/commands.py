@@ -1,5 +1,6 @@
 """``%taas`` line commands: ``help``, ``status``, ``config repo PATH``, ``config isolation
-auto|overlay|python``, ``warm off|auto|N`` and ``cluster ADDRESS|local``.
+auto|overlay|python``, ``warm off|auto|N``, ``cluster ADDRESS|local``; the runs' (runcommands.py);
+``trials`` and ``study``, the last search's.
 
 :func:`run` reads one command line and applies it to the session's state (kernel/session.py),
 printing what it did; a command it does not know, or a value it refuses, raises IPython's
@@ -22,6 +23,7 @@ from taas_magic.errors import ClusterError
 from taas_magic.kernel import runcommands
 from taas_magic.kernel.cluster import Cluster
 from taas_magic.kernel.dataplane import describe_registered
+from taas_magic.kernel.search import SearchRun
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import help_text, status_text
@@ -55,6 +57,9 @@ def run(line: str, session: Session, settings: MagicSettings) -> object:
             runcommands.stop(session.runs, given)
     elif command == "runs":
         runcommands.list_runs(session.runs)
+    elif command in ("trials", "study"):
+        search = _last_search(session)
+        return search.table() if command == "trials" else search.study
     elif words[:2] == ["config", "repo"] and len(words) == 3:
         _set_repository(session, words[2])
     elif words[:2] == ["config", "isolation"] and len(words) == 3:
@@ -70,6 +75,13 @@ def run(line: str, session: Session, settings: MagicSettings) -> object:
     else:
         raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")
     return None
+
+
+def _last_search(session: Session) -> SearchRun:
+    searches = [run for run in session.runs.all() if isinstance(run, SearchRun)]
+    if not searches:
+        raise UsageError("taas: no search has run in this kernel yet (a cell with --trials K)")
+    return searches[-1]
 
 
 def _set_repository(session: Session, given: str) -> None:

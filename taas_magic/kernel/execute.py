@@ -15,6 +15,7 @@ it holds when that thread leaves it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable
@@ -72,10 +73,19 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
         memfile.remove_run(os.getpid(), run.spec.run_id)
 
     explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
-    board = Board(peers.ranks, log.publish, log.points)
+    trial = run.trial
+
+    def points(reports: list) -> None:  # rank 0's reports: the log's record, and a trial's objective
+        log.points(reports)
+        if trial is not None:
+            trial.reported(reports)
+
+    board = Board(peers.ranks, log.publish, points)
     parts = RunParts(server, peers, greeting,
                      lambda on_marker: OutputRelay(run.spec.output, peers, streams, on_marker=on_marker),
                      log.publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain, stop_asked)
+    if trial is not None:  # a search's trial: its ranks' suggestions, and its pruner's say
+        parts = dataclasses.replace(parts, suggest=trial.answer, prune_asked=trial.pruned)
     try:
         return run_ranks(parts, start_ranks, start_data if data is not None else None,
                          Attempts(run.settings.restarts, between, run.backend.standby))

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 
-from taas_magic.kernel.background import BackgroundRun
+from taas_magic.kernel.background import RunThread
 from taas_magic.output.cellstream import CellStream
 
 POLL_SECONDS = 0.02  # the blocking wait's poll: the relay's own flush interval
 STOP, LEAVE = "stop", "leave"
 
 
-def wait_blocking(run: BackgroundRun, shown: CellStream | None, on_interrupt: str = STOP) -> None:
+def wait_blocking(run: RunThread, shown: CellStream | None, on_interrupt: str = STOP) -> None:
     """Show ``run``'s log in this cell until the run ends (see the module docstring)."""
     try:
         while not run.join(POLL_SECONDS):
@@ -44,7 +44,7 @@ def wait_blocking(run: BackgroundRun, shown: CellStream | None, on_interrupt: st
         shown.finish()
 
 
-def _stop_and_show(run: BackgroundRun, shown: CellStream | None) -> None:
+def _stop_and_show(run: RunThread, shown: CellStream | None) -> None:
     run.stop()
     while not run.done:
         try:
@@ -54,7 +54,7 @@ def _stop_and_show(run: BackgroundRun, shown: CellStream | None) -> None:
             continue  # a second interrupt: the stop ladder is already running
 
 
-async def wait_async(run: BackgroundRun, shown: CellStream | None, on_interrupt: str = STOP) -> None:
+async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str = STOP) -> None:
     """:func:`wait_blocking` as a coroutine: the kernel's event loop runs while it waits."""
     loop = asyncio.get_running_loop()
     woken = asyncio.Event()

@@ -17,6 +17,7 @@ are given the traitlets they read or set, never the magic.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -30,10 +31,11 @@ from taas_magic.cell.pragma import SETTINGS, PragmaOptions, RunSettings, parse_c
 from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel import commands
-from taas_magic.kernel.background import BackgroundRun
+from taas_magic.kernel.background import BackgroundRun, RunThread
 from taas_magic.kernel.foreground import STOP, wait_async, wait_blocking
 from taas_magic.kernel.frontend import Frontend
 from taas_magic.kernel.plan import PlanContext, plan
+from taas_magic.kernel.searchplan import plan_search
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import VALIDATED, Warm, option_trait, refuse
 from taas_magic.kernel.views import Started, Viewing, show_run
@@ -113,7 +115,7 @@ class TaasMagics(Magics):
         await wait_async(started.run, started.shown, STOP)
         return self._take(started.run)
 
-    def _take(self, run: BackgroundRun) -> object:
+    def _take(self, run: RunThread) -> object:
         try:
             return run.take(self._shell.user_ns)
         except KeyboardInterrupt:  # every rank is stopped and the autopsy shown: one line, not our frames
@@ -125,16 +127,25 @@ class TaasMagics(Magics):
         settings, why = self._settle(parsed.options)
         code = translate(self._shell, parsed.source)
         closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
-        context = PlanContext(self.session, self._shell, self._backend, self.checkpoint_dir, self.keep_checkpoints,
-                              self.closure_file_bytes)
-        run = plan(settings, code, closure, why, context)  # holds everything it took; the run's thread releases it
+        if settings.trials is not None:  # a search: its trials are planned on its thread (kernel/search.py)
+            search = self.session.runs.add(plan_search(settings, code, closure, why, self.session, self._context))
+            search.start()
+            return Started(search, show_run(search, self._viewing(search, widget=False)))
+        run = plan(settings, code, closure, why, self._context())  # holds everything it took; its thread releases it
         background = self.session.runs.add(BackgroundRun(run, settings.detach))
         background.start()
         return Started(background, show_run(background, self._viewing(background)))
 
-    def _viewing(self, run: BackgroundRun) -> Viewing:
+    def _context(self, slot: int | None = None, slots: int = 1) -> PlanContext:
+        """What planning a run reads; a search's trial on ``slot`` of ``slots`` is placed there."""
+        backend = functools.partial(self._backend, slot=slot, slots=slots)
+        return PlanContext(self.session, self._shell, backend, self.checkpoint_dir, self.keep_checkpoints,
+                           self.closure_file_bytes)
+
+    def _viewing(self, run: RunThread, widget: bool = True) -> Viewing:
+        """The view a run gets in this cell; a search's table is a display the widget would not draw: a stream."""
         budget = OutputBudget(run.id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
-        return Viewing(self._shell, self.frontend.choose(self.view), budget)
+        return Viewing(self._shell, widget and self.frontend.choose(self.view), budget)
 
     def _settle(self, options: PragmaOptions) -> tuple[RunSettings, str | None]:
         """The run's settings (the pragma over the session), ``--gpus auto`` made a number against this
@@ -154,12 +165,16 @@ class TaasMagics(Magics):
         """This session's value of every setting that is an option's default."""
         return {name: getattr(self, name) for name in SETTINGS}
 
-    def _backend(self, settings: RunSettings) -> Backend:
+    def _backend(self, settings: RunSettings, slot: int | None = None, slots: int = 1) -> Backend:
+        """Where a run's ranks go; a search's trial on ``slot`` of ``slots`` on GPUs gets its own slice of them."""
         cluster = self.session.cluster
-        if cluster is None:
-            spares = None if self._warm.off else self.spares
-            return LocalBackend(settings.gpus, spares, lambda: self._warm.after(settings.gpus), settings.device)
-        return ClusterBackend.place(cluster, settings.gpus, settings.per_host, settings.place_timeout)
+        if cluster is not None:
+            return ClusterBackend.place(cluster, settings.gpus, settings.per_host, settings.place_timeout)
+        if slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count():
+            first = slot * settings.gpus
+            return LocalBackend(settings.gpus, None, None, settings.device, range(first, first + settings.gpus))
+        spares = None if self._warm.off else self.spares
+        return LocalBackend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots), settings.device)
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str) -> object:

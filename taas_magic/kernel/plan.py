@@ -31,6 +31,7 @@ from taas_magic.kernel.session import Session
 from taas_magic.kernel.status import LastRun, closure_size, gpus_held_text, header_line
 from taas_magic.launch.backend import Backend
 from taas_magic.runspec import RunSpec
+from taas_magic.search.link import TrialLink
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import closure_route
 from taas_magic.writes.rule import WriteRule
@@ -50,12 +51,15 @@ class PlanContext:
     closure_file_bytes: int  # TaasMagics.closure_file_bytes
 
 
-def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, context: PlanContext) -> Run:
-    """Everything the run needs, decided and held before anything starts; the header is its log's first entry."""
+def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, context: PlanContext,
+         trial: TrialLink | None = None) -> Run:
+    """Everything the run needs, decided and held before anything starts; the header is its log's first entry.
+    A search's ``trial`` is told to its ranks (its number) and answers their suggestions (kernel/search.py)."""
     import taas
 
     registered = taas.registered()
     run = Run(settings, serialise_closure(closure, registered), registered)
+    run.trial = trial
     session = context.session
     with ExitStack() as undo:
         undo.push(run)  # a plan that fails half-way releases what it took
@@ -63,7 +67,9 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         loaders = {index: registered[index] for index in used}
         run.hold_data(DataRun(loaders, context.shell.user_ns, settings) if used else None)
         backend = run.hold_backend(context.backend(settings))  # placement held from here
-        holder = session.runs.gpu_holder() if backend.devices.device == "cuda" and backend.loopback_only else None
+        # a search's trials hold their own slices of the GPUs (the search itself is the holder)
+        holder = session.runs.gpu_holder() if backend.devices.device == "cuda" and backend.loopback_only \
+            and trial is None else None
         if holder is not None:
             raise LaunchError(gpus_held_text(holder.summary()))
         rule = session.write_rule()
@@ -95,5 +101,6 @@ def _spec(run: Run, code: CellCode, rule: WriteRule, context: PlanContext) -> Ru
         # CUDA tensors by CUDA IPC: only among processes of this host on its GPUs, the kernel's CUDA in use
         cuda_ipc=backend.memory_files and backend.devices.device == "cuda" and cudaipc.kernel_ready(),
         checkpoints=os.path.join(os.path.realpath(os.path.expanduser(root)), run_id),
+        trial=run.trial.number if run.trial is not None else None,
         keep_checkpoints=context.keep_checkpoints, seed=data.seed if data is not None else secrets.randbits(31),
     )

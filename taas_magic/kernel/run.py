@@ -46,6 +46,7 @@ from taas_magic.peers import PeerIds
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.protocol import Result
 from taas_magic.runspec import RunSpec
+from taas_magic.search.link import TrialLink
 from taas_magic.tempdirs import remove_tree
 from taas_magic.transfer import memfile
 from taas_magic.transfer.handoff import ClosureHandoff
@@ -87,6 +88,7 @@ class Run:
         self.registered = registered  # the registered loaders, by index
         self.data: DataRun | None = None
         self.record: LastRun | None = None  # for %taas status, once the plan has printed the header
+        self.trial: TrialLink | None = None  # a search's trial: its suggestions and its pruning (search/link.py)
         self._stack = ExitStack()
         self._stack.push(self._drop_results_on_failure)
         self._started = time.monotonic()
@@ -170,6 +172,10 @@ class Run:
         self._stack.close()
         if hasattr(self, "log"):
             self.log.close()
+
+    def drop_results(self) -> None:
+        """Rank 0's results will never be bound (a search's trial that is not the best): their files go now."""
+        memfile.remove_run(os.getpid(), self.spec.run_id)
 
     def bind_results(self, result: Result | None, namespace: dict) -> object:
         """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""

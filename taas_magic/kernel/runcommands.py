@@ -18,13 +18,13 @@ from __future__ import annotations
 from typing import Callable
 
 from taas_magic.kernel import views
-from taas_magic.kernel.background import BackgroundRun, Runs
+from taas_magic.kernel.background import Runs, RunThread
 from taas_magic.kernel.foreground import LEAVE, POLL_SECONDS, wait_blocking
 from taas_magic.kernel.status import runs_table
 from taas_magic.output.runlog import OUT, SAY
 
-Viewing = Callable[[BackgroundRun], views.Viewing]  # how a view is chosen for a run in this cell
-Take = Callable[[BackgroundRun], object]  # bind a finished run's names in the notebook (magics.py)
+Viewing = Callable[[RunThread], views.Viewing]  # how a view is chosen for a run in this cell
+Take = Callable[[RunThread], object]  # bind a finished run's names in the notebook (magics.py)
 
 
 def list_runs(runs: Runs) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from taas_magic import protocol
-from taas_magic.errors import RunError
+from taas_magic.errors import RunError, TrialPruned
 from taas_magic.feed.coordinator import Send
 from taas_magic.kernel import attempts as attempt_loop
 from taas_magic.kernel.dataplane import DataPlane
@@ -44,7 +44,19 @@ from taas_magic.output.board import Board
 from taas_magic.output.displays import HeldDisplays
 from taas_magic.output.relay import OutputRelay, Publish
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
-from taas_magic.protocol import ClearOutput, ClosureHostWanted, Display, Done, Exhausted, Ready, Report, Result, Want
+from taas_magic.protocol import (
+    ClearOutput,
+    ClosureHostWanted,
+    Display,
+    Done,
+    Exhausted,
+    Ready,
+    Report,
+    Result,
+    Suggest,
+    Suggested,
+    Want,
+)
 from taas_magic.transfer.results import keep_result
 
 POLL_SECONDS = 0.05
@@ -55,6 +67,11 @@ SETTLE_STEP_SECONDS = 0.01
 MarkerHook = Callable[[Peer, int], None]  # a rank's display ``n`` belongs here in its text
 Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps, running ranks -> the autopsy's lines
 HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
+Answer = Callable[[int, Suggest], Suggested]  # a search's trial answering a rank's suggestion (search/link.py)
+
+
+def _not_a_search(rank: int, frame: Suggest) -> Suggested:
+    return Suggested(frame.name, error="this run is not a search's trial")
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,8 @@ class RunParts:
     timeout: float | None = None  # --timeout
     explain: Explain | None = None  # the hang autopsy (autopsy/stacks.py)
     stop_asked: Callable[[], bool] = lambda: False  # %taas stop, or an interrupt of the cell that waits for it
+    suggest: Answer = _not_a_search  # a search's trial: the value of each suggestion, the same for every rank
+    prune_asked: Callable[[], bool] = lambda: False  # a search's pruner stopped this trial: every rank, at once
 
 
 @dataclass
@@ -158,6 +177,8 @@ class Supervisor:
                 reply, line = self.parts.host_copy(rank.index, frame)
                 self.relay.notice(line)
                 self.mux.send(rank, reply)
+            case Suggest():
+                self.mux.send(rank, protocol.encode(self.parts.suggest(rank.index, frame)))
             case Want() if self.data is not None:
                 self._send_all(self.data.coordinator.on_rank(rank.index, frame))
 
@@ -274,11 +295,22 @@ def _watch(supervisor: Supervisor) -> RunOutcome | None:
                 return supervisor.outcome()  # something the cell started still holds a pipe open: the group's close ends it
         if supervisor.parts.stop_asked():
             raise KeyboardInterrupt  # as the person's interrupt: the autopsy, then every rank stopped
+        if supervisor.parts.prune_asked():
+            _pruned(supervisor)
         if deadline is not None and now >= deadline:
             assert timeout is not None  # a deadline exists only with a timeout
             running, lines = supervisor.autopsy()
             verdict.saw(TimedOut(timeout, running, tuple(lines)))
             return None
+
+
+def _pruned(supervisor: Supervisor) -> None:
+    """A search's pruner stopped this trial: every rank at once (TERM, then KILL), no autopsy,
+    so its GPUs go to the next trial now."""
+    supervisor.relay.mute()
+    if supervisor.group is not None:
+        supervisor.group.stop(graceful=False)
+    raise TrialPruned("taas: the search's pruner stopped this trial")
 
 
 def run_ranks(

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from taas_magic.kernel.background import BackgroundRun
+from taas_magic.kernel.background import RunThread
 from taas_magic.kernel.frontend import cell_publisher
 from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
@@ -39,11 +39,11 @@ class Viewing:
 class Started:
     """A run just started from a cell, and what the cell shows of it while it waits (None: nothing)."""
 
-    run: BackgroundRun
+    run: RunThread
     shown: CellStream | None
 
 
-def show_run(run: BackgroundRun, viewing: Viewing) -> CellStream | None:
+def show_run(run: RunThread, viewing: Viewing) -> CellStream | None:
     """Put ``run``'s view in the cell that started it; what that cell itself shows while it waits."""
     if viewing.widget:
         _display(viewing.shell, live_widget(run))
@@ -54,7 +54,7 @@ def show_run(run: BackgroundRun, viewing: Viewing) -> CellStream | None:
     return _stream(run, viewing)
 
 
-def attach(run: BackgroundRun, viewing: Viewing) -> CellStream | None:
+def attach(run: RunThread, viewing: Viewing) -> CellStream | None:
     """``%taas attach``: the run's widget again (it is live: nothing to wait for), or its log as this
     cell's stream from the first entry (the caller shows it until the run ends)."""
     if viewing.widget:
@@ -63,7 +63,7 @@ def attach(run: BackgroundRun, viewing: Viewing) -> CellStream | None:
     return _stream(run, viewing)
 
 
-def live_widget(run: BackgroundRun) -> Any:
+def live_widget(run: RunThread) -> Any:
     """The run's one widget (made, and its pump started, the first time)."""
     if run.widget is None:
         from taas_magic.output.widget import LiveView
@@ -73,7 +73,7 @@ def live_widget(run: BackgroundRun) -> Any:
     return run.widget
 
 
-def _stream(run: BackgroundRun, viewing: Viewing, displays_only: bool = False) -> CellStream:
+def _stream(run: RunThread, viewing: Viewing, displays_only: bool = False) -> CellStream:
     streams = {"stdout": sys.stdout, "stderr": sys.stderr}
     return CellStream(run.log, streams, publisher(viewing.shell.display_pub), viewing.budget, displays_only)
 

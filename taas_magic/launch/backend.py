@@ -20,6 +20,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 
+from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan, ProcessGroup
 from taas_magic.launch.local import LocalProcessGroup
 from taas_magic.launch.placement import Node, RankSlot
@@ -105,10 +106,19 @@ class LocalBackend:
     memory_files = True
     loopback_only = True
 
-    def __init__(self, gpus: int, spares: SparePool | None, refill: Callable[[], int] | None, device: str = "auto"):
+    def __init__(self, gpus: int, spares: SparePool | None, refill: Callable[[], int] | None, device: str = "auto",
+                 gpu_ids: range | None = None):
         self.devices = plan_devices(gpus, device=device)  # raises LaunchError (nothing held): too few GPUs, or none
         self.slots = [RankSlot(rank, rank, gpus, 0) for rank in range(gpus)]
         self._spares, self._refill = spares, refill
+        # a search's trial on a slice of the GPUs: its ranks see only those (fresh processes: a warm
+        # spare's CUDA already sees every GPU, and LOCAL_RANK must index the slice)
+        self._gpu_ids = gpu_ids if self.devices.device == "cuda" else None
+        if self._gpu_ids is not None:
+            if self._gpu_ids.stop > self.devices.gpus_on_host:
+                raise LaunchError(f"taas: GPUs {self._gpu_ids.start}..{self._gpu_ids.stop - 1} asked for, "
+                                  f"this host has {self.devices.gpus_on_host}")
+            self._spares = self._refill = None
         self._port = reserve_port()  # held until the run ends, so two notebooks cannot clash
 
     def layout(self) -> str | None:
@@ -118,6 +128,8 @@ class LocalBackend:
         return LOOPBACK, self._port.getsockname()[1]
 
     def rank_extra_env(self, rank: int) -> dict[str, str]:
+        if self._gpu_ids is not None:
+            return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in self._gpu_ids)}
         # --device cpu on a GPU host: the ranks (and what the cell starts) see no GPU at all
         return {"CUDA_VISIBLE_DEVICES": ""} if self.devices.hides_gpus else {}
 

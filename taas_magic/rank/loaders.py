@@ -15,10 +15,10 @@ from its pickle on first use.
 from __future__ import annotations
 
 import collections
-import threading
 from typing import Any, Iterator, NoReturn
 
-from taas_magic.protocol import Elements, End, PeerChannel, Want
+from taas_magic.protocol import Elements, End, Want
+from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import MAP, FeedPlan, RankFeed
 from taas_magic.transfer.records import SegmentReader
 
@@ -26,25 +26,20 @@ CREDIT = 4  # elements a rank asks for ahead of the one it is consuming
 
 
 class FeedClient:
-    """A rank's end of the element stream; the channel's only reader during the cell."""
+    """A rank's end of the element stream, read through the rank's inbox (rank/inbox.py)."""
 
-    def __init__(self, channel: PeerChannel):
-        self.channel = channel
+    def __init__(self, inbox: Inbox):
+        self.inbox = inbox
         self.reader = SegmentReader()
-        self.inbox: dict[int, collections.deque[Elements | End]] = collections.defaultdict(collections.deque)
-        self.lock = threading.Lock()
 
     def ask(self, feed: int, pass_no: int, credit: int) -> None:
-        self.channel.send(Want(feed, pass_no, credit))
+        self.inbox.send(Want(feed, pass_no, credit))
 
     def next_message(self, feed: int) -> Elements | End:
         """The next frame for ``feed`` (others are kept for their own loaders)."""
-        with self.lock:
-            while not self.inbox[feed]:
-                frame = self.channel.receive()
-                if isinstance(frame, (Elements, End)):  # the kernel sends nothing else during the cell
-                    self.inbox[frame.feed].append(frame)
-            return self.inbox[feed].popleft()
+        frame = self.inbox.take(lambda frame: isinstance(frame, (Elements, End)) and frame.feed == feed)
+        assert isinstance(frame, (Elements, End))
+        return frame
 
 
 class PreparedLoader:
@@ -112,9 +107,9 @@ class PreparedLoader:
         return f"<taas prepared loader {self._plan.describe()}>"
 
 
-def prepared_loaders(feeds: tuple[RankFeed, ...], channel: PeerChannel) -> dict[int, PreparedLoader]:
+def prepared_loaders(feeds: tuple[RankFeed, ...], inbox: Inbox) -> dict[int, PreparedLoader]:
     """Feed index -> the :class:`PreparedLoader` the closure's ``("taas-feed", i)`` resolves to."""
     if not feeds:
         return {}
-    client = FeedClient(channel)
+    client = FeedClient(inbox)
     return {feed.plan.feed: PreparedLoader(feed.plan, feed.original, client) for feed in feeds}

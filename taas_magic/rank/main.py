@@ -30,9 +30,11 @@ from taas_magic import checkpoints
 from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
-from taas_magic.protocol import PeerChannel, RankError, Spec
+from taas_magic.protocol import PeerChannel, RankError, Spec, Suggest, Suggested
 from taas_magic.rank import execute, lifeline, lightning, shell, startup
+from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
+from taas_magic.search import trial as search_trial
 from taas_magic.transfer import cudaipc, memfile, returns
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
 
@@ -67,7 +69,7 @@ def _own_output() -> None:
     lifeline.flush_periodically(sys.stdout, FLUSH_SECONDS)
 
 
-def _cell_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.ModuleType:
+def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -> types.ModuleType:
     """A fresh ``__main__`` for the cell, IPython's stand-ins, the rank's device, its sources, its run's data."""
     import taas
 
@@ -77,6 +79,7 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     taas.report = reports.report  # the cell's taas.report: one call, one append
     reports.start(channel)
+    search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
@@ -99,12 +102,20 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     return module
 
 
-def _load_closure(spec: RunSpec, channel: PeerChannel, received: ReceivedClosure) -> tuple[dict, dict]:
+def _ask(inbox: Inbox, frame: Suggest) -> Suggested:
+    """A trial's suggestion: asked of the kernel, its answer taken from the channel's one reader."""
+    inbox.send(frame)
+    answer = inbox.take(lambda reply: isinstance(reply, Suggested) and reply.name == frame.name)
+    assert isinstance(answer, Suggested)
+    return answer
+
+
+def _load_closure(spec: RunSpec, channel: PeerChannel, inbox: Inbox, received: ReceivedClosure) -> tuple[dict, dict]:
     """The closure's values, and the prepared loaders by feed index; reports and exits if they cannot load."""
     try:
         from taas_magic.rank.loaders import prepared_loaders
 
-        loaders = prepared_loaders(spec.feeds, channel)
+        loaders = prepared_loaders(spec.feeds, inbox)
         return received.load(loaders.__getitem__), loaders
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
@@ -173,8 +184,9 @@ def main() -> None:
     sys.path[:] = spec.sys_path
     sys.argv = ["taas-rank"]
     _own_output()
-    module = _cell_module(spec, channel, rank)
-    closure, loaders = _load_closure(spec, channel, received)
+    inbox = Inbox(channel)  # the channel's one reader from here: the loaders' elements, a trial's answers
+    module = _cell_module(spec, channel, inbox, rank)
+    closure, loaders = _load_closure(spec, channel, inbox, received)
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
     before = returns.snapshot(module.__dict__) if rank == 0 else {}

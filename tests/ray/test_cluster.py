@@ -13,6 +13,7 @@ import json
 import re
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -320,3 +321,29 @@ def test_a_rank_killed_on_the_second_host_is_restarted_there(attached, tmp_path)
         assert host in ran.stream("stdout")
     finally:
         attached.execute("%config TaasMagics.checkpoint_dir = ''")
+
+
+def test_a_search_runs_its_trials_side_by_side_on_the_clusters_hosts(attached):
+    pytest.importorskip("optuna")
+    cell = ("#pragma taas --gpus 2 --trials 4 --sampler random\n"
+            "import os, time, taas, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "t = taas.trial()\n"
+            "x = t.suggest_float('x', -1.0, 1.0)\n"
+            "both = [None, None]\n"
+            "dist.all_gather_object(both, (x, os.environ['MASTER_ADDR'], os.environ['MASTER_PORT']))\n"
+            "assert both[0][0] == both[1][0], both\n"
+            "time.sleep(1.0)\n"
+            "taas.report(0, loss=x * x)\n"
+            "cluster_search_x = x\n"
+            "dist.destroy_process_group()\n")
+    ran = attached.execute(cell, timeout=300)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert "2 at a time (the cluster's 4 GPU(s))" in ran.stream(), ran.stream()
+    rows = json.loads(attached.execute("import taas\nprint(taas.trials()[['value', 'state', 'log']].to_json(orient='records'))")
+                      .stream())
+    assert [row["state"] for row in rows] == ["complete"] * 4
+    headers = [json.loads(Path(row["log"]).read_text().splitlines()[0])["text"] for row in rows]
+    assert all("cluster: " in header for header in headers), headers  # each trial placed by the cluster
+    best = min(row["value"] for row in rows)
+    assert abs(float(attached.execute("cluster_search_x ** 2").result["text/plain"]) - best) < 1e-9

@@ -34,7 +34,7 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
 # The stages a cell flows through, in order; then the features that have a kernel half and a
 # rank half; under them all, the ground of contracts (the modules at the top of the package).
 STAGES = ["cell", "kernel", "launch", "feed", "rank"]
-FEATURES = ["transfer", "output", "autopsy", "writes"]
+FEATURES = ["transfer", "output", "autopsy", "writes", "search"]
 GROUND_MOST = 10  # modules at the top level of taas_magic/, __init__.py included
 
 

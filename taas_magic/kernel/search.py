@@ -1,0 +1,291 @@
+"""A search (``--trials K``): K runs of one cell, side by side as the GPUs allow, asked and told through Optuna.
+
+:class:`SearchRun` is started from the cell like a run (kernel/background.py's ``RunThread``:
+stopped, waited for and taken once the same way) and its thread is the search's loop:
+
+1. while fewer than ``P`` trials run (the search's slots: the host's GPUs divided by
+   ``--gpus``, ``--parallel`` on a host without GPUs, the cluster's GPUs) and fewer than K
+   were asked: ask Optuna for a trial (``study.ask()``), plan its run (kernel/plan.py) on the
+   slot it takes (a slice of the host's GPUs, or its own placement on the cluster) with its
+   :class:`TrialLink` (search/link.py: its ranks' suggestions, its objective, its pruning),
+   and start it on its own thread (a ``BackgroundRun``, everything a run has: closure, write
+   rule, restarts, data workers, autopsy);
+2. when a trial's run ends, tell Optuna how (the objective's last value; pruned; failed) and
+   give its slot to the next trial at once. A trial that failed is recorded, its error kept,
+   and the search goes on;
+3. every half second, and once at the end, the table and chart (output/trials.py) into the
+   search's log, which the cell shows; the best trial's last lines in it.
+
+Only the best trial's results are kept: when a better one ends, the previous best's rank-0
+files are removed, and a trial that is not the best has its removed as it ends. Once every
+trial ended, the cell binds the best trial's names (:meth:`SearchRun._bind`); the cell fails
+only when every trial failed, with the first failure's error. A stop (an interrupt of the
+cell) stops every running trial through its own stop ladder and tells Optuna they failed, so
+a ``--study`` file keeps no trial marked running.
+
+A plan that cannot be made (the closure cannot be sent, the cluster cannot place) is not a
+trial's failure: the search stops there with that error.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from taas_magic.cell.cellcode import CellCode
+from taas_magic.cell.pragma import RunSettings
+from taas_magic.errors import SearchError, TrialPruned
+from taas_magic.kernel.background import BackgroundRun, RunThread
+from taas_magic.kernel.plan import PlanContext, plan
+from taas_magic.output.runlog import OUT, RunLog
+from taas_magic.output.trials import TrialRow, search_display
+from taas_magic.protocol import Display
+from taas_magic.search.link import TrialLink
+
+REDRAW_SECONDS = 0.5
+TAIL_LINES = 8
+COMPLETE, PRUNED, FAILED, STOPPED, RUNNING = "complete", "pruned", "failed", "stopped", "running"
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """What every trial's plan is made from, decided in the cell before the search starts."""
+
+    settings: RunSettings
+    code: CellCode
+    closure: dict
+    why: str | None
+    context: Callable[[int], PlanContext]  # a slot -> the context whose backend places a trial there
+    slots: int  # trials at a time
+    on_gpus: bool  # the trials hold this host's GPUs
+
+
+@dataclass
+class Trial:
+    """One trial as the search holds it."""
+
+    link: TrialLink
+    slot: int
+    run: BackgroundRun
+    state: str = RUNNING
+    value: float | None = None
+    error: BaseException | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    seen: int = -1  # the last log entry read into ``tail``
+    partial: str = ""
+
+    def row(self, maximize: bool) -> TrialRow:
+        link = self.link
+        values = [value for _, value in link.curve]
+        best = (max(values) if maximize else min(values)) if values else None
+        return TrialRow(link.number, dict(link.values), self.state, link.last, best, link.seconds, tuple(link.curve))
+
+
+class SearchRun(RunThread):
+    """A search of ``plan.settings.trials`` trials on its own thread (see the module docstring)."""
+
+    def __init__(self, search: SearchPlan, study: Any, log: RunLog):
+        super().__init__(log, log.run_id, search.settings.gpus * search.slots, search.on_gpus, detached=False)
+        self.plan, self.study = search, study
+        self.trials: list[Trial] = []
+        self._lock = threading.Lock()  # one Optuna call at a time, from the trials' threads and this one
+        self._wake = threading.Event()
+        self._display_shown = False
+
+    # -- the loop (this search's thread) -----------------------------------------------------------
+    def _work(self) -> Trial:
+        settings = self.plan.settings
+        assert settings.trials is not None  # a search's settings
+        free = list(range(self.plan.slots))
+        try:
+            while not self._stop.is_set():
+                while free and len(self.trials) < settings.trials and not self._stop.is_set() and not self._exhausted():
+                    self._start_trial(free.pop(0))
+                free.extend(self._finish_ended())
+                if not self.running_trials() and (len(self.trials) >= settings.trials or self._exhausted()):
+                    break
+                self._redraw()
+                self._wake.wait(REDRAW_SECONDS)
+                self._wake.clear()
+        finally:
+            self._stop_all()
+            self._redraw(force=True)
+        if self._stop.is_set():
+            raise KeyboardInterrupt
+        return self._verdict()
+
+    def stop(self) -> None:
+        super().stop()
+        self._wake.set()
+
+    def running_trials(self) -> list[Trial]:
+        return [trial for trial in self.trials if trial.state == RUNNING]
+
+    def _exhausted(self) -> bool:
+        """A grid whose every point was asked for: nothing more to ask."""
+        sampler = self.study.sampler
+        with self._lock:
+            return hasattr(sampler, "is_exhausted") and sampler.is_exhausted(self.study)
+
+    def _start_trial(self, slot: int) -> None:
+        settings = self.plan.settings
+        with self._lock:
+            asked = self.study.ask()
+        link = TrialLink(asked, settings.objective, self._lock, prunes=settings.prune != "none")
+        try:
+            run = plan(settings, self.plan.code, self.plan.closure, self.plan.why, self.plan.context(slot), link)
+        except BaseException:
+            _tell(self.study, self._lock, link, FAILED, None)
+            raise  # the search cannot go on (the closure, the cluster): that is the cell's error
+        trial = Trial(link, slot, BackgroundRun(run, detached=True))
+        self.trials.append(trial)
+        trial.run.when_done(self._wake.set)
+        trial.run.start()
+        self.log.say(f"taas: trial {link.number} started (run {run.spec.run_id}, log {run.log.path})")
+
+    def _finish_ended(self) -> list[int]:
+        """Tell Optuna how each trial that ended since the last look ended; the slots they free."""
+        freed = []
+        for trial in self.running_trials():
+            if trial.run.done:
+                self._finish(trial)
+                freed.append(trial.slot)
+        return freed
+
+    def _finish(self, trial: Trial) -> None:
+        link, error = trial.link, trial.run.error
+        link.ended = link.ended or link.started + link.seconds
+        if error is None and link.last is None:
+            error = SearchError(f"taas: trial {link.number} ended without reporting {link.objective!r} "
+                                f"with taas.report (the objective, --objective)")
+        if isinstance(error, TrialPruned):
+            state = PRUNED
+        elif isinstance(error, KeyboardInterrupt):
+            state = STOPPED
+        else:
+            state = FAILED if error is not None else COMPLETE
+        trial.state, trial.error = state, error
+        trial.value = link.last if state == COMPLETE else None
+        _tell(self.study, self._lock, link, state, trial.value)
+        self._keep_only_the_best()
+        if state == FAILED:
+            self.log.say(f"taas: trial {link.number} failed: {_first_line(error)}", "stderr")
+        elif state == PRUNED:
+            self.log.say(f"taas: trial {link.number} pruned at step {link.curve[-1][0]:g}" if link.curve else
+                         f"taas: trial {link.number} pruned")
+
+    def _stop_all(self) -> None:
+        """Every trial still running is stopped (its own stop ladder) and told to Optuna."""
+        running = self.running_trials()
+        for trial in running:
+            trial.run.stop()
+        for trial in running:
+            trial.run.join()
+            self._finish(trial)
+
+    # -- the best, and what the cell shows ----------------------------------------------------------
+    def best(self) -> Trial | None:
+        return best_of(self.trials, self.plan.settings.maximize)
+
+    def _keep_only_the_best(self) -> None:
+        best = self.best()
+        for trial in self.trials:
+            if trial is not best and trial.state != RUNNING and trial.run.outcome is not None:
+                trial.run.run.drop_results()
+                trial.run.outcome = None  # what rank 0 sent in its frames goes too
+
+    def _verdict(self) -> Trial:
+        best = self.best()
+        counts = collections.Counter(trial.state for trial in self.trials)
+        summary = ", ".join(f"{count} {state}" for state, count in counts.items())
+        if best is None:
+            failed = [trial.error for trial in self.trials if trial.error is not None]
+            self.log.say(f"taas: no trial of {len(self.trials)} completed ({summary})", "stderr")
+            raise failed[0] if failed else SearchError("taas: the search ran no trial")
+        params = ", ".join(f"{name}={value!r}" for name, value in best.link.values.items())
+        self.log.say(f"taas: best trial {best.link.number}: {self.plan.settings.objective} {best.value:.6g} · "
+                     f"{params or 'no params'} ({summary} of {len(self.trials)})")
+        return best
+
+    def _bind(self, namespace: dict) -> Any:
+        best: Trial = self.outcome
+        return best.run.take(namespace)
+
+    def table(self) -> Any:
+        return trials_table(self.trials)
+
+    def _redraw(self, force: bool = False) -> None:
+        """The table, the chart and the leader's last lines, one display updated in place."""
+        if not self.trials:
+            return
+        running = self.running_trials()
+        leader = self.best() or (running[-1] if running else None)  # the best so far, else the newest running
+        rows = [trial.row(self.plan.settings.maximize) for trial in self.trials]
+        data = search_display(rows, self.plan.settings.objective, leader.link.number if leader else None,
+                              _tail(leader) if leader is not None else [])
+        self.log.publish(Display(data, {}, {"display_id": f"taas-search-{self.id}"}, self._display_shown))
+        self._display_shown = True
+
+
+def _tell(study: Any, lock: threading.Lock, link: TrialLink, state: str, value: float | None) -> None:
+    """Optuna is told how the trial ended: its value, or pruned, or failed (a stopped trial too)."""
+    from optuna.trial import TrialState
+
+    states = {PRUNED: TrialState.PRUNED, FAILED: TrialState.FAIL, STOPPED: TrialState.FAIL}
+    with lock:
+        try:
+            if state == COMPLETE:
+                study.tell(link.trial, value)
+            else:
+                study.tell(link.trial, state=states[state])
+        except RuntimeError:
+            # IMPORTANT: GridSampler.after_trial calls study.stop() once its grid is used up, which
+            # raises outside study.optimize(); tell has stored the trial's state by then (its finally)
+            if type(study.sampler).__name__ != "GridSampler":
+                raise
+
+
+def best_of(trials: list[Trial], maximize: bool) -> Trial | None:
+    """The completed trial with the best value (the first such, on a tie)."""
+    done = [trial for trial in trials if trial.state == COMPLETE and trial.value is not None]
+    if not done:
+        return None
+    pick = max if maximize else min
+    return pick(done, key=lambda trial: trial.value if trial.value is not None else 0.0)
+
+
+def trials_table(trials: list[Trial]) -> Any:
+    """``taas.trials()``: number, params, value, state, seconds and log of each trial; a pandas
+    DataFrame where pandas is installed, else a list of dicts."""
+    records = [{"number": trial.link.number, "params": dict(trial.link.values), "value": trial.value,
+                "state": trial.state, "seconds": round(trial.link.seconds, 3), "log": trial.run.log.path}
+               for trial in trials]
+    try:
+        import pandas
+    except ImportError:
+        return records
+    return pandas.DataFrame.from_records(records, columns=["number", "params", "value", "state", "seconds", "log"])
+
+
+def _tail(trial: Trial) -> list[str]:
+    """The trial's last lines of rank 0's output (a ``\\r`` redraw keeps only its last state)."""
+    _, entries = trial.run.log.since(trial.seen)
+    for entry in entries:
+        trial.seen = entry.seq
+        if entry.kind != OUT:
+            continue
+        *whole, trial.partial = (trial.partial + entry.text).split("\n")
+        trial.tail.extend(line.rsplit("\r", 1)[-1] for line in whole)
+    shown = list(trial.tail) + ([trial.partial.rsplit("\r", 1)[-1]] if trial.partial.strip() else [])
+    return shown[-TAIL_LINES:]
+
+
+def _first_line(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    render = getattr(error, "_render_traceback_", None)
+    lines = list(render()) if render is not None else [f"{type(error).__name__}: {error}"]
+    return next((line for line in lines if line.strip()), "")[:300]
+

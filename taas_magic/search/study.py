@@ -1,0 +1,68 @@
+"""The search's Optuna study: its sampler, its pruner, where it is kept.
+
+No search algorithm is ours: ``--sampler tpe|random|grid`` is Optuna's ``TPESampler``
+(its ``constant_liar``, Optuna's default, keeps trials running side by side from being
+given the same point), ``RandomSampler`` or ``GridSampler`` (its grid read from the cell,
+search/space.py); ``--prune median|halving|none`` is ``MedianPruner``,
+``SuccessiveHalvingPruner`` or ``NopPruner``, each with Optuna's defaults (the median
+pruner prunes nothing before 5 trials have completed).
+
+A study is in memory, for this cell's search, unless ``--study NAME`` names one: then it
+is kept in ``<repository>/.taas/studies.db`` (SQLite through Optuna's RDB storage, the
+file owner-only), and a rerun of the cell continues it: its sampler sees every earlier
+trial. A study kept with the other direction is refused rather than continued the wrong
+way. Optuna is imported only here and only for a search; where it is missing the search
+fails with the line to install it.
+
+Optuna's own log lines ("Trial 3 finished ...") are turned down to warnings when a search
+starts: the search's table says the same, in place.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from taas_magic.errors import SearchError
+
+STUDIES_FILE = "studies.db"
+
+
+def optuna_module() -> Any:
+    try:
+        import optuna
+    except ImportError:
+        raise SearchError("taas: --trials needs Optuna: pip install 'taas-magic[trials]' (or pip install optuna)") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def open_study(sampler: str, prune: str, maximize: bool, name: str | None, repository: str,
+               grid: dict[str, list[Any]] | None = None) -> Any:
+    """The study a search asks and tells (see the module docstring); ``grid`` for ``--sampler grid``."""
+    optuna = optuna_module()
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(), "random": lambda: optuna.samplers.RandomSampler(),
+                "grid": lambda: optuna.samplers.GridSampler(grid or {})}
+    pruners = {"median": optuna.pruners.MedianPruner, "halving": optuna.pruners.SuccessiveHalvingPruner,
+               "none": optuna.pruners.NopPruner}
+    direction = "maximize" if maximize else "minimize"
+    storage = _storage(repository) if name is not None else None
+    study = optuna.create_study(storage=storage, sampler=samplers[sampler](), pruner=pruners[prune](),
+                                study_name=name, direction=direction, load_if_exists=True)
+    if study.direction.name.lower() != direction:
+        kept = study.direction.name.lower()
+        raise SearchError(f"taas: study {name!r} in {storage} was made to {kept}; "
+                          f"{'drop' if kept == 'minimize' else 'add'} --maximize to continue it, or name another --study")
+    return study
+
+
+def _storage(repository: str) -> str:
+    folder = os.path.join(repository, ".taas")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, STUDIES_FILE)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))  # owner-only before SQLite writes to it
+    return f"sqlite:///{path}"
+
+
+def studies_path(repository: str) -> str:
+    return os.path.join(repository, ".taas", STUDIES_FILE)
