@@ -71,10 +71,10 @@ class PragmaOptions:
     detach: bool = False  # --detach: the cell returns at once, the run goes on (kernel/background.py)
     trials: int | None = None  # --trials K: a search of K trials (kernel/search.py); None: one run
     parallel: int | None = None  # trials at a time (None: as the GPUs allow; one on a host without GPUs)
-    objective: str | None = None  # the reported metric a trial is judged by (None: "loss")
+    objective: str = "loss"  # the metric rank 0 reports that judges a trial
     maximize: bool = False
-    sampler: str | None = None  # None: tpe
-    prune: str | None = None  # None: median
+    sampler: str = "tpe"  # Optuna's sampler
+    prune: str = "median"  # Optuna's pruner
     study: str | None = None  # a study kept in <repository>/.taas/studies.db, continued by a rerun
     configs: tuple[str, ...] = field(default=())
 

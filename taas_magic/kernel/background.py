@@ -69,6 +69,9 @@ class RunThread:
     def _bind(self, namespace: dict) -> Any:
         raise NotImplementedError
 
+    def _ended(self) -> None:
+        """Once the work ended, before anyone waiting is woken (a run's log ends as its parts are released)."""
+
     def _main(self) -> None:
         try:
             self.outcome = self._work()
@@ -77,6 +80,7 @@ class RunThread:
         except BaseException as exc:  # noqa: BLE001 - kept and raised in the cell that waits for this run
             self.error = exc
         finally:
+            self._ended()
             self._done.set()
             for callback in list(self._on_done):
                 callback()

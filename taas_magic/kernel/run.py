@@ -30,7 +30,7 @@ import time
 import traceback as traceback_module
 from contextlib import ExitStack
 from types import TracebackType
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 from taas_magic import checkpoints, protocol, wire
 from taas_magic.autopsy import stacks
@@ -89,6 +89,7 @@ class Run:
         self.data: DataRun | None = None
         self.record: LastRun | None = None  # for %taas status, once the plan has printed the header
         self.trial: TrialLink | None = None  # a search's trial: its suggestions and its pruning (search/link.py)
+        self.on_ranks_gone: list[Callable[[], None]] = []  # called the moment its ranks are gone (a search's slot)
         self._stack = ExitStack()
         self._stack.push(self._drop_results_on_failure)
         self._started = time.monotonic()
@@ -187,6 +188,8 @@ class Run:
     def _ranks_gone(self) -> None:
         kill_tagged(f"{os.getpid()}-{self.spec.run_id}-")  # what the ranks and workers started and left
         self.backend.release()  # no rank is left: the spares start warming now, not after the clean-up
+        for callback in self.on_ranks_gone:
+            callback()
 
     def _remove_layers(self) -> None:
         for line in self.layers.report(self.rule.repository):

@@ -13,8 +13,9 @@ stopped, waited for and taken once the same way) and its thread is the search's 
 2. when a trial's run ends, tell Optuna how (the objective's last value; pruned; failed) and
    give its slot to the next trial at once. A trial that failed is recorded, its error kept,
    and the search goes on;
-3. every half second, and once at the end, the table and chart (output/trials.py) into the
-   search's log, which the cell shows; the best trial's last lines in it.
+3. when something changed, at most every half second, and once at the end, the table and the
+   chart (output/trials.py) into the search's log, which the cell shows; the best trial's last
+   lines under the table.
 
 Only the best trial's results are kept: when a better one ends, the previous best's rank-0
 files are removed, and a trial that is not the best has its removed as it ends. Once every
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +41,7 @@ from taas_magic.cell.pragma import RunSettings
 from taas_magic.errors import SearchError, TrialPruned
 from taas_magic.kernel.background import BackgroundRun, RunThread
 from taas_magic.kernel.plan import PlanContext, plan
+from taas_magic.kernel.run import ending, error_lines
 from taas_magic.output.runlog import OUT, RunLog
 from taas_magic.output.trials import TrialRow, search_display
 from taas_magic.protocol import Display
@@ -75,6 +78,8 @@ class Trial:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     seen: int = -1  # the last log entry read into ``tail``
     partial: str = ""
+    ranks_gone: bool = False  # its slot is free (its run still releases the rest)
+    slot_returned: bool = False
 
     def row(self, maximize: bool) -> TrialRow:
         link = self.link
@@ -92,7 +97,9 @@ class SearchRun(RunThread):
         self.trials: list[Trial] = []
         self._lock = threading.Lock()  # one Optuna call at a time, from the trials' threads and this one
         self._wake = threading.Event()
-        self._display_shown = False
+        self._shown: set[str] = set()  # the display ids published once (the next are updates)
+        self._drawn: object = None  # what the displays showed last, and when
+        self._drawn_at = 0.0
 
     # -- the loop (this search's thread) -----------------------------------------------------------
     def _work(self) -> Trial:
@@ -101,14 +108,15 @@ class SearchRun(RunThread):
         free = list(range(self.plan.slots))
         try:
             while not self._stop.is_set():
+                self._wake.clear()  # before looking: a trial that ends from here on wakes the wait below
+                free.extend(self._freed_slots())  # a slot freed goes to the next trial now, not after a wait
+                self._finish_ended()
                 while free and len(self.trials) < settings.trials and not self._stop.is_set() and not self._exhausted():
                     self._start_trial(free.pop(0))
-                free.extend(self._finish_ended())
                 if not self.running_trials() and (len(self.trials) >= settings.trials or self._exhausted()):
                     break
                 self._redraw()
                 self._wake.wait(REDRAW_SECONDS)
-                self._wake.clear()
         finally:
             self._stop_all()
             self._redraw(force=True)
@@ -119,6 +127,9 @@ class SearchRun(RunThread):
     def stop(self) -> None:
         super().stop()
         self._wake.set()
+
+    def _ended(self) -> None:
+        self.log.end(ending(self.error), error_lines(self.error))  # the search's log ends as a run's does
 
     def running_trials(self) -> list[Trial]:
         return [trial for trial in self.trials if trial.state == RUNNING]
@@ -141,18 +152,28 @@ class SearchRun(RunThread):
             raise  # the search cannot go on (the closure, the cluster): that is the cell's error
         trial = Trial(link, slot, BackgroundRun(run, detached=True))
         self.trials.append(trial)
+
+        def ranks_gone() -> None:  # from the trial's thread, while its run releases the rest
+            trial.ranks_gone = True
+            self._wake.set()
+
+        run.on_ranks_gone.append(ranks_gone)
         trial.run.when_done(self._wake.set)
         trial.run.start()
         self.log.say(f"taas: trial {link.number} started (run {run.spec.run_id}, log {run.log.path})")
 
-    def _finish_ended(self) -> list[int]:
-        """Tell Optuna how each trial that ended since the last look ended; the slots they free."""
-        freed = []
+    def _freed_slots(self) -> list[int]:
+        """The slots of the trials whose ranks are gone since the last look (their runs may still be releasing)."""
+        freed = [trial for trial in self.trials if not trial.slot_returned and (trial.ranks_gone or trial.run.done)]
+        for trial in freed:
+            trial.slot_returned = True
+        return [trial.slot for trial in freed]
+
+    def _finish_ended(self) -> None:
+        """Tell Optuna how each trial that ended since the last look ended."""
         for trial in self.running_trials():
             if trial.run.done:
                 self._finish(trial)
-                freed.append(trial.slot)
-        return freed
 
     def _finish(self, trial: Trial) -> None:
         link, error = trial.link, trial.run.error
@@ -217,16 +238,23 @@ class SearchRun(RunThread):
         return trials_table(self.trials)
 
     def _redraw(self, force: bool = False) -> None:
-        """The table, the chart and the leader's last lines, one display updated in place."""
-        if not self.trials:
-            return
+        """The table (with the leader's last lines) and the chart, each a display updated in place,
+        when something changed since the last time, at most every REDRAW_SECONDS unless ``force``."""
         running = self.running_trials()
         leader = self.best() or (running[-1] if running else None)  # the best so far, else the newest running
+        lines = _tail(leader) if leader is not None else []
+        seen = ([(trial.state, len(trial.link.curve)) for trial in self.trials], lines)
+        now = time.monotonic()
+        if not self.trials or seen == self._drawn or (not force and now - self._drawn_at < REDRAW_SECONDS):
+            return
+        self._drawn, self._drawn_at = seen, now
         rows = [trial.row(self.plan.settings.maximize) for trial in self.trials]
-        data = search_display(rows, self.plan.settings.objective, leader.link.number if leader else None,
-                              _tail(leader) if leader is not None else [])
-        self.log.publish(Display(data, {}, {"display_id": f"taas-search-{self.id}"}, self._display_shown))
-        self._display_shown = True
+        table, chart = search_display(rows, self.plan.settings.objective, leader.link.number if leader else None, lines)
+        for name, data in (("table", table), ("chart", chart)):
+            if data is not None:
+                display_id = f"taas-search-{name}-{self.id}"
+                self.log.publish(Display(data, {}, {"display_id": display_id}, display_id in self._shown))
+                self._shown.add(display_id)
 
 
 def _tell(study: Any, lock: threading.Lock, link: TrialLink, state: str, value: float | None) -> None:

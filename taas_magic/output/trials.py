@@ -1,15 +1,17 @@
 """What the cell shows of a search: one table and one chart, updated in place, and the best trial's last lines.
 
 The search (kernel/search.py) hands :func:`search_display` a :class:`TrialRow` per trial
-asked so far and gets one display's data, which it publishes under one display id
-(``update_display_data`` after the first), at most twice a second and once more at the end:
+asked so far and gets two displays' data, each published under its own display id
+(``update_display_data`` after the first), when something changed, at most twice a second,
+and once more at the end:
 
-- ``text/html``: the table (trial, params, state, last and best value of the objective,
-  seconds), the best trial's row in bold; the chart, an SVG drawn here (as the run's chart,
-  output/board.py: no plotting library), one line per trial of the objective against its
-  step, the best trial's line thicker; the best trial's last lines of rank 0's output;
-- ``text/plain``: the same table as text, for a front end without HTML and for the saved
-  notebook read as text.
+- the table: ``text/html`` (trial, params, state, last and best value of the objective,
+  seconds, the best trial's row in bold, then the best trial's last lines of rank 0's output)
+  and ``text/plain``, the same as text, for a front end without HTML and the saved notebook;
+- the chart: ``image/svg+xml`` drawn here (as the run's chart, output/board.py: no plotting
+  library), one line per trial of the objective against its step, the best trial's thicker.
+  The run log leaves an SVG out of its file on disk (its points are there), so a long search's
+  log grows with its table, not with its chart.
 """
 
 from __future__ import annotations
@@ -33,18 +35,17 @@ class TrialRow:
     curve: tuple[tuple[float, float], ...] = ()  # (step, value)
 
 
-def search_display(rows: list[TrialRow], objective: str, best: int | None, lines: list[str]) -> dict:
-    """The display's data: the table, the chart, the best trial's last ``lines``."""
-    html = [_table_html(rows, objective, best)]
-    svg = _chart(rows, objective, best)
-    if svg:
-        html.append(svg)
-    if lines:
-        html.append(f"<div>trial {best}'s last lines:</div><pre>{escape(chr(10).join(lines))}</pre>")
+def search_display(rows: list[TrialRow], objective: str, best: int | None, lines: list[str]) -> tuple[dict, dict | None]:
+    """The two displays' data: the table with the best trial's last ``lines``, and the chart (None
+    before any trial reported the objective)."""
+    html = _table_html(rows, objective, best)
     text = table_text(rows, objective, best)
     if lines:
+        html += f"<div>trial {best}'s last lines:</div><pre>{escape(chr(10).join(lines))}</pre>"
         text += f"\ntrial {best}'s last lines:\n" + "\n".join(lines)
-    return {"text/html": "".join(html), "text/plain": text}
+    svg = _chart(rows, objective, best)
+    chart = {"image/svg+xml": svg, "text/plain": f"taas chart · {objective} of {len(rows)} trial(s)"} if svg else None
+    return {"text/html": html, "text/plain": text}, chart
 
 
 def _number(value: float | None) -> str:

@@ -35,10 +35,10 @@ SEARCH = ("#pragma taas --device cpu --gpus 2 --trials 4 {extra}\n"
           "lr\n")
 
 
-def _display(ran) -> dict:
-    """The search's one display, as its last update left it."""
+def _display(ran, name: str) -> dict:
+    """The search's display ``name`` (table, chart), as its last update left it."""
     shown = [m.content["data"] for m in ran.messages if m.type in ("display_data", "update_display_data")
-             and m.content.get("transient", {}).get("display_id", "").startswith("taas-search-")]
+             and m.content.get("transient", {}).get("display_id", "").startswith(f"taas-search-{name}-")]
     assert shown, [m.type for m in ran.messages]
     return shown[-1]
 
@@ -59,8 +59,8 @@ def test_a_search_runs_every_trial_the_ranks_agree_and_the_best_trials_names_com
     assert float(ran.result["text/plain"]) == lr and abs((lr - 0.1) ** 2 + 1.0 / width - best["value"]) < 1e-9
     # a trial rank 0 bound comes back as the values it gave
     assert kernel.execute("t.number, t.params == {'lr': lr, 'width': width}").result["text/plain"] == f"({number}, True)"
-    display = _display(ran)
-    assert "<table" in display["text/html"] and "<svg" in display["text/html"]
+    display = _display(ran, "table")
+    assert "<table" in display["text/html"] and _display(ran, "chart")["image/svg+xml"].count("<polyline") == 4
     assert f"trial {number}'s last lines" in display["text/plain"]
     assert re.search(rf"^\*{number}\s+lr=", display["text/plain"], flags=re.MULTILINE), display["text/plain"]
     study = kernel.execute("s = taas.study()\nprint(len(s.trials), s.best_trial.number, s.direction.name)").stream()

@@ -37,11 +37,17 @@ def test_every_line_command_is_in_help_and_in_the_readme():
 
 def test_every_option_parses_and_sets_its_own_field():
     samples = {"--gpus": "2", "--device": "cpu", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
-               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": ""}
+               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": "",
+               "--trials": "8", "--parallel": "2", "--objective": "acc", "--maximize": "", "--sampler": "grid",
+               "--prune": "halving", "--study": "s1"}
     assert set(samples) == {option.flag for option in OPTIONS}
-    parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items()))
+    searching = {"--trials", "--parallel", "--objective", "--maximize", "--sampler", "--prune", "--study"}
+    parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items() if flag not in searching))
     assert (parsed.gpus, parsed.device, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.restarts,
             parsed.per_host, parsed.place_timeout, parsed.output, parsed.detach) == (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all", True)
+    search = parse_options("--gpus 2 " + " ".join(f"{flag} {samples[flag]}" for flag in sorted(searching)))
+    assert (search.trials, search.parallel, search.objective, search.maximize, search.sampler, search.prune,
+            search.study) == (8, 2, "acc", True, "grid", "halving", "s1")
     assert parse_options("--gpus 2").detach is False
     with pytest.raises(PragmaError, match="--detach takes no value"):
         parse_options("--gpus 2 --detach=yes")

@@ -139,6 +139,7 @@ def test_the_table_marks_the_best_trial_and_the_chart_draws_a_line_per_trial():
     text = table_text(rows, "loss", 0)
     assert text.splitlines()[0].split() == ["trial", "params", "state", "last", "loss", "best", "loss", "seconds"]
     assert text.splitlines()[1].split() == ["*0", "lr=0.1,", "opt=sgd", "complete", "0.5", "0.4", "2.0"]
-    shown = search_display(rows, "loss", 0, ["epoch 1 <done>"])
-    assert shown["text/html"].count("<tr") == 4 and shown["text/html"].count("<polyline") == 2
-    assert "epoch 1 &lt;done&gt;" in shown["text/html"] and "trial 0's last lines:\nepoch 1 <done>" in shown["text/plain"]
+    table, chart = search_display(rows, "loss", 0, ["epoch 1 <done>"])
+    assert table["text/html"].count("<tr") == 4 and chart is not None and chart["image/svg+xml"].count("<polyline") == 2
+    assert "epoch 1 &lt;done&gt;" in table["text/html"] and "trial 0's last lines:\nepoch 1 <done>" in table["text/plain"]
+    assert search_display(rows[2:], "loss", None, [])[1] is None  # no chart before a trial reported
