@@ -10,8 +10,9 @@ its loss every 10 steps. The host's ``--slots`` CPU cores stand for its GPUs: a 
 2 of them, so both tools run ``slots / 2`` trials at a time:
 
 - taas: one cell, ``#pragma taas --device cpu --gpus 2 --trials 16 --sampler random --prune none``
-  (``--parallel`` when more than one fits), in a real kernel driven by jupyter_client, warm
-  spares as a person's kernel has them after a first cell;
+  (``--parallel`` when more than one fits), in a real kernel driven by jupyter_client, after
+  the same cell ran once alone (``taas.trial()``'s defaults, 50 steps), as a person tries a cell
+  before searching with it;
 - Ray Tune: ``tune.Tuner`` over a driver function that fits a ``TorchTrainer`` of 2 workers
   (``ScalingConfig(num_workers=2)``), random search over the same space, and
   ``max_concurrent_trials = slots / 2``, as Ray's docs ask for Train V2 under Tune (the cluster,
@@ -67,12 +68,12 @@ def train_loop(lr, width, steps, log_dir, tag, report):
     return float(loss)
 '''
 
-TAAS_CELL = '''#pragma taas --device cpu --gpus 2 --trials {trials} --sampler random --prune none {parallel}
+TAAS_CELL = '''#pragma taas --device cpu --gpus 2 {search}
 import taas, torch.distributed as dist
 dist.init_process_group("gloo")
 t = taas.trial()
-lr = t.suggest_float("lr", 1e-3, 1e-1, log=True)
-width = t.suggest_categorical("width", [16, 32, 64])
+lr = t.suggest_float("lr", 1e-3, 1e-1, log=True, default=1e-2)
+width = t.suggest_categorical("width", [16, 32, 64], default=32)
 final = train_loop(lr, width, {steps}, {log_dir!r}, "taas", lambda step, loss: taas.report(step, loss=loss))
 taas.report({steps}, loss=final)
 dist.destroy_process_group()
@@ -89,8 +90,8 @@ def busy_share(log_dir: str, tag: str, began: float, ended: float, slots: int) -
 
 def run_taas(kernel: Kernel, trials: int, steps: int, slots: int, log_dir: str) -> tuple[float, float]:
     at_once = slots // 2
-    cell = TAAS_CELL.format(trials=trials, steps=steps, log_dir=log_dir,
-                            parallel=f"--parallel {at_once}" if at_once > 1 else "")
+    search = f"--trials {trials} --sampler random --prune none" + (f" --parallel {at_once}" if at_once > 1 else "")
+    cell = TAAS_CELL.format(search=search, steps=steps, log_dir=log_dir)
     began = time.time()
     ran = kernel.execute(cell, timeout=3600)
     ended = time.time()
@@ -148,8 +149,9 @@ def main() -> None:
     rows = []
     try:
         kernel.execute(TRAIN)
-        warm = kernel.execute("#pragma taas --device cpu --gpus 2\nimport torch\n", timeout=300)  # the spares warm
-        assert warm.reply["status"] == "ok", warm.error_text()
+        with tempfile.TemporaryDirectory() as log_dir:  # the cell run alone first (its defaults), as a person does
+            alone = kernel.execute(TAAS_CELL.format(search="", steps=50, log_dir=log_dir), timeout=300)
+        assert alone.reply["status"] == "ok", alone.error_text()
         for round_no in range(args.rounds):
             with tempfile.TemporaryDirectory() as log_dir, tempfile.TemporaryDirectory() as storage:
                 taas_wall, taas_busy = run_taas(kernel, args.trials, args.steps, args.slots, log_dir)

@@ -36,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -103,7 +104,12 @@ def bindings(count: int, gpus: int) -> list[int | None]:
 
 
 class SparePool:
+    """The kernel's warm spares. Runs on threads of their own take and refill it at the same
+    time (a search's trials side by side, a detached run beside a cell): one lock around each
+    public operation, so a spare is never handed to two runs and the factory forks one at a time."""
+
     def __init__(self) -> None:
+        self._lock = threading.RLock()
         self.spares: list[Spare] = []
         self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/factory.py)
         self._retired: list[SpareFactory] = []  # until the spares they forked have ended
@@ -113,40 +119,42 @@ class SparePool:
         it, ready ones first, still warming ones next; None where there is none (start that
         rank fresh). A warming spare is taken rather than thrown away: its warm-up is already
         ahead of any fresh process's."""
-        self._drop_dead()
-        by_readiness = sorted(self.spares, key=lambda spare: not spare.ready)
-        taken: list[Process | None] = []
-        for gpu in wanted:
-            match = next((spare for spare in by_readiness if spare.serves(gpu)), None)
-            if match is not None:
-                by_readiness.remove(match)
-                self.spares.remove(match)
-            taken.append(match.process if match is not None else None)
-        return taken
+        with self._lock:
+            self._drop_dead()
+            by_readiness = sorted(self.spares, key=lambda spare: not spare.ready)
+            taken: list[Process | None] = []
+            for gpu in wanted:
+                match = next((spare for spare in by_readiness if spare.serves(gpu)), None)
+                if match is not None:
+                    by_readiness.remove(match)
+                    self.spares.remove(match)
+                taken.append(match.process if match is not None else None)
+            return taken
 
     def fill(self, count: int, gpus: int = 0, host_gpus: int = 0) -> None:
         """Keep exactly the spares ranks ``0..count-1`` would take: bound to GPU ``k`` for
         ``k < gpus``, CPU spares for the rest (which see none of the host's ``host_gpus``).
         Spares that serve none of them are stopped."""
-        self._drop_dead()
-        keep: list[Spare] = []
-        missing: list[int | None] = []
-        spare_list = list(self.spares)
-        for gpu in bindings(count, gpus):
-            match = next((spare for spare in spare_list if spare.serves(gpu)), None)
-            if match is None:
-                missing.append(gpu)
-            else:
-                spare_list.remove(match)
-                keep.append(match)
-        _stop([spare.process for spare in spare_list])
-        self.spares = keep
-        factory = self._factory(step=host_gpus == 0) if missing else None
-        for gpu in missing:
-            spare = _fork(factory, gpu, host_gpus > 0) or _start(gpu, host_gpus > 0)
-            if spare is None:
-                return  # the next cell starts fresh processes instead
-            self.spares.append(spare)
+        with self._lock:
+            self._drop_dead()
+            keep: list[Spare] = []
+            missing: list[int | None] = []
+            spare_list = list(self.spares)
+            for gpu in bindings(count, gpus):
+                match = next((spare for spare in spare_list if spare.serves(gpu)), None)
+                if match is None:
+                    missing.append(gpu)
+                else:
+                    spare_list.remove(match)
+                    keep.append(match)
+            _stop([spare.process for spare in spare_list])
+            self.spares = keep
+            factory = self._factory(step=host_gpus == 0) if missing else None
+            for gpu in missing:
+                spare = _fork(factory, gpu, host_gpus > 0) or _start(gpu, host_gpus > 0)
+                if spare is None:
+                    return  # the next cell starts fresh processes instead
+                self.spares.append(spare)
 
     def _factory(self, step: bool) -> SpareFactory | None:
         """The factory for spares started now: the running one while it serves the kernel's frozen
@@ -196,10 +204,11 @@ class SparePool:
 
     def close(self) -> None:
         """Stop the waiting spares; the factory retires (it leaves once what it forked has ended)."""
-        _stop([spare.process for spare in self.spares])
-        self.spares = []
-        self._retire_factory()
-        self._release_retired(wait=1.0)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
+        with self._lock:
+            _stop([spare.process for spare in self.spares])
+            self.spares = []
+            self._retire_factory()
+            self._release_retired(wait=1.0)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
 
     def _retire_factory(self) -> None:
         """The factory forks no more; it is kept until it has left (the spares it forked have ended)."""

@@ -111,3 +111,23 @@ def test_a_captured_cuda_tensor_reaches_the_rank_on_its_device(gpu_kernel):
     assert f"cuda:0 {float(sum(range(1000)))}" in ran.stream("stdout")
     check = gpu_kernel.execute("print(scaled.device, bool((scaled == on_gpu * 2).all()))")
     assert check.stream("stdout") == "cuda:0 True\n", check.error_text()
+
+
+def test_a_search_on_the_gpus_gives_each_trial_its_own_slice(gpu_kernel):
+    pytest.importorskip("optuna")
+    gpus = torch.cuda.device_count()
+    cell = (f"#pragma taas --gpus 1 --trials {2 * gpus} --sampler random\n"
+            "import os, time, torch, taas\n"
+            "x = taas.trial().suggest_float('x', -1.0, 1.0)\n"
+            "seen = (os.environ.get('CUDA_VISIBLE_DEVICES', 'all'), torch.cuda.device_count(), str(torch.zeros(1, device='cuda').device))\n"
+            "print('slice', seen, flush=True)\n"
+            "time.sleep(1.0)\n"
+            "taas.report(0, loss=x * x)\n"
+            "gpu_search_seen = seen\n")
+    ran = gpu_kernel.execute(cell, timeout=600)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert f"{gpus} at a time" in ran.stream(), ran.stream()
+    rows = gpu_kernel.execute("print(list(taas.trials()['state']))").stream()
+    assert rows.strip() == str(["complete"] * (2 * gpus))
+    visible, count, device = eval(gpu_kernel.execute("print(repr(gpu_search_seen))").stream())
+    assert (count, device) == ((1, "cuda:0") if gpus > 1 else (gpus, "cuda:0")), (visible, count, device)
