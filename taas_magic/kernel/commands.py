@@ -23,7 +23,7 @@ from taas_magic.errors import ClusterError
 from taas_magic.kernel import runcommands
 from taas_magic.kernel.cluster import Cluster
 from taas_magic.kernel.dataplane import describe_registered
-from taas_magic.kernel.search import SearchRun
+from taas_magic.kernel.search import SearchRun, trials_table
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import help_text, status_text
@@ -59,7 +59,7 @@ def run(line: str, session: Session, settings: MagicSettings) -> object:
         runcommands.list_runs(session.runs)
     elif command in ("trials", "study"):
         search = _last_search(session)
-        return search.table() if command == "trials" else search.study
+        return trials_table(search.trials) if command == "trials" else search.study
     elif words[:2] == ["config", "repo"] and len(words) == 3:
         _set_repository(session, words[2])
     elif words[:2] == ["config", "isolation"] and len(words) == 3:

@@ -97,9 +97,7 @@ class SearchRun(RunThread):
         self.trials: list[Trial] = []
         self._lock = threading.Lock()  # one Optuna call at a time, from the trials' threads and this one
         self._wake = threading.Event()
-        self._shown: set[str] = set()  # the display ids published once (the next are updates)
-        self._drawn: object = None  # what the displays showed last, and when
-        self._drawn_at = 0.0
+        self.view = SearchView(log, search.settings.objective, search.settings.maximize)
 
     # -- the loop (this search's thread) -----------------------------------------------------------
     def _work(self) -> Trial:
@@ -234,25 +232,35 @@ class SearchRun(RunThread):
         best: Trial = self.outcome
         return best.run.take(namespace)
 
-    def table(self) -> Any:
-        return trials_table(self.trials)
-
     def _redraw(self, force: bool = False) -> None:
-        """The table (with the leader's last lines) and the chart, each a display updated in place,
-        when something changed since the last time, at most every REDRAW_SECONDS unless ``force``."""
         running = self.running_trials()
         leader = self.best() or (running[-1] if running else None)  # the best so far, else the newest running
+        self.view.draw(self.trials, leader, force)
+
+
+class SearchView:
+    """The search's two displays in its log: the table (with the leader's last lines) and the chart,
+    each updated in place, when something changed since the last time, at most every REDRAW_SECONDS
+    unless forced (output/trials.py draws them)."""
+
+    def __init__(self, log: RunLog, objective: str, maximize: bool):
+        self.log, self.objective, self.maximize = log, objective, maximize
+        self._shown: set[str] = set()  # the display ids published once (the next are updates)
+        self._drawn: object = None  # what the displays showed last, and when
+        self._drawn_at = 0.0
+
+    def draw(self, trials: list[Trial], leader: Trial | None, force: bool) -> None:
         lines = _tail(leader) if leader is not None else []
-        seen = ([(trial.state, len(trial.link.curve)) for trial in self.trials], lines)
+        seen = ([(trial.state, len(trial.link.curve)) for trial in trials], lines)
         now = time.monotonic()
-        if not self.trials or seen == self._drawn or (not force and now - self._drawn_at < REDRAW_SECONDS):
+        if not trials or seen == self._drawn or (not force and now - self._drawn_at < REDRAW_SECONDS):
             return
         self._drawn, self._drawn_at = seen, now
-        rows = [trial.row(self.plan.settings.maximize) for trial in self.trials]
-        table, chart = search_display(rows, self.plan.settings.objective, leader.link.number if leader else None, lines)
+        rows = [trial.row(self.maximize) for trial in trials]
+        table, chart = search_display(rows, self.objective, leader.link.number if leader else None, lines)
         for name, data in (("table", table), ("chart", chart)):
             if data is not None:
-                display_id = f"taas-search-{name}-{self.id}"
+                display_id = f"taas-search-{name}-{self.log.run_id}"
                 self.log.publish(Display(data, {}, {"display_id": display_id}, display_id in self._shown))
                 self._shown.add(display_id)
 
