@@ -143,3 +143,11 @@ def test_the_table_marks_the_best_trial_and_the_chart_draws_a_line_per_trial():
     assert table["text/html"].count("<tr") == 4 and chart is not None and chart["image/svg+xml"].count("<polyline") == 2
     assert "epoch 1 &lt;done&gt;" in table["text/html"] and "trial 0's last lines:\nepoch 1 <done>" in table["text/plain"]
     assert search_display(rows[2:], "loss", None, [])[1] is None  # no chart before a trial reported
+
+
+def test_without_optuna_a_search_says_how_to_install_it(monkeypatch):
+    from taas_magic.search.study import optuna_module
+
+    monkeypatch.setitem(__import__("sys").modules, "optuna", None)  # what a missing package imports as
+    with pytest.raises(SearchError, match=r"--trials needs Optuna: pip install 'taas-magic\[trials\]'"):
+        optuna_module()
