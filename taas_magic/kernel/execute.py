@@ -92,4 +92,7 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
     finally:
         import taas
 
-        taas._last_metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing
+        if trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)
+            trial.metrics = board.metrics()
+        else:
+            taas._last_metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing

@@ -39,7 +39,7 @@ from taas_magic.kernel.searchplan import plan_search
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import VALIDATED, Warm, option_trait, refuse
 from taas_magic.kernel.views import Started, Viewing, show_run
-from taas_magic.launch.backend import Backend, ClusterBackend, LocalBackend
+from taas_magic.launch.backend import Backend, ClusterBackend, GpuSlice, LocalBackend
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.launch.spares import SparePool
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
@@ -170,11 +170,10 @@ class TaasMagics(Magics):
         cluster = self.session.cluster
         if cluster is not None:
             return ClusterBackend.place(cluster, settings.gpus, settings.per_host, settings.place_timeout)
-        if slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count():
-            first = slot * settings.gpus
-            return LocalBackend(settings.gpus, None, None, settings.device, range(first, first + settings.gpus))
+        side_by_side = slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count() > 0
         spares = None if self._warm.off else self.spares
-        return LocalBackend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots), settings.device)
+        return LocalBackend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots), settings.device,
+                            GpuSlice(slot, slots) if side_by_side and slot is not None else None)
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str) -> object:

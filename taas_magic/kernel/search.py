@@ -127,6 +127,7 @@ class SearchRun(RunThread):
         self._wake.set()
 
     def _ended(self) -> None:
+        _show_metrics(self.best() or max(self.trials, key=lambda trial: trial.link.ended or 0.0, default=None))
         self.log.end(ending(self.error), error_lines(self.error))  # the search's log ends as a run's does
 
     def running_trials(self) -> list[Trial]:
@@ -188,7 +189,7 @@ class SearchRun(RunThread):
         trial.state, trial.error = state, error
         trial.value = link.last if state == COMPLETE else None
         _tell(self.study, self._lock, link, state, trial.value)
-        self._keep_only_the_best()
+        _keep_only(self.best(), self.trials)
         if state == FAILED:
             self.log.say(f"taas: trial {link.number} failed: {_first_line(error)}", "stderr")
         elif state == PRUNED:
@@ -208,12 +209,6 @@ class SearchRun(RunThread):
     def best(self) -> Trial | None:
         return best_of(self.trials, self.plan.settings.maximize)
 
-    def _keep_only_the_best(self) -> None:
-        best = self.best()
-        for trial in self.trials:
-            if trial is not best and trial.state != RUNNING and trial.run.outcome is not None:
-                trial.run.run.drop_results()
-                trial.run.outcome = None  # what rank 0 sent in its frames goes too
 
     def _verdict(self) -> Trial:
         best = self.best()
@@ -281,6 +276,21 @@ def _tell(study: Any, lock: threading.Lock, link: TrialLink, state: str, value: 
             # raises outside study.optimize(); tell has stored the trial's state by then (its finally)
             if type(study.sampler).__name__ != "GridSampler":
                 raise
+
+
+def _keep_only(best: Trial | None, trials: list[Trial]) -> None:
+    """Drop the results of every trial that ended and is not the best (its rank-0 files, and what rank 0 sent)."""
+    for trial in trials:
+        if trial is not best and trial.state != RUNNING and trial.run.outcome is not None:
+            trial.run.run.drop_results()
+            trial.run.outcome = None
+
+
+def _show_metrics(trial: Trial | None) -> None:
+    """``taas.metrics()`` after the search: the best trial's rank-0 reports, else the last to end's."""
+    import taas
+
+    taas._last_metrics = trial.link.metrics if trial is not None else []
 
 
 def best_of(trials: list[Trial], maximize: bool) -> Trial | None:

@@ -19,7 +19,7 @@ from taas_magic.kernel.cluster import Cluster, address_from_environment
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import LastRun
 from taas_magic.launch.rankenv import visible_gpu_count
-from taas_magic.launch.spares import SparePool
+from taas_magic.launch.spares import SparePool, bindings
 from taas_magic.writes.rule import WriteRule, choose_rule, find_repository
 
 
@@ -39,7 +39,8 @@ class Session:
         """A new session: ``warm``'s spares warming, attached to ``$TAAS_CLUSTER`` if it is set."""
         session = cls()
         if warm.count is not None:
-            session.spares.fill(warm.count, visible_gpu_count(), visible_gpu_count())
+            gpus = visible_gpu_count()
+            session.spares.fill(bindings(warm.count, gpus, gpus), gpus)
         address = address_from_environment()
         if address is not None:
             try:

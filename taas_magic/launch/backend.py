@@ -17,6 +17,7 @@ above it (magics.py, supervisor.py) asks which one is in use. A backend answers:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 
@@ -26,14 +27,17 @@ from taas_magic.launch.local import LocalProcessGroup
 from taas_magic.launch.placement import Node, RankSlot
 from taas_magic.launch.rankenv import (
     LOOPBACK,
+    Binding,
     DevicePlan,
     Rendezvous,
     idle_cores,
     plan_devices,
     rank_environment,
     reserve_port,
+    slice_visible,
+    visible_gpu_ids,
 )
-from taas_magic.launch.spares import SparePool
+from taas_magic.launch.spares import SparePool, bindings, slice_bindings
 
 if TYPE_CHECKING:
     from taas_magic.launch.ray import ClusterLaunch
@@ -99,6 +103,15 @@ class Backend(Protocol):
         """:meth:`release`."""
 
 
+@dataclass(frozen=True)
+class GpuSlice:
+    """A search's trial side by side with others on this host's GPUs: slice ``index`` of
+    ``count``, each of the run's ``--gpus`` GPUs (kernel/searchplan.py)."""
+
+    index: int
+    count: int
+
+
 class LocalBackend:
     """Ranks are processes on this host (from warm spares when there are enough)."""
 
@@ -107,18 +120,21 @@ class LocalBackend:
     loopback_only = True
 
     def __init__(self, gpus: int, spares: SparePool | None, refill: Callable[[], int] | None, device: str = "auto",
-                 gpu_ids: range | None = None):
+                 gpu_slice: GpuSlice | None = None):
         self.devices = plan_devices(gpus, device=device)  # raises LaunchError (nothing held): too few GPUs, or none
         self.slots = [RankSlot(rank, rank, gpus, 0) for rank in range(gpus)]
         self._spares, self._refill = spares, refill
-        # a search's trial on a slice of the GPUs: its ranks see only those (fresh processes: a warm
-        # spare's CUDA already sees every GPU, and LOCAL_RANK must index the slice)
-        self._gpu_ids = gpu_ids if self.devices.device == "cuda" else None
-        if self._gpu_ids is not None:
-            if self._gpu_ids.stop > self.devices.gpus_on_host:
-                raise LaunchError(f"taas: GPUs {self._gpu_ids.start}..{self._gpu_ids.stop - 1} asked for, "
-                                  f"this host has {self.devices.gpus_on_host}")
-            self._spares = self._refill = None
+        # a search's trial on a slice of the GPUs: its ranks see only those (CUDA_VISIBLE_DEVICES),
+        # so LOCAL_RANK indexes the slice; its spares set the same slice before CUDA starts
+        self._slice = gpu_slice if self.devices.device == "cuda" else None
+        self._gpu_ids = visible_gpu_ids() if self._slice is not None else []
+        self._visible: str | None = None
+        if self._slice is not None:
+            needed = self._slice.count * gpus
+            if needed > len(self._gpu_ids):
+                raise LaunchError(f"taas: {self._slice.count} trial(s) of {gpus} GPU(s) side by side need {needed} "
+                                  f"GPUs; this host shows the kernel {len(self._gpu_ids)}")
+            self._visible = slice_visible(self._gpu_ids, gpus, self._slice.index)
         self._port = reserve_port()  # held until the run ends, so two notebooks cannot clash
 
     def layout(self) -> str | None:
@@ -128,13 +144,13 @@ class LocalBackend:
         return LOOPBACK, self._port.getsockname()[1]
 
     def rank_extra_env(self, rank: int) -> dict[str, str]:
-        if self._gpu_ids is not None:
-            return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in self._gpu_ids)}
+        if self._visible is not None:
+            return {"CUDA_VISIBLE_DEVICES": self._visible}
         # --device cpu on a GPU host: the ranks (and what the cell starts) see no GPU at all
         return {"CUDA_VISIBLE_DEVICES": ""} if self.devices.hides_gpus else {}
 
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
-        return LocalProcessGroup.start(plan, spares=self._spares, gpus=self._spare_gpus())
+        return LocalProcessGroup.start(plan, spares=self._spares, wanted=self._own())
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
         return start(None, None)
@@ -146,17 +162,31 @@ class LocalBackend:
         if self._spares is None:
             return
         if may_restart:
-            self._fill(len(self.slots))
+            self._fill(_union(self._own(), self._next()))
         elif self._refill is not None and idle_cores(len(self.slots)):
-            self._fill(self._refill())
+            self._fill(self._next())
 
-    def _spare_gpus(self) -> int:
-        """GPUs the spares for this run's ranks are bound to: rank k's spare to GPU k (0: CPU spares)."""
-        return self.devices.gpus_on_host if self.devices.device == "cuda" else 0
+    def _own(self) -> list[Binding]:
+        """What this run's ranks take: rank k's spare bound to GPU k (of its slice), or CPU spares."""
+        if self._visible is not None:
+            return [Binding(rank, self._visible) for rank in range(len(self.slots))]
+        return self._bindings(len(self.slots))
 
-    def _fill(self, count: int) -> None:
+    def _next(self) -> list[Binding]:
+        """The spares to keep for what comes next (the session's ``warm``): the next cell's ranks,
+        or for a search's trials side by side, every slice's ranks."""
+        count = self._refill() if self._refill is not None else 0
+        if self._slice is not None:
+            return slice_bindings(self._gpu_ids, len(self.slots), self._slice.count)[:count]
+        return self._bindings(count)
+
+    def _bindings(self, count: int) -> list[Binding]:
+        on_host = self.devices.gpus_on_host
+        return bindings(count, on_host if self.devices.device == "cuda" else 0, on_host)
+
+    def _fill(self, wanted: list[Binding]) -> None:
         assert self._spares is not None
-        self._spares.fill(count, self._spare_gpus(), self.devices.gpus_on_host)
+        self._spares.fill(wanted, self.devices.gpus_on_host)
 
     def recover(self, say: Say) -> None:
         pass  # this host is the kernel's: if it is gone, so is the run
@@ -166,7 +196,7 @@ class LocalBackend:
             return  # released already
         self._port.close()
         if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
-            self._fill(self._refill())
+            self._fill(self._next())
 
     def __enter__(self) -> "LocalBackend":
         return self
@@ -260,3 +290,15 @@ def rank_environments(backend: Backend, base: dict[str, str], run_id: str) -> li
         env.update(backend.rank_extra_env(slot.rank))
         envs.append(env)
     return envs
+
+
+def _union(first: list[Binding], second: list[Binding]) -> list[Binding]:
+    """Both lists' bindings, each as many times as the list that has it most (CPU spares repeat)."""
+    rest = list(first)
+    merged = list(first)
+    for binding in second:
+        if binding in rest:
+            rest.remove(binding)
+        else:
+            merged.append(binding)
+    return merged

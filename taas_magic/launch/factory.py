@@ -23,6 +23,7 @@ import sys
 import time
 from typing import IO
 
+from taas_magic.launch.rankenv import Binding
 from taas_magic.procs import pid_alive
 
 FACTORY_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare", "--factory")
@@ -53,16 +54,17 @@ class SpareFactory:
             theirs.close()
         self._control.setblocking(False)
 
-    def spawn(self, gpu: int | None, hide_gpus: bool) -> ForkedSpare | None:
-        """A forked spare (bound to ``gpu``; seeing no GPU with ``hide_gpus``), or None while the
-        factory still imports or if it broke (start one the slow way)."""
+    def spawn(self, binding: Binding) -> ForkedSpare | None:
+        """A forked spare with its ``binding`` (its GPU, and the ``CUDA_VISIBLE_DEVICES`` it sets
+        before CUDA starts), or None while the factory still imports or if it broke (start one
+        the slow way)."""
         self.collect()
         if not self.ready or self.broken or self.retired:
             return None
         pipes = [os.pipe() for _ in range(3)]
         mine = [pipes[0][1], pipes[1][0], pipes[2][0]]  # we write its stdin, read its stdout and stderr
         theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
-        request = {"gpu": gpu, "hide_gpus": hide_gpus, "cwd": os.getcwd()}
+        request = {"gpu": binding.gpu, "visible": binding.visible, "cwd": os.getcwd()}
         try:
             socket.send_fds(self._control, [json.dumps(request).encode()], theirs)
             pid = self._await_spawned()

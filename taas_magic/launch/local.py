@@ -22,7 +22,8 @@ from typing import Sequence
 
 from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.spares import SparePool, bindings
+from taas_magic.launch.rankenv import Binding
+from taas_magic.launch.spares import SparePool
 from taas_magic.procs import LADDER, RESTART_LADDER, Process, kill_leftovers, reap, stop_groups
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
@@ -94,11 +95,11 @@ class LocalProcessGroup:
         command: tuple[str, ...] = RANK_COMMAND,
         what: str = "rank",
         spares: SparePool | None = None,
-        gpus: int = 0,
+        wanted: Sequence[Binding] = (),
     ) -> "LocalProcessGroup":
-        """Start the ranks: each from a warm spare that serves it (bound to its GPU, or a CPU
-        spare; ready or still warming), the rest as fresh processes (launch/spares.py)."""
-        warm = spares.take(bindings(plan.world_size, gpus)) if spares is not None else [None] * plan.world_size
+        """Start the ranks: rank ``k`` from a warm spare that serves ``wanted[k]`` (bound to its
+        GPU, or a CPU spare; ready or still warming), the rest as fresh processes (launch/spares.py)."""
+        warm = spares.take(wanted) if spares is not None and wanted else [None] * plan.world_size
         ranks: list[LocalChild] = []
         try:
             for rank, env in enumerate(plan.envs):

@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Sequence
 
 from taas_magic.errors import LaunchError
 from taas_magic.launch.placement import RankSlot
@@ -50,6 +51,24 @@ class DevicePlan:
         if self.device == "cpu":
             return "no GPU on this host: ranks run on CPU, and a request for nccl is served by gloo"
         return None
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What rank ``k``'s spare fixes before CUDA starts: the GPU it binds (``gpu``, an index into
+    what it sees; None: a CPU rank) and the ``CUDA_VISIBLE_DEVICES`` it sets in itself first
+    (``visible``; None: the kernel's own, "": no GPU, "2,3": a search trial's slice)."""
+
+    gpu: int | None = None
+    visible: str | None = None
+
+
+CPU = Binding()
+
+
+def slice_visible(gpu_ids: Sequence[str], size: int, index: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of slice ``index`` of ``size`` GPUs: its entries of ``gpu_ids``."""
+    return ",".join(gpu_ids[index * size:(index + 1) * size])
 
 
 @dataclass(frozen=True)
@@ -87,6 +106,17 @@ def visible_gpu_count() -> int:
     if not entries or entries[0].strip().startswith("-"):
         return 0
     return min(len(entries), physical)
+
+
+def visible_gpu_ids() -> list[str]:
+    """The kernel's GPUs as ``CUDA_VISIBLE_DEVICES`` names them (its entries: indices, UUIDs or
+    MIG names), or ``0..n-1`` where it is unset: what a slice of them is shown as, so a trial on
+    GPUs 2 and 3 of a kernel that sees ``4,5,6,7`` is shown ``6,7``."""
+    count = visible_gpu_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(index) for index in range(count)]
+    return [entry.strip() for entry in visible.split(",") if entry.strip()][:count]
 
 
 def plan_devices(ranks: int, gpus_on_host: int | None = None, device: str = "auto") -> DevicePlan:

@@ -12,13 +12,18 @@ that would have to do the same imports: the cell takes it and the rank simply co
 when its warm-up ends (the handshake waits in its stdin). A cell that needs more ranks
 than there are spares takes every spare that fits and starts only the rest fresh.
 
-**Bound to a GPU.** On a host with GPUs, spare ``k`` is bound to GPU ``k`` while it waits
-(``torch.cuda.set_device(k)``, its CUDA context made and a first CUDA step taken), so it
-serves only rank ``k`` of a cell on the GPUs. That costs each spare its CUDA context in GPU
-memory (``%taas status`` shows it where ``nvidia-smi`` can tell). On such a host a CPU
-spare starts with ``CUDA_VISIBLE_DEVICES=""``: it serves only ``--device cpu`` ranks, which
-must see no GPU, and its warm-up (an optimizer's first step asks whether CUDA is there)
-would otherwise start the CUDA driver with the GPUs in view, for good.
+**Bound to a GPU.** What a spare fixes before CUDA starts is its :class:`Binding`: the GPU
+it is bound to and the ``CUDA_VISIBLE_DEVICES`` it sets in itself first. On a host with
+GPUs, spare ``k`` is bound to GPU ``k`` while it waits (``torch.cuda.set_device(k)``, its
+CUDA context made and a first CUDA step taken), so it serves only rank ``k`` of a cell on
+the GPUs. That costs each spare its CUDA context in GPU memory (``%taas status`` shows it
+where ``nvidia-smi`` can tell). On such a host a CPU spare starts with
+``CUDA_VISIBLE_DEVICES=""``: it serves only ``--device cpu`` ranks, which must see no GPU,
+and its warm-up (an optimizer's first step asks whether CUDA is there) would otherwise start
+the CUDA driver with the GPUs in view, for good. A search's trials side by side each see
+only their own slice of the GPUs (``CUDA_VISIBLE_DEVICES=2,3``, so ``LOCAL_RANK`` indexes
+the slice): rank ``j`` of the trial on a slice is served by a spare that set that slice
+before CUDA started and is bound to its GPU ``j`` (:func:`slice_bindings`).
 
 What CUDA and torch read once at start-up (``CUDA_VISIBLE_DEVICES``, ``PYTORCH_CUDA_ALLOC_CONF``,
 ``CUBLAS_WORKSPACE_CONFIG``, ...: every ``CUDA_*``, ``PYTORCH_*``, ``CUBLAS_*`` and ``TORCH_*``
@@ -39,8 +44,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from taas_magic.launch.factory import SpareFactory
+from taas_magic.launch.rankenv import CPU, Binding, slice_visible
 from taas_magic.procs import Process, reap, signal_group
 from taas_magic.rank.spare import WAITING_NAME
 
@@ -59,17 +66,21 @@ def frozen_settings() -> dict[str, str]:
 
 @dataclass
 class Spare:
-    """One waiting (or still warming) spare: its process, the GPU it is bound to (None: CPU),
-    and the kernel's :func:`frozen_settings` when it started (GPU ``gpu`` is a device of that
-    ``CUDA_VISIBLE_DEVICES``)."""
+    """One waiting (or still warming) spare: its process, its :class:`Binding`, and the kernel's
+    :func:`frozen_settings` when it started (its GPU is a device of that ``CUDA_VISIBLE_DEVICES``,
+    or of its binding's own)."""
 
     process: Process  # a fork of the factory, or a fresh interpreter while the factory still imports
-    gpu: int | None
+    binding: Binding
     settings: dict[str, str]
 
-    def serves(self, gpu: int | None) -> bool:
-        """Whether this spare can be rank ``gpu``'s process (a CPU rank's when ``gpu`` is None)."""
-        return self.gpu == gpu and self.settings == frozen_settings()
+    @property
+    def gpu(self) -> int | None:
+        return self.binding.gpu
+
+    def serves(self, binding: Binding) -> bool:
+        """Whether this spare can be the process of a rank that wants ``binding``."""
+        return self.binding == binding and self.settings == frozen_settings()
 
     @property
     def ready(self) -> bool:
@@ -98,9 +109,19 @@ def proportional_bytes(pid: int) -> int:
         return 0
 
 
-def bindings(count: int, gpus: int) -> list[int | None]:
-    """What rank ``k``'s spare is bound to: GPU ``k`` while the host has one, else the CPU."""
-    return [rank if rank < gpus else None for rank in range(count)]
+def bindings(count: int, gpus: int, host_gpus: int = 0) -> list[Binding]:
+    """What rank ``k``'s spare is bound to: GPU ``k`` while ``k < gpus``, else the CPU (seeing
+    none of the host's ``host_gpus``)."""
+    cpu = Binding(None, "") if host_gpus else CPU
+    return [Binding(rank) if rank < gpus else cpu for rank in range(count)]
+
+
+def slice_bindings(gpu_ids: Sequence[str], size: int, slices: int) -> list[Binding]:
+    """The spares of ``slices`` trials side by side, each on its own ``size`` GPUs of ``gpu_ids``
+    (the kernel's, as ``CUDA_VISIBLE_DEVICES`` names them): rank ``j`` of the trial on slice
+    ``s`` sees GPUs ``gpu_ids[s*size:(s+1)*size]`` and is bound to the ``j``-th of them."""
+    return [Binding(rank, slice_visible(gpu_ids, size, index))
+            for index in range(slices) for rank in range(size)]
 
 
 class SparePool:
@@ -114,44 +135,42 @@ class SparePool:
         self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/factory.py)
         self._retired: list[SpareFactory] = []  # until the spares they forked have ended
 
-    def take(self, wanted: list[int | None]) -> list[Process | None]:
-        """For each rank (bound to ``wanted[k]``: a GPU, or None for the CPU), a spare that serves
-        it, ready ones first, still warming ones next; None where there is none (start that
-        rank fresh). A warming spare is taken rather than thrown away: its warm-up is already
-        ahead of any fresh process's."""
+    def take(self, wanted: Sequence[Binding]) -> list[Process | None]:
+        """For each rank (wanting ``wanted[k]``), a spare that serves it, ready ones first, still
+        warming ones next; None where there is none (start that rank fresh). A warming spare is
+        taken rather than thrown away: its warm-up is already ahead of any fresh process's."""
         with self._lock:
             self._drop_dead()
             by_readiness = sorted(self.spares, key=lambda spare: not spare.ready)
             taken: list[Process | None] = []
-            for gpu in wanted:
-                match = next((spare for spare in by_readiness if spare.serves(gpu)), None)
+            for binding in wanted:
+                match = next((spare for spare in by_readiness if spare.serves(binding)), None)
                 if match is not None:
                     by_readiness.remove(match)
                     self.spares.remove(match)
                 taken.append(match.process if match is not None else None)
             return taken
 
-    def fill(self, count: int, gpus: int = 0, host_gpus: int = 0) -> None:
-        """Keep exactly the spares ranks ``0..count-1`` would take: bound to GPU ``k`` for
-        ``k < gpus``, CPU spares for the rest (which see none of the host's ``host_gpus``).
-        Spares that serve none of them are stopped."""
+    def fill(self, wanted: Sequence[Binding], host_gpus: int = 0) -> None:
+        """Keep exactly the spares ranks wanting ``wanted`` would take (on a host with ``host_gpus``
+        GPUs); spares that serve none of them are stopped."""
         with self._lock:
             self._drop_dead()
             keep: list[Spare] = []
-            missing: list[int | None] = []
+            missing: list[Binding] = []
             spare_list = list(self.spares)
-            for gpu in bindings(count, gpus):
-                match = next((spare for spare in spare_list if spare.serves(gpu)), None)
+            for binding in wanted:
+                match = next((spare for spare in spare_list if spare.serves(binding)), None)
                 if match is None:
-                    missing.append(gpu)
+                    missing.append(binding)
                 else:
                     spare_list.remove(match)
                     keep.append(match)
             _stop([spare.process for spare in spare_list])
             self.spares = keep
             factory = self._factory(step=host_gpus == 0) if missing else None
-            for gpu in missing:
-                spare = _fork(factory, gpu, host_gpus > 0) or _start(gpu, host_gpus > 0)
+            for binding in missing:
+                spare = _fork(factory, binding) or _start(binding)
                 if spare is None:
                     return  # the next cell starts fresh processes instead
                 self.spares.append(spare)
@@ -233,20 +252,20 @@ class SparePool:
         self.spares = [spare for spare in self.spares if spare.process.poll() is None]
 
 
-def _fork(factory: SpareFactory | None, gpu: int | None, hide_gpus: bool) -> Spare | None:
+def _fork(factory: SpareFactory | None, binding: Binding) -> Spare | None:
     """A spare forked by ``factory`` (None while it imports, or where there is none)."""
     if factory is None:
         return None
-    forked = factory.spawn(gpu, hide_gpus=gpu is None and hide_gpus)  # a CPU spare on a GPU host: --device cpu only
-    return Spare(forked, gpu, factory.settings) if forked is not None else None
+    forked = factory.spawn(binding)
+    return Spare(forked, binding, factory.settings) if forked is not None else None
 
 
-def _start(gpu: int | None, hide_gpus: bool) -> Spare | None:
+def _start(binding: Binding) -> Spare | None:
     """A spare as a fresh interpreter (the factory is still importing, or could not start)."""
-    command = SPARE_COMMAND if gpu is None else (*SPARE_COMMAND, "--gpu", str(gpu))
+    command = SPARE_COMMAND if binding.gpu is None else (*SPARE_COMMAND, "--gpu", str(binding.gpu))
     env = {**os.environ, **SINGLE_THREADED}
-    if gpu is None and hide_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU spare on a GPU host: for --device cpu ranks only
+    if binding.visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = binding.visible  # what CUDA will see, fixed before it starts
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -254,7 +273,7 @@ def _start(gpu: int | None, hide_gpus: bool) -> Spare | None:
         )
     except OSError:
         return None
-    return Spare(process, gpu, frozen_settings())
+    return Spare(process, binding, frozen_settings())
 
 
 def _stop(processes: list[Process]) -> None:

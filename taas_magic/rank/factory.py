@@ -12,7 +12,7 @@ warm spare in a few milliseconds, as ``multiprocessing``'s forkserver with prelo
 
 Its requests and answers are messages on a ``SOCK_SEQPACKET`` socket (``--factory FD``):
 
-    kernel -> factory : {"gpu": K|None, "hide_gpus": bool, "cwd": ...} with three fds:
+    kernel -> factory : {"gpu": K|None, "visible": V|None, "cwd": ...} with three fds:
                         the spare's stdin (read end), stdout and stderr (write ends)
     factory -> kernel : {"ready": true}                   its imports are done
                         {"spawned": PID}                  the spare asked for
@@ -138,8 +138,7 @@ def _become_spare(control: socket.socket, fds: list[int], request: dict) -> NoRe
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        if request.get("hide_gpus"):
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything starts CUDA: a spare for --device cpu
+        see_gpus(request.get("visible"))
         os.chdir(request["cwd"])
         _fresh_randomness()
         gpu = request.get("gpu")
@@ -160,6 +159,14 @@ def _become_spare(control: socket.socket, fds: list[int], request: dict) -> NoRe
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def see_gpus(visible: str | None) -> None:
+    """Before anything starts CUDA, the GPUs this spare's CUDA will see: its binding's
+    ``CUDA_VISIBLE_DEVICES`` ("" for a ``--device cpu`` spare, "2,3" for a search trial's
+    slice), or the factory's own (None)."""
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def _threads() -> int:

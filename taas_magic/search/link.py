@@ -33,6 +33,7 @@ class TrialLink:
         self.values: dict[str, Any] = {}  # name -> the value every rank of this trial got
         self._asked: dict[str, tuple[str, dict]] = {}  # name -> (kind, arguments) as first asked
         self.curve: list[tuple[float, float]] = []  # (step, objective) as rank 0 reported it
+        self.metrics: list[dict] = []  # all of rank 0's reports, once its run ended (taas.metrics() of the best)
         self.started = time.monotonic()
         self.ended: float | None = None
         self._lock = lock

@@ -1,5 +1,9 @@
 """CUDA paths: NCCL ranks, the rank's own GPU, CUDA tensors back. Skipped without a GPU."""
 
+import ast
+import re
+import time
+
 import pytest
 import torch
 
@@ -113,14 +117,15 @@ def test_a_captured_cuda_tensor_reaches_the_rank_on_its_device(gpu_kernel):
     assert check.stream("stdout") == "cuda:0 True\n", check.error_text()
 
 
-def test_a_search_on_the_gpus_gives_each_trial_its_own_slice(gpu_kernel):
+def test_a_search_on_the_gpus_gives_each_trial_its_own_slice_and_a_rerun_takes_warm_spares(gpu_kernel):
     pytest.importorskip("optuna")
     gpus = torch.cuda.device_count()
     cell = (f"#pragma taas --gpus 1 --trials {2 * gpus} --sampler random\n"
             "import os, time, torch, taas\n"
             "x = taas.trial().suggest_float('x', -1.0, 1.0)\n"
-            "seen = (os.environ.get('CUDA_VISIBLE_DEVICES', 'all'), torch.cuda.device_count(), str(torch.zeros(1, device='cuda').device))\n"
-            "print('slice', seen, flush=True)\n"
+            "seen = (os.environ.get('CUDA_VISIBLE_DEVICES', 'all'), torch.cuda.device_count(),\n"
+            "        str(torch.zeros(1, device='cuda').device))\n"
+            "print('slice', seen, 'pid', os.getpid(), flush=True)\n"
             "time.sleep(1.0)\n"
             "taas.report(0, loss=x * x)\n"
             "gpu_search_seen = seen\n")
@@ -129,5 +134,18 @@ def test_a_search_on_the_gpus_gives_each_trial_its_own_slice(gpu_kernel):
     assert f"{gpus} at a time" in ran.stream(), ran.stream()
     rows = gpu_kernel.execute("print(list(taas.trials()['state']))").stream()
     assert rows.strip() == str(["complete"] * (2 * gpus))
-    visible, count, device = eval(gpu_kernel.execute("print(repr(gpu_search_seen))").stream())
+    visible, count, device = ast.literal_eval(gpu_kernel.execute("print(repr(gpu_search_seen))").stream())
     assert (count, device) == ((1, "cuda:0") if gpus > 1 else (gpus, "cuda:0")), (visible, count, device)
+    if gpus < 2:
+        return  # one GPU: trials one at a time, on the ordinary spares
+    # after the search, one spare per slice waits, bound to its slice's GPU; a rerun's first trials take them
+    deadline = time.monotonic() + 120
+    while len(gpu_kernel.spares()) < gpus and time.monotonic() < deadline:
+        time.sleep(0.5)
+    waiting = {spare.pid for spare in gpu_kernel.spares()}
+    assert len(waiting) == gpus, waiting
+    again = gpu_kernel.execute(cell, timeout=600)
+    assert again.reply["status"] == "ok", again.error_text()
+    logs = gpu_kernel.execute("print('\\n'.join(taas.trials()['log']))").stream().split()
+    pids = [int(found.group(1)) for log in logs if (found := re.search(r"slice .*? pid (\d+)", open(log).read()))]
+    assert set(pids[:gpus]) <= waiting, (pids, waiting)

@@ -57,6 +57,10 @@ def test_a_search_runs_every_trial_the_ranks_agree_and_the_best_trials_names_com
     number, lr, width = json.loads(kernel.execute("import json\nprint(json.dumps(seen_by_ranks[0]))").stream())
     assert number == best["number"] and kernel.execute("seen_by_ranks[0] == seen_by_ranks[1]").result["text/plain"] == "True"
     assert float(ran.result["text/plain"]) == lr and abs((lr - 0.1) ** 2 + 1.0 / width - best["value"]) < 1e-9
+    # taas.metrics() is the best trial's reports (not those of whichever trial ended last)
+    reported = json.loads(kernel.execute("print(json.dumps(taas.metrics()))").stream())
+    assert [row["step"] for row in reported] == [0, 1, 2, 3], reported
+    assert all(abs(row["loss"] - best["value"]) < 1e-9 for row in reported), (reported, best)
     # a trial rank 0 bound comes back as the values it gave
     assert kernel.execute("t.number, t.params == {'lr': lr, 'width': width}").result["text/plain"] == f"({number}, True)"
     display = _display(ran, "table")

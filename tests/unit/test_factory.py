@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from taas_magic.launch.factory import ForkedSpare, SpareFactory
+from taas_magic.launch.rankenv import CPU, Binding
 from taas_magic.launch.spares import SINGLE_THREADED, SparePool, frozen_settings
 from taas_magic.procs import reap
 from taas_magic.rank.factory import _fresh_randomness
@@ -47,7 +48,7 @@ def factory():
 
 def test_a_forked_spare_is_warm_at_once_in_its_own_session_and_its_exit_code_comes_back(factory):
     started = time.monotonic()
-    spare = factory.spawn(gpu=None, hide_gpus=False)
+    spare = factory.spawn(CPU)
     assert isinstance(spare, ForkedSpare)
     process = psutil.Process(spare.pid)
     assert _until(lambda: process.name() == "taas-spare"), process.name()  # imported and stepped: waiting
@@ -61,7 +62,7 @@ def test_a_forked_spare_is_warm_at_once_in_its_own_session_and_its_exit_code_com
 
 
 def test_a_killed_spare_reports_its_signal_and_leaves_no_zombie(factory):
-    spare = factory.spawn(gpu=None, hide_gpus=True)
+    spare = factory.spawn(Binding(None, ""))
     assert spare is not None
     os.killpg(spare.pid, 9)
     assert spare.wait(timeout=10) == -9
@@ -72,24 +73,24 @@ def test_a_killed_spare_reports_its_signal_and_leaves_no_zombie(factory):
 def test_while_the_factory_imports_the_pool_starts_fresh_spares_then_forks_them(monkeypatch):
     pool = SparePool()
     try:
-        pool.fill(1)
+        pool.fill([CPU])
         assert isinstance(pool.spares[0].process, subprocess.Popen)  # the factory is still importing
         assert _until(lambda: pool.factory.collect() or pool.factory.ready, timeout=60)
         pool.close()
         pool.factory = _ready_factory()
-        pool.fill(2)
+        pool.fill([CPU, CPU])
         assert [type(spare.process) for spare in pool.spares] == [ForkedSpare, ForkedSpare]
     finally:
         pool.close()
 
 
 def test_a_retired_factory_leaves_after_its_last_spare_and_a_closed_one_at_once(factory):
-    spare = factory.spawn(gpu=None, hide_gpus=False)
+    spare = factory.spawn(CPU)
     assert spare is not None
     factory.retire()
     time.sleep(0.3)
     assert factory.alive()  # its spare (a rank, perhaps) still runs: it reports that exit too
-    assert factory.spawn(gpu=None, hide_gpus=False) is None  # retired: no more forks
+    assert factory.spawn(CPU) is None  # retired: no more forks
     os.killpg(spare.pid, 9)
     assert spare.wait(timeout=10) == -9
     reap(spare)
