@@ -12,7 +12,8 @@ its loss every 10 steps. The host's ``--slots`` CPU cores stand for its GPUs: a 
 - taas: one cell, ``#pragma taas --device cpu --gpus 2 --trials 16 --sampler random --prune none``
   (``--parallel`` when more than one fits), in a real kernel driven by jupyter_client, after
   the same cell ran once alone (``taas.trial()``'s defaults, 50 steps), as a person tries a cell
-  before searching with it;
+  before searching with it, and once its spares wait and their factory has imported (``%taas
+  status`` says so; a kernel a person has used for more than a few seconds is there already);
 - Ray Tune: ``tune.Tuner`` over a driver function that fits a ``TorchTrainer`` of 2 workers
   (``ScalingConfig(num_workers=2)``), random search over the same space, and
   ``max_concurrent_trials = slots / 2``, as Ray's docs ask for Train V2 under Tune (the cluster,
@@ -42,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.kernel_client import Kernel  # noqa: E402 - the repository's own client, after the path
+from tests.kernel_client import Kernel  # the repository's own client, after the path
 
 TRAIN = '''
 def train_loop(lr, width, steps, log_dir, tag, report):
@@ -80,6 +81,18 @@ dist.destroy_process_group()
 '''
 
 
+def wait_until_warm(kernel: Kernel, spares: int, timeout: float = 120) -> None:
+    """Until the kernel's spares wait (named taas-spare) and their factory forks new ones."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = kernel.execute("%taas status").stream()
+        waiting = sum(process.name() == "taas-spare" for process in kernel.spares())
+        if waiting >= spares and "factory (ready" in status:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the kernel's spares were not warm within {timeout:.0f} s")
+
+
 def busy_share(log_dir: str, tag: str, began: float, ended: float, slots: int) -> float:
     spans = []
     for path in glob.glob(os.path.join(log_dir, f"{tag}-*.busy")):
@@ -107,7 +120,7 @@ def run_ray_tune(trials: int, steps: int, slots: int, log_dir: str, storage: str
     from ray.train.torch import TorchTrainer
 
     namespace: dict = {}
-    exec(TRAIN, namespace)  # the same loop as the taas cell's
+    exec(TRAIN, namespace)  # noqa: S102 - the same loop as the taas cell's, our own text
     train_loop = namespace["train_loop"]
 
     def per_worker(config: dict) -> None:
@@ -153,6 +166,7 @@ def main() -> None:
             alone = kernel.execute(TAAS_CELL.format(search="", steps=50, log_dir=log_dir), timeout=300)
         assert alone.reply["status"] == "ok", alone.error_text()
         for round_no in range(args.rounds):
+            wait_until_warm(kernel, 2)
             with tempfile.TemporaryDirectory() as log_dir, tempfile.TemporaryDirectory() as storage:
                 taas_wall, taas_busy = run_taas(kernel, args.trials, args.steps, args.slots, log_dir)
                 ray_wall, ray_busy = run_ray_tune(args.trials, args.steps, args.slots, log_dir, storage)

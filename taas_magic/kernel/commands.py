@@ -152,7 +152,9 @@ def _status(session: Session, settings: MagicSettings) -> None:
     print(status_text(session.last_run, visible_gpu_count(), defaults,
                       [describe_registered(loader, settings.namespace) for loader in taas.registered()]))
     spares = session.spares
-    factory = " with their factory" if spares.factory is not None else ""
+    factory = "" if spares.factory is None else \
+        " with their factory (ready: new spares are forks)" if spares.forks_ready() else \
+        " with their factory (still importing: new spares start fresh)"
     print(f"warm spares: {settings.warm}, {len(spares.spares)} waiting, {spares.resident_bytes() / 2**20:.0f} MB resident"
           f"{factory} (proportional: shared pages split)" + _spares_gpu_text(session))
     print("write rule: " + rule.header())

@@ -157,13 +157,16 @@ class LocalBackend:
 
     def standby(self, may_restart: bool) -> None:
         """Warm spares while the attempt runs: for its restart (--restarts), and for the next cell
-        when the ranks leave most of the host's cores idle (a GPU host's ranks compute on their
-        GPUs: a spare there takes seconds to warm, which a cell rerun a second later would wait for)."""
+        (or a search's next trial, which then starts the moment this one's ranks are gone) when
+        that costs the ranks nothing: the spares are forks of a ready factory (milliseconds each,
+        no import), or the ranks leave most of the host's cores idle (a GPU host's ranks compute
+        on their GPUs: a spare there takes seconds to warm, which a cell rerun a second later
+        would wait for)."""
         if self._spares is None:
             return
         if may_restart:
             self._fill(_union(self._own(), self._next()))
-        elif self._refill is not None and idle_cores(len(self.slots)):
+        elif self._refill is not None and (self._spares.forks_ready() or idle_cores(len(self.slots))):
             self._fill(self._next())
 
     def _own(self) -> list[Binding]:

@@ -20,14 +20,16 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
-from typing import IO
+from typing import IO, Callable
 
 from taas_magic.launch.rankenv import Binding
 from taas_magic.procs import pid_alive
 
 FACTORY_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare", "--factory")
 ANSWER_SECONDS = 5.0  # a ready factory forks in milliseconds; past this it is taken for broken
+EXIT_REPORT_SECONDS = 1.0  # a spare that ended is reported by the factory within milliseconds (its pidfd wakes it)
 MESSAGE_BYTES = 64 * 1024
 
 
@@ -40,6 +42,10 @@ class SpareFactory:
         spares' first CPU training step before it forks them."""
         self.settings = settings
         self.exits: dict[int, int] = {}
+        self._spawned: list[int] = []  # forks it reported, for the request waiting on one
+        # the socket is read from the pool's thread (a spawn) and from every run's supervisor thread
+        # (its ranks' exits): one reader at a time, and what one reads is kept for whoever it is for
+        self._reading = threading.Lock()
         self.ready = False
         self.broken = False
         self.retired = False
@@ -57,7 +63,7 @@ class SpareFactory:
     def spawn(self, binding: Binding) -> ForkedSpare | None:
         """A forked spare with its ``binding`` (its GPU, and the ``CUDA_VISIBLE_DEVICES`` it sets
         before CUDA starts), or None while the factory still imports or if it broke (start one
-        the slow way)."""
+        the slow way). The pool asks for one spare at a time."""
         self.collect()
         if not self.ready or self.broken or self.retired:
             return None
@@ -66,8 +72,10 @@ class SpareFactory:
         theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
         request = {"gpu": binding.gpu, "visible": binding.visible, "cwd": os.getcwd()}
         try:
+            self._spawned.clear()
             socket.send_fds(self._control, [json.dumps(request).encode()], theirs)
-            pid = self._await_spawned()
+            pid = self._await(lambda: self._spawned.pop(0) if self._spawned else None, ANSWER_SECONDS,
+                              gives_up=lambda: self.retired)  # it refused: it is retiring
         except OSError:
             pid = None
         finally:
@@ -80,40 +88,49 @@ class SpareFactory:
             return None
         return ForkedSpare(self, pid, *mine)
 
-    def collect(self) -> int | None:
-        """Read what the factory said since (non-blocking); the pid of a spare it said it forked, if it did."""
-        spawned = None
-        while True:
-            try:
-                message = self._control.recv(MESSAGE_BYTES)
-            except BlockingIOError:
-                return spawned
-            except OSError:
-                message = b""
-            if not message:
-                self.broken = True  # it is gone: spares it forked and that are still running end when their lifeline does
-                return spawned
-            heard = self._heard(json.loads(message))
-            spawned = heard if heard is not None else spawned
+    def collect(self) -> None:
+        """Read what the factory said since (non-blocking): its readiness, its forks, its spares' exits."""
+        with self._reading:
+            while True:
+                try:
+                    message = self._control.recv(MESSAGE_BYTES)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    message = b""
+                if not message:
+                    self.broken = True  # it is gone: spares it forked and that are still running end when their lifeline does
+                    return
+                self._heard(json.loads(message))
 
-    def _heard(self, message: dict) -> int | None:
+    def _heard(self, message: dict) -> None:
         if message.get("ready"):
             self.ready = True
         if message.get("refused"):
             self.retired = True
         if "exited" in message:
             self.exits[message["exited"]] = message["code"]
-        return message.get("spawned")
+        if "spawned" in message:
+            self._spawned.append(message["spawned"])
 
-    def _await_spawned(self) -> int | None:
-        deadline = time.monotonic() + ANSWER_SECONDS
-        while (left := deadline - time.monotonic()) > 0 and not (self.broken or self.retired):
-            if not select.select([self._control], [], [], left)[0]:
-                break
-            spawned = self.collect()
-            if spawned is not None:
-                return spawned
-        return None
+    def await_exit(self, pid: int) -> int | None:
+        """Spare ``pid`` has ended (its pidfd says so): its exit code, once the factory reports it."""
+        return self._await(lambda: self.exits.pop(pid, None), EXIT_REPORT_SECONDS)
+
+    def _await(self, heard: Callable[[], int | None], seconds: float,
+               gives_up: Callable[[], bool] = lambda: False) -> int | None:
+        """What ``heard`` finds in what the factory says within ``seconds`` (None: nothing, it broke,
+        or ``gives_up`` said so)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self.collect()
+            found = heard()
+            if found is not None or self.broken or gives_up():
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            select.select([self._control], [], [], min(left, 0.05))
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -148,14 +165,27 @@ class ForkedSpare:
         self.stdout: IO[bytes] | None = os.fdopen(stdout, "rb", buffering=0)
         self.stderr: IO[bytes] | None = os.fdopen(stderr, "rb", buffering=0)
         self.returncode: int | None = None
+        try:
+            self._exit_fd: int | None = os.pidfd_open(pid)  # readable once it ends: then its code is due
+        except (AttributeError, OSError):
+            self._exit_fd = None  # an old kernel: the code comes when the factory next looks
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.factory.collect()
             self.returncode = self.factory.exits.pop(self.pid, None)
+            if self.returncode is None and self._ended():
+                self.returncode = self.factory.await_exit(self.pid)  # reported within milliseconds
             if self.returncode is None and self.factory.broken and not pid_alive(self.pid):
                 self.returncode = -9  # its parent died before it could say: killed with it
+            if self.returncode is not None and self._exit_fd is not None:
+                os.close(self._exit_fd)
+                self._exit_fd = None
         return self.returncode
+
+    def _ended(self) -> bool:
+        """Whether it has exited, reaped or not (its pidfd is readable); False where there is no pidfd."""
+        return self._exit_fd is not None and bool(select.select([self._exit_fd], [], [], 0)[0])
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -190,6 +190,13 @@ class SparePool:
                 return None  # spares start as fresh interpreters
         return current
 
+    def forks_ready(self) -> bool:
+        """Whether a spare started now is a fork of a ready factory (milliseconds, no import), not a
+        fresh interpreter (seconds of CPU for its imports)."""
+        factory = self.factory
+        return factory is not None and factory.ready and not (factory.broken or factory.retired) \
+            and factory.settings == frozen_settings()
+
     def resident_bytes(self) -> int:
         """What keeping the spares costs in memory: theirs and the factory's, each process's
         proportional share (a forked spare shares the factory's pages; /proc's PSS splits them)."""

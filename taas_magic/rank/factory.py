@@ -44,6 +44,7 @@ from taas_magic.rank.spare import WARM_MODULES, set_name
 FACTORY_NAME = b"taas-factory"
 FORKED_NAME = b"taas-warming"  # a forked spare until its warm-up ends (then taas-spare)
 MESSAGE_BYTES = 64 * 1024
+EXIT_POLL_SECONDS = 0.05  # where no pidfd wakes the factory (an old kernel), how often it looks for exits
 
 
 def serve(control: socket.socket, step: bool) -> NoReturn:
@@ -67,10 +68,11 @@ def serve(control: socket.socket, step: bool) -> NoReturn:
     if _threads() != 1:
         os._exit(3)  # a fork of a threaded process may inherit a held lock: the kernel starts spares fresh
     control.send(json.dumps({"ready": True}).encode())
-    children: set[int] = set()
+    children: dict[int, int | None] = {}  # pid -> its pidfd, which wakes the select the moment it exits
     retiring = False
     while not (retiring and not children):
-        readable, _, _ = select.select([control, sys.stdin.fileno()], [], [], 0.05)
+        exit_fds = [fd for fd in children.values() if fd is not None]
+        readable, _, _ = select.select([control, sys.stdin.fileno(), *exit_fds], [], [], EXIT_POLL_SECONDS)
         if sys.stdin.fileno() in readable and not os.read(sys.stdin.fileno(), 1):
             os._exit(0)  # the kernel is gone; its spares' lifelines end them as well
         if control in readable:
@@ -79,7 +81,7 @@ def serve(control: socket.socket, step: bool) -> NoReturn:
     os._exit(0)
 
 
-def _answer(control: socket.socket, children: set[int], retiring: bool) -> bool:
+def _answer(control: socket.socket, children: dict[int, int | None], retiring: bool) -> bool:
     """One request: fork the spare it asks for (True: retire instead; once retiring, fork no more)."""
     try:
         message, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, 3)
@@ -102,31 +104,49 @@ def _answer(control: socket.socket, children: set[int], retiring: bool) -> bool:
         os.close(started)
         os.setsid()  # before the kernel hears of it: it stops a spare by signalling its session's group
         os.close(leads)
+        for exit_fd in children.values():  # the factory's watch on its other spares is not this spare's
+            if exit_fd is not None:
+                os.close(exit_fd)
         _become_spare(control, fds, request)
     os.close(leads)
     os.read(started, 1)  # end-of-file once the child leads its session
     os.close(started)
     for fd in fds:
         os.close(fd)
-    children.add(pid)
+    children[pid] = _exit_fd(pid)
     control.send(json.dumps({"spawned": pid}).encode())
     return False
 
 
-def _report_exits(control: socket.socket, children: set[int]) -> None:
+def _report_exits(control: socket.socket, children: dict[int, int | None]) -> None:
+    """Reap every spare that ended and tell the kernel its exit code (a rank's end is the run's:
+    it is reported the moment the pidfd says so, not at the next poll)."""
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
+            for fd in children.values():
+                if fd is not None:
+                    os.close(fd)
             children.clear()
             return
         if pid == 0:
             return
-        children.discard(pid)
+        fd = children.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
         try:
             control.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
         except OSError:
             pass  # the kernel is gone
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A pidfd that becomes readable when the spare ``pid`` exits (Linux 5.3+); None: polled."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _become_spare(control: socket.socket, fds: list[int], request: dict) -> NoReturn:

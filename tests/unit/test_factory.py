@@ -7,7 +7,9 @@ leaves once its last spare has ended, and one whose kernel side closes leaves at
 """
 
 import os
+import select
 import subprocess
+import threading
 import time
 
 import psutil
@@ -114,3 +116,48 @@ def test_a_fork_draws_its_own_numpy_numbers():
     os.close(read)
     os.waitpid(pid, 0)
     assert child != numpy.random.bytes(16)  # the parent's next numbers, which the fork would have drawn too
+
+
+def test_a_spares_exit_code_is_known_as_soon_as_it_has_ended(factory):
+    """A rank's end is its run's end: once the spare's pidfd says it ended, one poll has its code
+    (the factory reports it the moment it reaps it, not at its next look)."""
+    spare = factory.spawn(CPU)
+    assert spare is not None
+    watch = os.pidfd_open(spare.pid)
+    try:
+        os.killpg(spare.pid, 9)
+        assert select.select([watch], [], [], 10)[0], "the spare never ended"
+        assert spare.poll() == -9
+    finally:
+        os.close(watch)
+        reap(spare)
+
+
+def test_a_spawn_gets_its_answer_while_run_threads_poll_their_spares(factory):
+    """The factory's socket is read by the pool (a spawn's answer) and by every run's supervisor
+    (its ranks' exits) at once: neither may swallow what the other waits for."""
+    running = factory.spawn(CPU)
+    assert running is not None
+    stop = threading.Event()
+
+    def supervise() -> None:
+        while not stop.is_set():
+            running.poll()
+
+    pollers = [threading.Thread(target=supervise) for _ in range(2)]
+    for poller in pollers:
+        poller.start()
+    try:
+        spawned = [factory.spawn(CPU) for _ in range(6)]
+    finally:
+        stop.set()
+        for poller in pollers:
+            poller.join()
+    try:
+        assert all(isinstance(spare, ForkedSpare) for spare in spawned) and not factory.broken, spawned
+    finally:
+        for spare in [running, *spawned]:
+            if spare is not None:
+                os.killpg(spare.pid, 9)
+                spare.wait(timeout=10)
+                reap(spare)
