@@ -27,7 +27,7 @@ from taas_magic.kernel.search import SearchRun, trials_table
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import help_text, status_text
-from taas_magic.launch.rankenv import visible_gpu_count
+from taas_magic.launch.rankenv import Binding, visible_gpu_count
 from taas_magic.launch.spares import bindings
 from taas_magic.writes.rule import MODES, OVERLAY, probe_overlay
 
@@ -171,4 +171,9 @@ def _spares_gpu_text(session: Session) -> str:
         return ""
     held = session.spares.gpu_bytes()
     amount = f"{held / 2**20:.0f} MiB" if held is not None else "GPU memory unknown (nvidia-smi cannot see them)"
-    return f"; {len(bound)} bound to GPU(s) {', '.join(str(s.gpu) for s in bound)}, {amount} on the GPUs"
+    return f"; {len(bound)} bound to GPU(s) {', '.join(_gpu_name(s.binding) for s in bound)}, {amount} on the GPUs"
+
+
+def _gpu_name(binding: Binding) -> str:
+    """A spare's GPU as the person reads it: its index, or for a search trial's slice, which of that slice."""
+    return str(binding.gpu) if binding.visible is None else f"{binding.gpu} of {binding.visible}"

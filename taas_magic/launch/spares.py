@@ -194,8 +194,10 @@ class SparePool:
         """Whether a spare started now is a fork of a ready factory (milliseconds, no import), not a
         fresh interpreter (seconds of CPU for its imports)."""
         factory = self.factory
-        return factory is not None and factory.ready and not (factory.broken or factory.retired) \
-            and factory.settings == frozen_settings()
+        if factory is None:
+            return False
+        factory.collect()  # it says "ready" once, when its imports are done
+        return factory.ready and not (factory.broken or factory.retired) and factory.settings == frozen_settings()
 
     def resident_bytes(self) -> int:
         """What keeping the spares costs in memory: theirs and the factory's, each process's

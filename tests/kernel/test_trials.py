@@ -74,19 +74,20 @@ def test_a_search_runs_every_trial_the_ranks_agree_and_the_best_trials_names_com
 
 
 def test_a_failing_trial_is_recorded_and_the_search_goes_on(kernel):
-    cell = ("#pragma taas --device cpu --gpus 2 --trials 3 --sampler grid --prune none\n"
+    cell = ("#pragma taas --device cpu --gpus 2 --trials 3 --sampler grid --prune none --objective acc --maximize\n"
             "import taas\n"
             "bad_or_not = taas.trial().suggest_categorical('x', [1, 2, 3])\n"
             "if bad_or_not == 2:\n"
             "    raise ValueError('trial with x=2 is broken')\n"
-            "taas.report(0, loss=float(bad_or_not))\n"
+            "taas.report(0, loss=0.0, acc=float(bad_or_not))\n"
             "grid_x = bad_or_not\n")
     ran = kernel.execute(cell, timeout=240)
     assert ran.reply["status"] == "ok", ran.error_text()
     assert "failed: " in ran.stream("stderr") and "x=2 is broken" in ran.stream("stderr"), ran.stream("stderr")
     states = json.loads(kernel.execute("import taas\nprint(taas.trials()[['params', 'state']].to_json(orient='records'))").stream())
     assert sorted((row["params"]["x"], row["state"]) for row in states) == [(1, "complete"), (2, "failed"), (3, "complete")]
-    assert kernel.execute("grid_x").result["text/plain"] == "1"  # the best of the grid's three points
+    assert kernel.execute("grid_x").result["text/plain"] == "3"  # the best (highest acc) of the grid's three points
+    assert "taas: best trial" in ran.stream() and "acc 3 · x=3" in ran.stream(), ran.stream()
 
 
 def test_a_search_whose_every_trial_fails_fails_with_the_first_error(kernel):

@@ -77,7 +77,8 @@ def test_while_the_factory_imports_the_pool_starts_fresh_spares_then_forks_them(
     try:
         pool.fill([CPU])
         assert isinstance(pool.spares[0].process, subprocess.Popen)  # the factory is still importing
-        assert _until(lambda: pool.factory.collect() or pool.factory.ready, timeout=60)
+        assert not pool.forks_ready()
+        assert _until(pool.forks_ready, timeout=60)  # it hears the factory say "ready" by itself
         pool.close()
         pool.factory = _ready_factory()
         pool.fill([CPU, CPU])
