@@ -158,15 +158,17 @@ class LocalBackend:
     def standby(self, may_restart: bool) -> None:
         """Warm spares while the attempt runs: for its restart (--restarts), and for the next cell
         (or a search's next trial, which then starts the moment this one's ranks are gone) when
-        that costs the ranks nothing: the spares are forks of a ready factory (milliseconds each,
-        no import), or the ranks leave most of the host's cores idle (a GPU host's ranks compute
-        on their GPUs: a spare there takes seconds to warm, which a cell rerun a second later
-        would wait for)."""
+        that costs the ranks nothing: CPU spares forked from a ready factory (milliseconds each, no
+        import, no step), or the ranks leave most of the host's cores idle (a GPU host's ranks
+        compute on their GPUs: a spare there takes seconds to warm, which a cell rerun a second
+        later would wait for). A GPU spare is never made beside ranks that leave no core idle:
+        its CUDA context would take GPU memory the training may need."""
         if self._spares is None:
             return
+        forked_cpu = self.devices.device != "cuda" and self._spares.forks_ready()
         if may_restart:
             self._fill(_union(self._own(), self._next()))
-        elif self._refill is not None and (self._spares.forks_ready() or idle_cores(len(self.slots))):
+        elif self._refill is not None and (forked_cpu or idle_cores(len(self.slots))):
             self._fill(self._next())
 
     def _own(self) -> list[Binding]:
