@@ -158,8 +158,7 @@ class SearchRun(RunThread):
 
         run.on_ranks_gone.append(ranks_gone)
         trial.run.when_done(self._wake.set)
-        trial.run.start()
-        self.log.say(f"taas: trial {link.number} started (run {run.spec.run_id}, log {run.log.path})")
+        trial.run.start()  # the table shows it; its log's path is in taas.trials() (and in a failure's line)
 
     def _freed_slots(self) -> list[int]:
         """The slots of the trials whose ranks are gone since the last look (their runs may still be releasing)."""
@@ -191,7 +190,7 @@ class SearchRun(RunThread):
         _tell(self.study, self._lock, link, state, trial.value)
         _keep_only(self.best(), self.trials)
         if state == FAILED:
-            self.log.say(f"taas: trial {link.number} failed: {_first_line(error)}", "stderr")
+            self.log.say(f"taas: trial {link.number} failed: {_first_line(error)} (its log: {trial.run.log.path})", "stderr")
         elif state == PRUNED:
             self.log.say(f"taas: trial {link.number} pruned at step {link.curve[-1][0]:g}" if link.curve else
                          f"taas: trial {link.number} pruned")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import stat
 import time
@@ -41,6 +42,22 @@ def _display(ran, name: str) -> dict:
              and m.content.get("transient", {}).get("display_id", "").startswith(f"taas-search-{name}-")]
     assert shown, [m.type for m in ran.messages]
     return shown[-1]
+
+
+def _wait_for_table(kernel, msg_id: str, shows, timeout: float = 60) -> None:
+    """Read iopub until the search's table (its text) ``shows`` what is wanted."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        content = msg["content"]
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] in ("display_data", "update_display_data") \
+                and content.get("transient", {}).get("display_id", "").startswith("taas-search-table-") \
+                and shows(content["data"]["text/plain"]):
+            return
+    raise AssertionError("the search's table never showed what was waited for")
 
 
 def test_a_search_runs_every_trial_the_ranks_agree_and_the_best_trials_names_come_back(kernel):
@@ -84,7 +101,9 @@ def test_a_failing_trial_is_recorded_and_the_search_goes_on(kernel):
     ran = kernel.execute(cell, timeout=240)
     assert ran.reply["status"] == "ok", ran.error_text()
     assert "failed: " in ran.stream("stderr") and "x=2 is broken" in ran.stream("stderr"), ran.stream("stderr")
-    states = json.loads(kernel.execute("import taas\nprint(taas.trials()[['params', 'state']].to_json(orient='records'))").stream())
+    assert "(its log: " in ran.stream("stderr") and "started" not in ran.stream()  # the table, not a line per trial
+    states = json.loads(kernel.execute("import taas\nprint(taas.trials()[['params', 'state']].to_json(orient='records'))")
+                        .stream())
     assert sorted((row["params"]["x"], row["state"]) for row in states) == [(1, "complete"), (2, "failed"), (3, "complete")]
     assert kernel.execute("grid_x").result["text/plain"] == "3"  # the best (highest acc) of the grid's three points
     assert "taas: best trial" in ran.stream() and "acc 3 · x=3" in ran.stream(), ran.stream()
@@ -115,7 +134,8 @@ def test_the_pruner_stops_a_bad_trial_at_once_and_its_slot_goes_on(kernel):
     ran = kernel.execute(cell, timeout=300)
     assert ran.reply["status"] == "ok", ran.error_text()
     assert "taas: trial 5 pruned at step" in ran.stream(), ran.stream()
-    rows = json.loads(kernel.execute("import taas\nprint(taas.trials()[['number', 'state', 'seconds', 'log']].to_json(orient='records'))")
+    rows = json.loads(kernel.execute("import taas\n"
+                                     "print(taas.trials()[['number', 'state', 'seconds', 'log']].to_json(orient='records'))")
                       .stream())
     assert [row["state"] for row in rows] == ["complete"] * 5 + ["pruned"]
     assert rows[5]["seconds"] < 40 * 0.05  # stopped long before its 2 s of steps
@@ -154,8 +174,8 @@ def test_an_interrupt_stops_every_trial_and_leaves_nothing(kernel):
             "    print('step', step, flush=True)\n"
             "    time.sleep(0.1)\n")
     msg_id, started = kernel.submit(cell)
-    kernel.wait_for_stream(msg_id, "taas: trial 1 started", timeout=60)
-    time.sleep(2.0)
+    _wait_for_table(kernel, msg_id, lambda table: table.count(" running ") == 2)  # two trials side by side
+    time.sleep(1.0)
     kernel.manager.interrupt_kernel()
     stopped = kernel.collect(msg_id, started, timeout=120)
     assert stopped.error["ename"] == "KeyboardInterrupt", stopped.error_text()
