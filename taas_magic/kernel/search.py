@@ -43,13 +43,13 @@ from taas_magic.kernel.background import BackgroundRun, RunThread
 from taas_magic.kernel.plan import PlanContext, plan
 from taas_magic.kernel.run import ending, error_lines
 from taas_magic.output.runlog import OUT, RunLog
-from taas_magic.output.trials import TrialRow, search_display
+from taas_magic.output.trials import TrialRow, search_display, trials_frame
 from taas_magic.protocol import Display
 from taas_magic.search.link import TrialLink
+from taas_magic.search.study import COMPLETE, FAILED, PRUNED, RUNNING, STOPPED, tell
 
 REDRAW_SECONDS = 0.5
 TAIL_LINES = 8
-COMPLETE, PRUNED, FAILED, STOPPED, RUNNING = "complete", "pruned", "failed", "stopped", "running"
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class SearchRun(RunThread):
         try:
             run = plan(settings, self.plan.code, self.plan.closure, self.plan.why, self.plan.context(slot), link)
         except BaseException:
-            _tell(self.study, self._lock, link, FAILED, None)
+            tell(self.study, self._lock, link.trial, FAILED, None)
             raise  # the search cannot go on (the closure, the cluster): that is the cell's error
         trial = Trial(link, slot, BackgroundRun(run, detached=True))
         self.trials.append(trial)
@@ -187,7 +187,7 @@ class SearchRun(RunThread):
             state = FAILED if error is not None else COMPLETE
         trial.state, trial.error = state, error
         trial.value = link.last if state == COMPLETE else None
-        _tell(self.study, self._lock, link, state, trial.value)
+        tell(self.study, self._lock, link.trial, state, trial.value)
         _keep_only(self.best(), self.trials)
         if state == FAILED:
             self.log.say(f"taas: trial {link.number} failed: {_first_line(error)} (its log: {trial.run.log.path})", "stderr")
@@ -259,24 +259,6 @@ class SearchView:
                 self._shown.add(display_id)
 
 
-def _tell(study: Any, lock: threading.Lock, link: TrialLink, state: str, value: float | None) -> None:
-    """Optuna is told how the trial ended: its value, or pruned, or failed (a stopped trial too)."""
-    from optuna.trial import TrialState
-
-    states = {PRUNED: TrialState.PRUNED, FAILED: TrialState.FAIL, STOPPED: TrialState.FAIL}
-    with lock:
-        try:
-            if state == COMPLETE:
-                study.tell(link.trial, value)
-            else:
-                study.tell(link.trial, state=states[state])
-        except RuntimeError:
-            # IMPORTANT: GridSampler.after_trial calls study.stop() once its grid is used up, which
-            # raises outside study.optimize(); tell has stored the trial's state by then (its finally)
-            if type(study.sampler).__name__ != "GridSampler":
-                raise
-
-
 def _keep_only(best: Trial | None, trials: list[Trial]) -> None:
     """Drop the results of every trial that ended and is not the best (its rank-0 files, and what rank 0 sent)."""
     for trial in trials:
@@ -302,16 +284,10 @@ def best_of(trials: list[Trial], maximize: bool) -> Trial | None:
 
 
 def trials_table(trials: list[Trial]) -> Any:
-    """``taas.trials()``: number, params, value, state, seconds and log of each trial; a pandas
-    DataFrame where pandas is installed, else a list of dicts."""
-    records = [{"number": trial.link.number, "params": dict(trial.link.values), "value": trial.value,
-                "state": trial.state, "seconds": round(trial.link.seconds, 3), "log": trial.run.log.path}
-               for trial in trials]
-    try:
-        import pandas
-    except ImportError:
-        return records
-    return pandas.DataFrame.from_records(records, columns=["number", "params", "value", "state", "seconds", "log"])
+    """``taas.trials()``: number, params, value, state, seconds and log of each trial (output/trials.py's frame)."""
+    return trials_frame([{"number": trial.link.number, "params": dict(trial.link.values), "value": trial.value,
+                          "state": trial.state, "seconds": round(trial.link.seconds, 3), "log": trial.run.log.path}
+                         for trial in trials])
 
 
 def _tail(trial: Trial) -> list[str]:

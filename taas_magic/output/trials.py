@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from html import escape
+from typing import Any
 
 WIDTH, HEIGHT, MARGIN = 560, 200, 46
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
@@ -107,3 +108,13 @@ def _chart(rows: list[TrialRow], objective: str, best: int | None) -> str:
                      f'stroke-width="{width}"><title>trial {number}</title></polyline>')
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" '
             f'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>{"".join(parts)}</svg>')
+
+
+def trials_frame(records: list[dict]) -> Any:
+    """``taas.trials()``'s value: a pandas DataFrame of ``records`` (number, params, value, state,
+    seconds, log) where pandas is installed, else the list of dicts itself."""
+    try:
+        import pandas
+    except ImportError:
+        return records
+    return pandas.DataFrame.from_records(records, columns=["number", "params", "value", "state", "seconds", "log"])

@@ -7,7 +7,8 @@ The rank's half:
 
 The kernel's half (the loop that runs the trials is kernel/search.py):
 
-- study.py: the Optuna study (sampler, pruner, the SQLite file of ``--study``);
+- study.py: the Optuna study (sampler, pruner, the SQLite file of ``--study``), and telling it
+  how each trial ended;
 - space.py: ``--sampler grid``'s grid, read from the cell's literal suggestions;
 - link.py: one trial's answers to its ranks, its objective, its pruning.
 

@@ -16,16 +16,22 @@ fails with the line to install it.
 
 Optuna's own log lines ("Trial 3 finished ...") are turned down to warnings when a search
 starts: the search's table says the same, in place.
+
+:func:`tell` tells the study how a trial ended (its value; pruned; failed, which a trial
+stopped by an interrupt is too, so a ``--study`` file keeps no trial marked running).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from taas_magic.errors import SearchError
 
 STUDIES_FILE = "studies.db"
+# A trial's states as the search's table and taas.trials() name them (a stopped trial is told to Optuna as failed)
+COMPLETE, PRUNED, FAILED, STOPPED, RUNNING = "complete", "pruned", "failed", "stopped", "running"
 
 
 def optuna_module() -> Any:
@@ -66,3 +72,22 @@ def _storage(repository: str) -> str:
 
 def studies_path(repository: str) -> str:
     return os.path.join(repository, ".taas", STUDIES_FILE)
+
+
+def tell(study: Any, lock: threading.Lock, trial: Any, state: str, value: float | None) -> None:
+    """Optuna is told how its ``trial`` ended: its value, or pruned, or failed (a stopped trial too),
+    under the search's ``lock`` (trials side by side end on threads of their own)."""
+    from optuna.trial import TrialState
+
+    states = {PRUNED: TrialState.PRUNED, FAILED: TrialState.FAIL, STOPPED: TrialState.FAIL}
+    with lock:
+        try:
+            if state == COMPLETE:
+                study.tell(trial, value)
+            else:
+                study.tell(trial, state=states[state])
+        except RuntimeError:
+            # IMPORTANT: GridSampler.after_trial calls study.stop() once its grid is used up, which
+            # raises outside study.optimize(); tell has stored the trial's state by then (its finally)
+            if type(study.sampler).__name__ != "GridSampler":
+                raise
