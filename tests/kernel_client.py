@@ -10,6 +10,7 @@ import os
 import queue
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import psutil
 from jupyter_client.manager import KernelManager
@@ -141,8 +142,17 @@ class Kernel:
     def wait_for_stream(self, msg_id: str, needle: str | tuple[str, ...], timeout: float = 60) -> list[Message]:
         """Read iopub until rank output containing ``needle`` (every one of several) arrives."""
         needles = (needle,) if isinstance(needle, str) else needle
+        text = []  # one printed line may arrive in two stream messages
+
+        def arrived(kind: str, content: dict) -> bool:
+            text.append(content.get("text", "") if kind == "stream" else "")
+            return kind == "stream" and all(each in "".join(text) for each in needles)
+
+        return self.wait_for(msg_id, arrived, repr(needle), timeout)
+
+    def wait_for(self, msg_id: str, arrived: Callable[[str, dict], bool], what: str, timeout: float = 60) -> list[Message]:
+        """Read iopub for the cell ``msg_id`` until ``arrived(msg_type, content)`` says so; what was read."""
         seen: list[Message] = []
-        text = ""  # one printed line may arrive in two stream messages
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -152,11 +162,9 @@ class Kernel:
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             seen.append(Message(0.0, msg["msg_type"], msg["content"]))
-            if msg["msg_type"] == "stream":
-                text += msg["content"]["text"]
-                if all(each in text for each in needles):
-                    return seen
-        raise AssertionError(f"{needle!r} never arrived; saw {seen}")
+            if arrived(msg["msg_type"], msg["content"]):
+                return seen
+        raise AssertionError(f"{what} never arrived; saw {seen}")
 
     def shutdown(self) -> None:
         self.client.stop_channels()

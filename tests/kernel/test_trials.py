@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import stat
 import time
@@ -44,20 +43,12 @@ def _display(ran, name: str) -> dict:
     return shown[-1]
 
 
-def _wait_for_table(kernel, msg_id: str, shows, timeout: float = 60) -> None:
-    """Read iopub until the search's table (its text) ``shows`` what is wanted."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            msg = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        content = msg["content"]
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] in ("display_data", "update_display_data") \
-                and content.get("transient", {}).get("display_id", "").startswith("taas-search-table-") \
-                and shows(content["data"]["text/plain"]):
-            return
-    raise AssertionError("the search's table never showed what was waited for")
+def _table_shows(shows):
+    """For ``Kernel.wait_for``: the search's table (its text) shows what is wanted."""
+    def arrived(kind: str, content: dict) -> bool:
+        return kind in ("display_data", "update_display_data") and shows(content["data"]["text/plain"]) \
+            and content.get("transient", {}).get("display_id", "").startswith("taas-search-table-")
+    return arrived
 
 
 def test_a_search_runs_every_trial_the_ranks_agree_and_the_best_trials_names_come_back(kernel):
@@ -174,7 +165,7 @@ def test_an_interrupt_stops_every_trial_and_leaves_nothing(kernel):
             "    print('step', step, flush=True)\n"
             "    time.sleep(0.1)\n")
     msg_id, started = kernel.submit(cell)
-    _wait_for_table(kernel, msg_id, lambda table: table.count(" running ") == 2)  # two trials side by side
+    kernel.wait_for(msg_id, _table_shows(lambda table: table.count(" running ") == 2), "two trials side by side")
     time.sleep(1.0)
     kernel.manager.interrupt_kernel()
     stopped = kernel.collect(msg_id, started, timeout=120)
