@@ -46,6 +46,7 @@ from taas_magic.output.runlog import OUT, RunLog
 from taas_magic.output.trials import TrialRow, search_display, trials_frame
 from taas_magic.protocol import Display
 from taas_magic.search.link import TrialLink
+from taas_magic.search.space import grid_points
 from taas_magic.search.study import COMPLETE, FAILED, PRUNED, RUNNING, STOPPED, tell
 
 REDRAW_SECONDS = 0.5
@@ -63,6 +64,7 @@ class SearchPlan:
     context: Callable[[int], PlanContext]  # a slot -> the context whose backend places a trial there
     slots: int  # trials at a time
     on_gpus: bool  # the trials hold this host's GPUs
+    grid: dict[str, list[Any]] | None = None  # --sampler grid: its grid (search/space.py)
 
 
 @dataclass
@@ -134,10 +136,16 @@ class SearchRun(RunThread):
         return [trial for trial in self.trials if trial.state == RUNNING]
 
     def _exhausted(self) -> bool:
-        """A grid whose every point was asked for: nothing more to ask."""
-        sampler = self.study.sampler
+        """A grid whose every point was asked for, by a trial running or ended: nothing more to ask.
+        (Optuna's ``is_exhausted`` counts only ended trials: asked again while points still run,
+        its sampler gives a running point a second time.)"""
+        grid = self.plan.grid
+        if grid is None:
+            return False
         with self._lock:
-            return hasattr(sampler, "is_exhausted") and sampler.is_exhausted(self.study)
+            asked = {trial.system_attrs["grid_id"] for trial in self.study.get_trials(deepcopy=False)
+                     if "grid_id" in trial.system_attrs and trial.system_attrs.get("search_space") == grid}
+        return len(asked) >= grid_points(grid)
 
     def _start_trial(self, slot: int) -> None:
         settings = self.plan.settings
@@ -150,7 +158,6 @@ class SearchRun(RunThread):
             tell(self.study, self._lock, link.trial, FAILED, None)
             raise  # the search cannot go on (the closure, the cluster): that is the cell's error
         trial = Trial(link, slot, BackgroundRun(run, detached=True))
-        self.trials.append(trial)
 
         def ranks_gone() -> None:  # from the trial's thread, while its run releases the rest
             trial.ranks_gone = True
@@ -158,7 +165,13 @@ class SearchRun(RunThread):
 
         run.on_ranks_gone.append(ranks_gone)
         trial.run.when_done(self._wake.set)
-        trial.run.start()  # the table shows it; its log's path is in taas.trials() (and in a failure's line)
+        try:
+            trial.run.start()  # the table shows it; its log's path is in taas.trials() (and in a failure's line)
+        except BaseException:  # no thread for it: nothing of it runs, what its plan holds is released
+            run.close()
+            tell(self.study, self._lock, link.trial, FAILED, None)
+            raise
+        self.trials.append(trial)  # only a started trial is waited for
 
     def _freed_slots(self) -> list[int]:
         """The slots of the trials whose ranks are gone since the last look (their runs may still be releasing)."""
@@ -196,13 +209,20 @@ class SearchRun(RunThread):
                          f"taas: trial {link.number} pruned")
 
     def _stop_all(self) -> None:
-        """Every trial still running is stopped (its own stop ladder) and told to Optuna."""
+        """Every trial still running is stopped (its own stop ladder) and told to Optuna, each one
+        whatever happened telling another (the first such error is raised after the last)."""
         running = self.running_trials()
         for trial in running:
             trial.run.stop()
+        failed: BaseException | None = None
         for trial in running:
             trial.run.join()
-            self._finish(trial)
+            try:
+                self._finish(trial)
+            except Exception as exc:  # noqa: BLE001 - the other trials are still told; raised below
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     # -- the best, and what the cell shows ----------------------------------------------------------
     def best(self) -> Trial | None:

@@ -84,5 +84,5 @@ def plan_search(settings: RunSettings, code: CellCode, closure: dict, why: str |
         lines.append(f"taas: study {settings.study!r} in {studies_path(repository)}: {before} trial(s) before this cell")
     log = RunLog(f"search-{secrets.token_hex(6)}")
     log.header("\n".join(lines))
-    search = SearchPlan(settings, code, closure, why, lambda slot: context(slot, slots), slots, on_gpus)
+    search = SearchPlan(settings, code, closure, why, lambda slot: context(slot, slots), slots, on_gpus, grid)
     return SearchRun(search, study, log)

@@ -166,9 +166,10 @@ class LocalBackend:
         if self._spares is None:
             return
         forked_cpu = self.devices.device != "cuda" and self._spares.forks_ready()
+        side_by_side = self._slice.count if self._slice is not None else 1  # a search's other trials compute too
         if may_restart:
             self._fill(_union(self._own(), self._next()))
-        elif self._refill is not None and (forked_cpu or idle_cores(len(self.slots))):
+        elif self._refill is not None and (forked_cpu or idle_cores(len(self.slots) * side_by_side)):
             self._fill(self._next())
 
     def _own(self) -> list[Binding]:

@@ -130,7 +130,10 @@ class SpareFactory:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            select.select([self._control], [], [], min(left, 0.05))
+            try:
+                select.select([self._control], [], [], min(left, 0.05))
+            except (OSError, ValueError):  # closed meanwhile (the factory left): what it said was kept
+                return heard()
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -152,7 +155,8 @@ class SpareFactory:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self._control.close()
+        with self._reading:  # a reader in the middle of a message finishes it first
+            self._control.close()
 
 
 class ForkedSpare:

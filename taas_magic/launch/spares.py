@@ -250,6 +250,7 @@ class SparePool:
         deadline = time.monotonic() + wait
         while True:
             for gone in [old for old in self._retired if not old.alive()]:
+                gone.collect()  # its last exit reports are kept for the runs that still poll those ranks
                 gone.close()
                 self._retired.remove(gone)
             if not self._retired or time.monotonic() >= deadline:

@@ -1,8 +1,8 @@
 """The search's Optuna study: its sampler, its pruner, where it is kept.
 
 No search algorithm is ours: ``--sampler tpe|random|grid`` is Optuna's ``TPESampler``
-(its ``constant_liar``, Optuna's default, keeps trials running side by side from being
-given the same point), ``RandomSampler`` or ``GridSampler`` (its grid read from the cell,
+(with ``constant_liar``, which keeps trials running side by side from being given the same
+point: Optuna 5's default, set here for Optuna 4 too), ``RandomSampler`` or ``GridSampler`` (its grid read from the cell,
 search/space.py); ``--prune median|halving|none`` is ``MedianPruner``,
 ``SuccessiveHalvingPruner`` or ``NopPruner``, each with Optuna's defaults (the median
 pruner prunes nothing before 5 trials have completed).
@@ -47,7 +47,8 @@ def open_study(sampler: str, prune: str, maximize: bool, name: str | None, repos
                grid: dict[str, list[Any]] | None = None) -> Any:
     """The study a search asks and tells (see the module docstring); ``grid`` for ``--sampler grid``."""
     optuna = optuna_module()
-    samplers = {"tpe": lambda: optuna.samplers.TPESampler(), "random": lambda: optuna.samplers.RandomSampler(),
+    # constant_liar explicitly: Optuna 4's TPESampler leaves it off (5 turns it on), and trials run side by side
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(constant_liar=True), "random": lambda: optuna.samplers.RandomSampler(),
                 "grid": lambda: optuna.samplers.GridSampler(grid or {})}
     pruners = {"median": optuna.pruners.MedianPruner, "halving": optuna.pruners.SuccessiveHalvingPruner,
                "none": optuna.pruners.NopPruner}

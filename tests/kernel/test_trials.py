@@ -100,6 +100,21 @@ def test_a_failing_trial_is_recorded_and_the_search_goes_on(kernel):
     assert "taas: best trial" in ran.stream() and "acc 3 · x=3" in ran.stream(), ran.stream()
 
 
+def test_a_grid_whose_points_run_side_by_side_asks_each_point_once(kernel):
+    # Optuna's GridSampler counts a point as used once its trial ended: asked while both points
+    # still run, it would give a running point again (here: trials 3 and 4 of a 2-point grid)
+    cell = ("#pragma taas --device cpu --gpus 2 --trials 4 --parallel 2 --sampler grid --prune none\n"
+            "import taas, time\n"
+            "g = taas.trial().suggest_categorical('g', [1, 2])\n"
+            "time.sleep(0.5 * g)\n"
+            "taas.report(0, loss=float(g))\n")
+    ran = kernel.execute(cell, timeout=240)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    rows = json.loads(kernel.execute("import taas\nprint(taas.trials()[['params', 'state']].to_json(orient='records'))")
+                      .stream())
+    assert sorted((row["params"]["g"], row["state"]) for row in rows) == [(1, "complete"), (2, "complete")], rows
+
+
 def test_a_search_whose_every_trial_fails_fails_with_the_first_error(kernel):
     cell = ("#pragma taas --device cpu --gpus 2 --trials 2\n"
             "import taas\n"
