@@ -46,7 +46,7 @@ from taas_magic.output.runlog import OUT, RunLog
 from taas_magic.output.trials import TrialRow, search_display, trials_frame
 from taas_magic.protocol import Display
 from taas_magic.search.link import TrialLink
-from taas_magic.search.space import grid_points
+from taas_magic.search.space import every_point_asked
 from taas_magic.search.study import COMPLETE, FAILED, PRUNED, RUNNING, STOPPED, tell
 
 REDRAW_SECONDS = 0.5
@@ -136,16 +136,9 @@ class SearchRun(RunThread):
         return [trial for trial in self.trials if trial.state == RUNNING]
 
     def _exhausted(self) -> bool:
-        """A grid whose every point was asked for, by a trial running or ended: nothing more to ask.
-        (Optuna's ``is_exhausted`` counts only ended trials: asked again while points still run,
-        its sampler gives a running point a second time.)"""
-        grid = self.plan.grid
-        if grid is None:
-            return False
+        """A grid whose every point was asked for, by a trial running or ended (search/space.py)."""
         with self._lock:
-            asked = {trial.system_attrs["grid_id"] for trial in self.study.get_trials(deepcopy=False)
-                     if "grid_id" in trial.system_attrs and trial.system_attrs.get("search_space") == grid}
-        return len(asked) >= grid_points(grid)
+            return self.plan.grid is not None and every_point_asked(self.study.get_trials(deepcopy=False), self.plan.grid)
 
     def _start_trial(self, slot: int) -> None:
         settings = self.plan.settings
@@ -192,12 +185,7 @@ class SearchRun(RunThread):
         if error is None and link.last is None:
             error = SearchError(f"taas: trial {link.number} ended without reporting {link.objective!r} "
                                 f"with taas.report (the objective, --objective)")
-        if isinstance(error, TrialPruned):
-            state = PRUNED
-        elif isinstance(error, KeyboardInterrupt):
-            state = STOPPED
-        else:
-            state = FAILED if error is not None else COMPLETE
+        state = _state_of(error)
         trial.state, trial.error = state, error
         trial.value = link.last if state == COMPLETE else None
         tell(self.study, self._lock, link.trial, state, trial.value)
@@ -227,7 +215,6 @@ class SearchRun(RunThread):
     # -- the best, and what the cell shows ----------------------------------------------------------
     def best(self) -> Trial | None:
         return best_of(self.trials, self.plan.settings.maximize)
-
 
     def _verdict(self) -> Trial:
         best = self.best()
@@ -277,6 +264,15 @@ class SearchView:
                 display_id = f"taas-search-{name}-{self.log.run_id}"
                 self.log.publish(Display(data, {}, {"display_id": display_id}, display_id in self._shown))
                 self._shown.add(display_id)
+
+
+def _state_of(error: BaseException | None) -> str:
+    """How a trial ended, as the table says it: complete, pruned, stopped (an interrupt) or failed."""
+    if isinstance(error, TrialPruned):
+        return PRUNED
+    if isinstance(error, KeyboardInterrupt):
+        return STOPPED
+    return FAILED if error is not None else COMPLETE
 
 
 def _keep_only(best: Trial | None, trials: list[Trial]) -> None:

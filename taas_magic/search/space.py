@@ -51,6 +51,18 @@ def grid_points(space: dict[str, list[Any]]) -> int:
     return math.prod(len(values) for values in space.values())
 
 
+def every_point_asked(trials: list[Any], space: dict[str, list[Any]]) -> bool:
+    """Whether the study's ``trials`` (running or ended) were given every point of the grid ``space``.
+
+    IMPORTANT: Optuna's ``GridSampler.is_exhausted`` counts a point only once its trial ended;
+    asked again while the last points still run (trials side by side), the sampler gives a
+    running point a second time. A trial's point is its ``grid_id`` system attribute, counted
+    where its ``search_space`` is this grid (a continued ``--study`` may hold other grids')."""
+    asked = {trial.system_attrs["grid_id"] for trial in trials
+             if "grid_id" in trial.system_attrs and trial.system_attrs.get("search_space") == space}
+    return len(asked) >= grid_points(space)
+
+
 def _suggestion_kind(node: ast.AST) -> str | None:
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
         return None
