@@ -68,6 +68,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def exit_fd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when ``pid`` exits (Linux 5.3+; a child or not,
+    reaped or not), so whoever watches it wakes the moment it ends instead of at its next poll;
+    None on an older kernel or another system: exits are polled there."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def signal_group(pid: int, sig: int) -> None:
     """Signal a process group, ignoring one that is already gone."""
     try:

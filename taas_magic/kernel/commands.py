@@ -28,7 +28,6 @@ from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import help_text, status_text
 from taas_magic.launch.rankenv import Binding, visible_gpu_count
-from taas_magic.launch.spares import bindings
 from taas_magic.writes.rule import MODES, OVERLAY, probe_overlay
 
 
@@ -117,8 +116,7 @@ def _set_warm(session: Session, settings: MagicSettings, text: str) -> None:
         session.spares.close()
         print("taas: warm spares off")
     elif warm.count is not None:
-        gpus = visible_gpu_count()
-        session.spares.fill(bindings(warm.count, gpus, gpus), gpus)
+        session.spares.keep(warm.count)
         print(f"taas: keeping {text} warm spare rank(s)")
     else:
         print("taas: after each cell, keeping as many warm spares as its --gpus")

@@ -18,8 +18,7 @@ from taas_magic.kernel.background import Runs
 from taas_magic.kernel.cluster import Cluster, address_from_environment
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import LastRun
-from taas_magic.launch.rankenv import visible_gpu_count
-from taas_magic.launch.spares import SparePool, bindings
+from taas_magic.launch.spares import SparePool
 from taas_magic.writes.rule import WriteRule, choose_rule, find_repository
 
 
@@ -39,8 +38,7 @@ class Session:
         """A new session: ``warm``'s spares warming, attached to ``$TAAS_CLUSTER`` if it is set."""
         session = cls()
         if warm.count is not None:
-            gpus = visible_gpu_count()
-            session.spares.fill(bindings(warm.count, gpus, gpus), gpus)
+            session.spares.keep(warm.count)
         address = address_from_environment()
         if address is not None:
             try:

@@ -25,7 +25,7 @@ import time
 from typing import IO, Callable
 
 from taas_magic.launch.rankenv import Binding
-from taas_magic.procs import pid_alive
+from taas_magic.procs import exit_fd, pid_alive
 
 FACTORY_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare", "--factory")
 ANSWER_SECONDS = 5.0  # a ready factory forks in milliseconds; past this it is taken for broken
@@ -169,10 +169,7 @@ class ForkedSpare:
         self.stdout: IO[bytes] | None = os.fdopen(stdout, "rb", buffering=0)
         self.stderr: IO[bytes] | None = os.fdopen(stderr, "rb", buffering=0)
         self.returncode: int | None = None
-        try:
-            self._exit_fd: int | None = os.pidfd_open(pid)  # readable once it ends: then its code is due
-        except (AttributeError, OSError):
-            self._exit_fd = None  # an old kernel: the code comes when the factory next looks
+        self._exit_fd = exit_fd(pid)  # readable once it ends: then its code is due (None: when the factory next looks)
 
     def poll(self) -> int | None:
         if self.returncode is None:

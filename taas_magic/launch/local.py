@@ -24,7 +24,7 @@ from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan
 from taas_magic.launch.rankenv import Binding
 from taas_magic.launch.spares import SparePool
-from taas_magic.procs import LADDER, RESTART_LADDER, Process, kill_leftovers, reap, stop_groups
+from taas_magic.procs import LADDER, RESTART_LADDER, Process, exit_fd, kill_leftovers, reap, stop_groups
 
 RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
 WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
@@ -42,15 +42,6 @@ def _widen_pipe(fd: int) -> None:
         pass  # above /proc/sys/fs/pipe-max-size, or not Linux: the default 64 kB pipe works
 
 
-def _open_pidfd(pid: int) -> int | None:
-    """A file descriptor that becomes readable when ``pid`` exits (Linux 5.3+), so the
-    supervisor wakes the moment a rank ends instead of at its next poll."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None  # older kernel, or not Linux: exits are polled
-
-
 @dataclass
 class LocalChild:
     index: int
@@ -66,7 +57,7 @@ class LocalChild:
         self.stderr_fd = self.process.stderr.fileno()
         for fd in (self.stdout_fd, self.stderr_fd):
             _widen_pipe(fd)
-        self.exit_fd = _open_pidfd(self.process.pid)
+        self.exit_fd = exit_fd(self.process.pid)  # the supervisor wakes the moment the rank ends
 
     def close_exit_fd(self) -> None:
         if self.exit_fd is not None:

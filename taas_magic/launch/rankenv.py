@@ -99,13 +99,18 @@ def visible_gpu_count() -> int:
         except Exception:  # noqa: BLE001 - a broken driver means no usable GPU
             return 0
     physical = len(glob.glob("/proc/driver/nvidia/gpus/*"))
+    entries = _visible_entries()
+    return physical if entries is None else min(len(entries), physical)
+
+
+def _visible_entries() -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES``'s entries (None: unset; none where it hides every GPU, as a
+    leading negative index does)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return physical
-    entries = [entry for entry in visible.split(",") if entry.strip()]
-    if not entries or entries[0].strip().startswith("-"):
-        return 0
-    return min(len(entries), physical)
+        return None
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    return [] if entries and entries[0].startswith("-") else entries
 
 
 def visible_gpu_ids() -> list[str]:
@@ -113,10 +118,8 @@ def visible_gpu_ids() -> list[str]:
     MIG names), or ``0..n-1`` where it is unset: what a slice of them is shown as, so a trial on
     GPUs 2 and 3 of a kernel that sees ``4,5,6,7`` is shown ``6,7``."""
     count = visible_gpu_count()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [str(index) for index in range(count)]
-    return [entry.strip() for entry in visible.split(",") if entry.strip()][:count]
+    entries = _visible_entries()
+    return [str(index) for index in range(count)] if entries is None else entries[:count]
 
 
 def plan_devices(ranks: int, gpus_on_host: int | None = None, device: str = "auto") -> DevicePlan:

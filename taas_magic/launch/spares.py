@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from taas_magic.launch.factory import SpareFactory
-from taas_magic.launch.rankenv import CPU, Binding, slice_visible
+from taas_magic.launch.rankenv import CPU, Binding, slice_visible, visible_gpu_count
 from taas_magic.procs import Process, reap, signal_group
 from taas_magic.rank.spare import WAITING_NAME
 
@@ -174,6 +174,12 @@ class SparePool:
                 if spare is None:
                     return  # the next cell starts fresh processes instead
                 self.spares.append(spare)
+
+    def keep(self, count: int) -> None:
+        """``%taas warm N`` (and ``TaasMagics.warm`` at start): the spares ranks ``0..count-1`` of
+        a cell on this host's GPUs would take (CPU spares where it has none)."""
+        gpus = visible_gpu_count()
+        self.fill(bindings(count, gpus, gpus), gpus)
 
     def _factory(self, step: bool) -> SpareFactory | None:
         """The factory for spares started now: the running one while it serves the kernel's frozen

@@ -38,6 +38,7 @@ import threading
 import traceback
 from typing import NoReturn
 
+from taas_magic.procs import exit_fd
 from taas_magic.rank import spare
 from taas_magic.rank.spare import WARM_MODULES, set_name
 
@@ -104,16 +105,14 @@ def _answer(control: socket.socket, children: dict[int, int | None], retiring: b
         os.close(started)
         os.setsid()  # before the kernel hears of it: it stops a spare by signalling its session's group
         os.close(leads)
-        for exit_fd in children.values():  # the factory's watch on its other spares is not this spare's
-            if exit_fd is not None:
-                os.close(exit_fd)
+        _close_exit_fds(children)  # the factory's watch on its other spares is not this spare's
         _become_spare(control, fds, request)
     os.close(leads)
     os.read(started, 1)  # end-of-file once the child leads its session
     os.close(started)
     for fd in fds:
         os.close(fd)
-    children[pid] = _exit_fd(pid)
+    children[pid] = exit_fd(pid)
     control.send(json.dumps({"spawned": pid}).encode())
     return False
 
@@ -125,9 +124,7 @@ def _report_exits(control: socket.socket, children: dict[int, int | None]) -> No
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            for fd in children.values():
-                if fd is not None:
-                    os.close(fd)
+            _close_exit_fds(children)
             children.clear()
             return
         if pid == 0:
@@ -141,12 +138,10 @@ def _report_exits(control: socket.socket, children: dict[int, int | None]) -> No
             pass  # the kernel is gone
 
 
-def _exit_fd(pid: int) -> int | None:
-    """A pidfd that becomes readable when the spare ``pid`` exits (Linux 5.3+); None: polled."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
+def _close_exit_fds(children: dict[int, int | None]) -> None:
+    for fd in children.values():
+        if fd is not None:
+            os.close(fd)
 
 
 def _become_spare(control: socket.socket, fds: list[int], request: dict) -> NoReturn:

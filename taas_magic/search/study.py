@@ -2,8 +2,8 @@
 
 No search algorithm is ours: ``--sampler tpe|random|grid`` is Optuna's ``TPESampler``
 (with ``constant_liar``, which keeps trials running side by side from being given the same
-point: Optuna 5's default, set here for Optuna 4 too), ``RandomSampler`` or ``GridSampler`` (its grid read from the cell,
-search/space.py); ``--prune median|halving|none`` is ``MedianPruner``,
+point: Optuna 5's default, set here for Optuna 4 too), ``RandomSampler`` or ``GridSampler``
+(its grid read from the cell, search/space.py); ``--prune median|halving|none`` is ``MedianPruner``,
 ``SuccessiveHalvingPruner`` or ``NopPruner``, each with Optuna's defaults (the median
 pruner prunes nothing before 5 trials have completed).
 
