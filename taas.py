@@ -60,10 +60,10 @@ def register(loader: Any) -> Any:
             f"taas.register: {type(loader).__name__} is an iterator, which can be consumed only once; "
             "register the re-iterable object that produces it (e.g. the DataLoader)"
         )
-    import cloudpickle
+    from taas_magic.transfer import pickler
 
     try:
-        cloudpickle.dumps(loader)
+        pickler.dumps(loader)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the person's to fix
         raise TypeError(
             f"taas.register: {type(loader).__name__} cannot be pickled ({type(exc).__name__}: {exc}); "

@@ -16,8 +16,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import cloudpickle
-
 from taas_magic import protocol, wire
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.feed.coordinator import FeedCoordinator
@@ -31,6 +29,7 @@ from taas_magic.peers import WORKER, Peer, PeerIds
 from taas_magic.procs import OWNER_VARIABLE
 from taas_magic.runspec import FeedPlan, RankFeed
 from taas_magic.tempdirs import ram_root
+from taas_magic.transfer import pickler
 from taas_magic.writes.rule import WriteRule
 
 MIN_SEGMENT_BYTES = 1 << 20
@@ -90,7 +89,7 @@ class DataRun:
         self.plans: list[FeedPlan] = [
             plan_feed(feed, notebook_name(loader, user_ns), loader, terms) for feed, loader in loaders.items()
         ]
-        self.originals = {feed: cloudpickle.dumps(loader, protocol=5) for feed, loader in loaders.items()}
+        self.originals = {feed: pickler.dumps(loader) for feed, loader in loaders.items()}
         self.seed = terms.seed
         self.dirs: CacheDirs | None = None
 

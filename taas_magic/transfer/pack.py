@@ -30,8 +30,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import cloudpickle
-
+from taas_magic.transfer.pickler import Pickler
 from taas_magic.transfer.unwrap import same, unwrap
 
 # Objects whose identity never matters across names (immutable, or pickled by reference).
@@ -110,7 +109,7 @@ def _numpy_ndarray() -> type:
     return numpy.ndarray if numpy is not None else type(None)
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(Pickler):
     def __init__(self, file: io.BytesIO, externals: Sequence[Any], unwrap: bool, track: bool):
         super().__init__(file, protocol=5)
         self._externals = {id(obj): index for index, obj in enumerate(externals)}
