@@ -13,14 +13,22 @@ import argparse
 import os
 import sys
 import time
+import uuid
 
 import nbformat
 from jupyter_client.manager import KernelManager
+from jupyter_core.paths import jupyter_runtime_dir
 
 
 def run_notebook(path: str, kernel_name: str, cwd: str) -> int:
     notebook = nbformat.read(path, as_version=4)
-    manager = KernelManager(kernel_name=kernel_name)
+    # IPC transport (Unix sockets in the owner-only runtime directory): a kernel on TCP without
+    # CurveZMQ keys starts by warning that its traffic is plain text, which this one-machine run
+    # did not ask for; IPC is local by construction and every ipykernel and jupyter_client serves it.
+    runtime = jupyter_runtime_dir()
+    os.makedirs(runtime, mode=0o700, exist_ok=True)
+    sockets = os.path.join(runtime, f"kernel-{uuid.uuid4()}")  # absolute: the kernel runs in the notebook's folder
+    manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=sockets)
     manager.start_kernel(cwd=cwd)
     client = manager.client()
     client.start_channels()
