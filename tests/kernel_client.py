@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import queue
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 import psutil
 from jupyter_client.manager import KernelManager
+from jupyter_core.paths import jupyter_runtime_dir
 
 
 @dataclass
@@ -52,7 +54,12 @@ class Execution:
 class Kernel:
     def __init__(self, kernel_name: str = "python3", load_ext: bool = True, cwd: str | None = None,
                  env: dict[str, str] | None = None):
-        self.manager = KernelManager(kernel_name=kernel_name)
+        # IPC sockets in the owner-only runtime directory, as notebooks/run.py: a kernel on TCP without
+        # CurveZMQ keys (ipykernel 7) warns on every start that its traffic is plain text
+        runtime = jupyter_runtime_dir()
+        os.makedirs(runtime, mode=0o700, exist_ok=True)
+        self.manager = KernelManager(kernel_name=kernel_name, transport="ipc",
+                                     ip=os.path.join(runtime, f"kernel-{uuid.uuid4()}"))
         options: dict = {"cwd": cwd} if cwd else {}
         if env is not None:
             options["env"] = {**os.environ, **env}

@@ -17,6 +17,7 @@ above it (magics.py, supervisor.py) asks which one is in use. A backend answers:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
@@ -38,6 +39,7 @@ from taas_magic.launch.rankenv import (
     visible_gpu_ids,
 )
 from taas_magic.launch.spares import SparePool, bindings, slice_bindings
+from taas_magic.launch.standby import NEXT_CELL_DELAY, Standby
 
 if TYPE_CHECKING:
     from taas_magic.launch.ray import ClusterLaunch
@@ -136,6 +138,7 @@ class LocalBackend:
                                   f"GPUs; this host shows the kernel {len(self._gpu_ids)}")
             self._visible = slice_visible(self._gpu_ids, gpus, self._slice.index)
         self._port = reserve_port()  # held until the run ends, so two notebooks cannot clash
+        self._standby = Standby()  # spares warmed during the run, off the supervisor's thread
 
     def layout(self) -> str | None:
         return None
@@ -150,6 +153,7 @@ class LocalBackend:
         return {"CUDA_VISIBLE_DEVICES": ""} if self.devices.hides_gpus else {}
 
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
+        self._standby.settle()  # a restart takes the spares standby made for it
         return LocalProcessGroup.start(plan, spares=self._spares, wanted=self._own())
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
@@ -162,15 +166,17 @@ class LocalBackend:
         import, no step), or the ranks leave most of the host's cores idle (a GPU host's ranks
         compute on their GPUs: a spare there takes seconds to warm, which a cell rerun a second
         later would wait for). A GPU spare is never made beside ranks that leave no core idle:
-        its CUDA context would take GPU memory the training may need."""
-        if self._spares is None:
+        its CUDA context would take GPU memory the training may need. Off the supervisor's thread,
+        and the next cell's a moment into the run (launch/standby.py)."""
+        if self._spares is None or self._standby.busy:
             return
         forked_cpu = self.devices.device != "cuda" and self._spares.forks_ready()
         side_by_side = self._slice.count if self._slice is not None else 1  # a search's other trials compute too
+        idle = idle_cores(len(self.slots) * side_by_side)
         if may_restart:
-            self._fill(_union(self._own(), self._next()))
-        elif self._refill is not None and (forked_cpu or idle_cores(len(self.slots) * side_by_side)):
-            self._fill(self._next())
+            self._standby.start(functools.partial(self._fill, _union(self._own(), self._next())), 0)
+        elif self._refill is not None and (idle or forked_cpu):  # forks beside busy ranks: a moment later
+            self._standby.start(functools.partial(self._fill, self._next()), 0 if idle else NEXT_CELL_DELAY)
 
     def _own(self) -> list[Binding]:
         """What this run's ranks take: rank k's spare bound to GPU k (of its slice), or CPU spares."""
@@ -201,6 +207,7 @@ class LocalBackend:
         if self._port.fileno() == -1:
             return  # released already
         self._port.close()
+        self._standby.settle()
         if self._spares is not None and self._refill is not None:  # now that this cell no longer needs the CPU
             self._fill(self._next())
 
