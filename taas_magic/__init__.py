@@ -31,7 +31,7 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
 
 def _runs_coroutines(ipython: InteractiveShell) -> bool:
     """The shell awaits a cell's top-level ``await`` on asyncio (IPython's autoawait; ipykernel's default)."""
-    from IPython.core.async_helpers import _asyncio_runner
+    from IPython.core.async_helpers import _asyncio_runner  # private API: see taas_magic/private.py
 
     return bool(getattr(ipython, "autoawait", False)) and getattr(ipython, "loop_runner", None) is _asyncio_runner
 
@@ -48,7 +48,7 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
     magics = _loaded.get("magics")
     if magics is not None:
         magics.close()
-    # IPython has no API to unregister magics: remove our entries, as alias.py does.
+    # IPython has no API to unregister magics: remove our entries, as alias.py does (private API: see taas_magic/private.py).
     manager = ipython.magics_manager
     for kind in ("line", "cell"):
         if getattr(manager.magics[kind].get("taas"), "__self__", None) is _loaded.get("magics"):

@@ -23,7 +23,8 @@
 
 IPython shows an exception through its ``_render_traceback_`` when it has one (as
 ipyparallel's RemoteError does): the lines are the rank's traceback, already pointing
-at the cell's own line numbers, not the kernel's frames that supervised it.
+at the cell's own line numbers, not the kernel's frames that supervised it (IPython's hook:
+private API, see taas_magic/private.py).
 Every class defines ``__reduce__`` so it survives pickling. A run's error is built whole:
 what went wrong (a :class:`Failure`), what the failing process printed last and the notes
 after it (why it was not restarted, where the ranks were) are constructor arguments, and

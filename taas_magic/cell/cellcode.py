@@ -53,6 +53,7 @@ def translate(shell: InteractiveShell, display_source: str) -> CellCode:
     except SyntaxError as exc:
         line = (exc.text or "").strip()
         raise TaasError(f"taas: SyntaxError on line {exc.lineno} of the cell: {exc.msg}: {line!r}") from None
+    # private API (DisplayHook.semicolon_at_end_of_expression): see taas_magic/private.py
     return CellCode(display_source, source, tree, filename, DisplayHook.semicolon_at_end_of_expression(source))
 
 
@@ -64,6 +65,7 @@ def earlier_cells(shell: InteractiveShell, pickled: bytes) -> dict[str, tuple[in
     ``Cell In[3], line 2``, as IPython does, so a rank's traceback shows the person's lines.
     """
     cells = {}
+    # private API (IPython's _filename_map, linecache.cache): see taas_magic/private.py
     for filename, number in getattr(shell.compile, "_filename_map", {}).items():
         entry = linecache.cache.get(filename)
         if entry is not None and len(entry) == 4 and filename.encode() in pickled:  # 4: loaded, not lazy

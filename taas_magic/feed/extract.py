@@ -47,7 +47,7 @@ def set_worker_info(loader: Any, worker: int, workers: int, seed: int) -> None:
     data = _data_module()
     if data is None:
         return
-    from torch.utils.data._utils import worker as torch_worker
+    from torch.utils.data._utils import worker as torch_worker  # private API: see taas_magic/private.py
 
     dataset = loader.dataset if isinstance(loader, data.DataLoader) else loader
     torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=workers, seed=seed + worker, dataset=dataset)
@@ -64,7 +64,7 @@ class MapSource:
         data = _data_module()
         self._is_dataloader = data is not None and isinstance(loader, data.DataLoader)
         if self._is_dataloader:
-            from torch.utils.data.dataloader import _DatasetKind
+            from torch.utils.data.dataloader import _DatasetKind  # private API: see taas_magic/private.py
 
             self._fetcher = _DatasetKind.create_fetcher(
                 _DatasetKind.Map, loader.dataset, loader._auto_collation, loader.collate_fn, loader.drop_last
@@ -105,7 +105,7 @@ class IterableSource:
 
     def start_pass(self, fresh_pass: int) -> None:
         if self._is_dataloader:
-            from torch.utils.data.dataloader import _DatasetKind
+            from torch.utils.data.dataloader import _DatasetKind  # private API: see taas_magic/private.py
 
             loader = self.loader
             fetcher = _DatasetKind.create_fetcher(

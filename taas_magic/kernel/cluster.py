@@ -65,7 +65,7 @@ class Cluster:
 
     def nodes(self) -> list[Node]:
         """Alive nodes with their total and free GPUs and CPUs."""
-        free = self.ray._private.state.state.available_resources_per_node()
+        free = self.ray._private.state.state.available_resources_per_node()  # private API: see taas_magic/private.py
         nodes = []
         for entry in self.ray.nodes():
             if not entry.get("Alive"):

@@ -30,6 +30,14 @@ and "busy" again for the running cell, so a reloaded page gets its widgets back 
 under 2 s instead of 3. It wraps ipykernel 7's handler of the main shell's messages; on a
 kernel without that hook it does nothing, and the page waits its 3 s.
 
+Answering the page while a cell runs (a reloaded view's request for the entries it missed,
+its ``kernel_info``) needs ipykernel >= 7.4 (:data:`MID_CELL_IPYKERNEL`), the first that
+dispatches comm messages while a coroutine cell waits (its ``dispatch_shell`` takes
+``concurrent``: :func:`answers_mid_cell`). An older kernel (the declared minimum is 6.19.1)
+answers the page only between cells: the run is still its live widget, fed as it runs, but a
+page reloaded while the cell runs gets it back only when the cell ends, and
+:func:`mid_cell_note` is the one line the cell says so with.
+
 :func:`cell_publisher` is what a detached run's text view publishes with: display messages
 addressed to the cell that started the run (its parent header captured then), whichever cell
 runs when they are sent.
@@ -38,6 +46,8 @@ runs when they are sent.
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import sys
 import threading
 import time
 from typing import Any
@@ -48,11 +58,13 @@ from taas_magic.protocol import ClearOutput, Display
 CONTROL_TARGET = "jupyter.widget.control"
 PROBE_WAIT_SECONDS = 0.3
 WIDGET_PROTOCOL = "2.1.0"  # ipywidgets' comm protocol, as its models are opened
+MID_CELL_IPYKERNEL = "7.4"  # the first ipykernel that answers comm messages while a coroutine cell waits
 _PROBE_MODULE = "export default { initialize({ model }) { model.send({ hello: 1 }); } };"
 
 
 def _probe_state() -> dict[str, object]:
     """An anywidget model's state, as anywidget opens one, with the probe's module."""
+    # private API: see taas_magic/private.py (anywidget's model state, built by hand)
     from importlib.metadata import version
 
     parts = version("anywidget").split(".", 2)
@@ -107,7 +119,7 @@ class Frontend:
 
         assert self._comms is not None
         self._comms.register_target(CONTROL_TARGET, self._control_opened)
-        Widget.handle_control_comm_opened(comm, message)
+        Widget.handle_control_comm_opened(comm, message)  # private API: see taas_magic/private.py
 
     def _send_probe(self) -> None:
         """The probe model, opened as a plain comm: importing ipywidgets here (anywidget does) made the
@@ -120,7 +132,8 @@ class Frontend:
         except Exception:  # noqa: BLE001 - no kernel to talk to (a plain IPython shell): no widgets either
             return
         probe.on_msg(lambda _message: self._heard())
-        if hasattr(probe, "_reply_subshell_for"):  # ipykernel >= 7.4: heard on its shell thread
+        # private API: see taas_magic/private.py (ipykernel >= 7.4: the answer is heard on its shell thread)
+        if hasattr(probe, "_reply_subshell_for"):
             route = probe._reply_subshell_for
 
             def heard_on_the_shell_thread(data: object, default: object) -> object:
@@ -157,7 +170,7 @@ def cell_publisher(shell: Any) -> Publish:
     session = getattr(display_pub, "session", None)
     if session is None:  # not a kernel: IPython's own publisher
         return publisher(display_pub)
-    parent = dict(display_pub.parent_header)
+    parent = dict(display_pub.parent_header)  # private API: see taas_magic/private.py (ZMQDisplayPublisher)
     from ipykernel.jsonutil import json_clean
 
     def publish(message: Display | ClearOutput) -> None:
@@ -173,13 +186,38 @@ def cell_publisher(shell: Any) -> Publish:
     return publish
 
 
+def answers_mid_cell(kernel: Any) -> bool:
+    """Whether ``kernel`` dispatches the page's comm messages while a coroutine cell waits (ipykernel >=
+    :data:`MID_CELL_IPYKERNEL`), told by its ``dispatch_shell`` taking ``concurrent``, the parameter that
+    release added for it: a capability, not a version number, so a kernel without it is never asked."""
+    dispatch = getattr(kernel, "dispatch_shell", None)  # private API: see taas_magic/private.py
+    try:
+        return dispatch is not None and "concurrent" in inspect.signature(dispatch).parameters
+    except (TypeError, ValueError):  # no signature to read: assume the oldest behaviour
+        return False
+
+
+def mid_cell_note(shell: Any) -> str | None:
+    """The one line a cell shown as the live widget says where the kernel answers the page only between
+    cells (see the module docstring); None where it answers mid-cell, or there is no kernel."""
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None or answers_mid_cell(kernel):
+        return None
+    release = getattr(sys.modules.get("ipykernel"), "__version__", "before " + MID_CELL_IPYKERNEL)
+    return (f"taas: ipykernel {release} answers the page only between cells: a page reloaded while this cell "
+            f"runs shows its live view again when the cell ends (ipykernel >= {MID_CELL_IPYKERNEL} at once)")
+
+
 def answer_kernel_info_while_busy(kernel: Any) -> bool:
     """Answer ``kernel_info_request`` at once while a cell holds the main shell (see the module
     docstring); False where this kernel has no such hook (the page then waits its timeout).
 
     The kernel's handler of main-shell messages is replaced on the kernel (so a kernel that
     starts after the extension loaded, as the taas kernel spec's does, registers ours) and,
-    where the kernel has started already, registered again with its subshell manager."""
+    where the kernel has started already, registered again with its subshell manager. Every
+    ipykernel name used here is private: see taas_magic/private.py."""
+    if not answers_mid_cell(kernel):  # 7.0 to 7.3 have the hook but dispatch_shell(concurrent=) is 7.4's
+        return False
     manager = getattr(getattr(kernel, "shell_channel_thread", None), "manager", None)
     needed = ("shell_main", "dispatch_shell", "set_parent", "get_parent", "_get_shell_context_var", "_shell_parent_ident",
               "_publish_status")

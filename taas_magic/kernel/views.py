@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from taas_magic.kernel.background import RunThread
-from taas_magic.kernel.frontend import cell_publisher
+from taas_magic.kernel.frontend import cell_publisher, mid_cell_note
 from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
 from taas_magic.output.liveview import LivePump, TextView
@@ -47,7 +47,12 @@ def show_run(run: RunThread, viewing: Viewing) -> CellStream | None:
     """Put ``run``'s view in the cell that started it; what that cell itself shows while it waits."""
     if viewing.widget:
         _display(viewing.shell, live_widget(run))
-        return None if run.detached else _stream(run, viewing, displays_only=True)
+        if run.detached:
+            return None
+        note = mid_cell_note(viewing.shell)  # an older ipykernel: a reloaded page waits for the cell's end
+        if note is not None:
+            print(note)
+        return _stream(run, viewing, displays_only=True)
     if run.detached:
         run.views.append(LivePump(run.log, TextView(run.log, cell_publisher(viewing.shell)), f"taas-view-{run.id}"))
         return None

@@ -26,7 +26,7 @@ def _cpu_backend(backend: object) -> object:
 
 def serve_nccl_with_gloo(dist: ModuleType) -> None:
     """On a host without GPUs, ``init_process_group(backend='nccl')`` runs with gloo."""
-    c10d = dist.distributed_c10d
+    c10d = dist.distributed_c10d  # private API: see taas_magic/private.py
     for module, name in ((c10d, "init_process_group"), (c10d, "new_group"), (dist, "init_process_group"), (dist, "new_group")):
         original = getattr(module, name, None)
         if original is None or getattr(original, "__taas_cpu__", False):

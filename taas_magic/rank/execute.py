@@ -18,6 +18,7 @@ NO_VALUE = object()
 _CELL_LABELS: dict[str, str] = {}  # an earlier notebook cell's file name -> "Cell In[3]"
 
 
+# linecache.cache entries, made as linecache and IPython's compiler make them (private API: see taas_magic/private.py)
 def register_source(filename: str, display_source: str) -> None:
     lines = display_source.splitlines(keepends=True)
     linecache.cache[filename] = (len(display_source), None, lines, filename)

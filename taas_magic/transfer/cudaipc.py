@@ -124,7 +124,7 @@ def export(blobs: Sequence[Blob], indices: Iterable[int]) -> tuple[dict[int, Han
         return {}, describe(exc)
     for index in wanted:
         try:
-            handles[index] = tuple(blobs[index].source._share_cuda_())
+            handles[index] = tuple(blobs[index].source._share_cuda_())  # private API: see taas_magic/private.py
         except Exception as exc:  # noqa: BLE001 - this blob goes through host memory; the others need not
             why = why or describe(exc)
     return handles, why
@@ -137,7 +137,7 @@ def _open(handle: Handle) -> Any:
     storage in a kernel that lives for days."""
     import torch
 
-    return torch.UntypedStorage._new_shared_cuda(*handle[:7], False)
+    return torch.UntypedStorage._new_shared_cuda(*handle[:7], False)  # private API: see taas_magic/private.py
 
 
 def open_all(handles: dict[int, Handle]) -> tuple[dict[int, Any], str]:
@@ -201,7 +201,7 @@ def release(handles: Iterable[Handle]) -> None:
         return
     for handle in handles:
         try:
-            torch.UntypedStorage._release_ipc_counter_cuda(handle[4], handle[5])
+            torch.UntypedStorage._release_ipc_counter_cuda(handle[4], handle[5])  # private API: see taas_magic/private.py
         except Exception:  # noqa: BLE001 - best effort, as torch's own release is
             pass
 

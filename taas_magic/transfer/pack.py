@@ -149,7 +149,7 @@ class _Pickler(Pickler):
             return ("taas-feed", external)
         torch = sys.modules.get("torch")
         if torch is not None and cls is torch.storage.TypedStorage:
-            untyped = obj._untyped_storage
+            untyped = obj._untyped_storage  # private API: see taas_magic/private.py (and _cdata)
             address = untyped.data_ptr() if untyped.device.type == "cpu" else None
             index = self._blob(untyped._cdata, "s", untyped, untyped.nbytes(), address)
             return ("s", index, obj.dtype, str(untyped.device))
@@ -163,7 +163,7 @@ class _Pickler(Pickler):
             inner = unwrap(obj)
             if inner is not None:
                 return same, (inner[0],)
-        return super().reducer_override(obj)
+        return super().reducer_override(obj)  # private API: see taas_magic/private.py
 
 
 class _ItemFailed(Exception):

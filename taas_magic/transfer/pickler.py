@@ -45,6 +45,7 @@ def reduce_code(code: types.CodeType) -> tuple[Callable[[bytes], Any], tuple[byt
 class Pickler(cloudpickle.Pickler):
     """cloudpickle's Pickler, with code objects carried whole (see the module docstring)."""
 
+    # private API: see taas_magic/private.py (cloudpickle.Pickler.dispatch_table)
     dispatch_table = ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table)
 
 

@@ -147,6 +147,7 @@ def _checked(load_get: Callable[[Any], None]) -> Callable[[Any], None]:
 
 
 # The pure-Python unpickler: its memo is a dict we may fill, and its opcodes are methods we may wrap.
+# private API: see taas_magic/private.py
 _PythonUnpickler: Any = getattr(pickle, "_Unpickler")  # noqa: B009 - private: typeshed does not declare it
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# (module, class name) -> the attribute holding the wrapped module
+# (module, class name) -> the attribute holding the wrapped module; private API: see taas_magic/private.py
 _WRAPPERS = {
     ("torch.nn.parallel.distributed", "DistributedDataParallel"): "module",
     ("torch.nn.parallel.data_parallel", "DataParallel"): "module",

@@ -22,6 +22,7 @@ doubled + offset
 """
 
 
+@pytest.mark.minimums
 def test_rank0_streams_live_and_names_come_back(kernel):
     kernel.execute("offset = 100\ndef scale(v):\n    return v * 2")
     ran = kernel.execute(ALL_REDUCE)
@@ -78,6 +79,7 @@ print("KEYISH", [k for k, v in os.environ.items() if len(v) == 64 and set(v) <= 
     assert "KEYISH []" in ran.stream("stdout"), ran.stream()
 
 
+@pytest.mark.minimums
 def test_ipython_syntax_runs_in_the_ranks(kernel):
     ran = kernel.execute(
         """#pragma taas --device cpu --gpus 2
@@ -137,6 +139,7 @@ answer + 1
     assert kernel.execute("print(answer)").stream("stdout") == "41\n"
 
 
+@pytest.mark.minimums
 def test_trailing_semicolon_suppresses_the_result(kernel):
     ran = kernel.execute("#pragma taas --device cpu --gpus 1\nvalue = 3\nvalue * 2;")
     assert ran.reply["status"] == "ok" and ran.result is None

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.kernel_client import Kernel, left_after, describe, wait_until_gone
 from taas_magic.output.budget import log_dir
@@ -42,6 +43,7 @@ def _ranks_of(kernel: Kernel) -> list[psutil.Process]:
     return [p for p in kernel.children() if p.name() != "taas-watchdog"]
 
 
+@pytest.mark.minimums
 def test_a_detached_run_returns_at_once_and_the_notebook_goes_on(kernel):
     ran = kernel.execute(TICKS.format(n=30, pause=0.1).replace("answer", "detached_answer"))
     assert ran.reply["status"] == "ok", ran.error_text()
@@ -75,6 +77,7 @@ def test_attach_replays_what_the_run_printed_before_it_was_called_then_follows_i
     assert kernel.execute("%taas wait").result["text/plain"] == "42"
 
 
+@pytest.mark.minimums
 def test_a_failing_detached_run_raises_its_error_at_wait(kernel):
     ran = kernel.execute("#pragma taas --device cpu --gpus 2 --detach\nimport os, time\ntime.sleep(0.5)\n"
                          "if os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails later')\n")
@@ -101,6 +104,7 @@ def test_stop_stops_a_detached_run_with_the_autopsy_and_leaves_nothing(kernel):
     assert re.search(rf"{run_id}\s+stopped", _runs(kernel))
 
 
+@pytest.mark.minimums
 def test_an_interrupt_of_the_kernel_does_not_stop_a_detached_run(kernel):
     ran = kernel.execute(TICKS.format(n=30, pause=0.1))
     msg_id, started = kernel.submit("import time\ntime.sleep(30)")

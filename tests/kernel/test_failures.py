@@ -29,6 +29,7 @@ def _assert_usable(kernel):
     assert ran.result["text/plain"] == "2"
 
 
+@pytest.mark.minimums
 @pytest.mark.parametrize(
     ("failure", "summary"),
     [
@@ -54,6 +55,7 @@ def test_a_failing_rank_stops_every_rank(kernel, failure, summary):
     _assert_usable(kernel)
 
 
+@pytest.mark.minimums
 def test_traceback_points_at_the_cells_own_lines(kernel):
     ran = kernel.execute(
         """#!g1.1
@@ -83,6 +85,7 @@ def test_timeout_names_the_ranks_still_running(kernel):
     _assert_usable(kernel)
 
 
+@pytest.mark.minimums
 def test_interrupt_stops_every_rank(kernel):
     msg_id, started = kernel.submit(
         "#pragma taas --device cpu --gpus 2 --output all\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)"
@@ -215,6 +218,7 @@ def _wait_for(found, count: int, timeout: float = 10) -> list:
         time.sleep(0.02)
 
 
+@pytest.mark.minimums
 def test_unload_removes_everything(new_kernel):
     fresh = new_kernel()
     fresh.execute("%unload_ext taas_magic")

@@ -6,7 +6,9 @@ widget model from the ``comm_open`` the kernel sends, and asks the model for the
 a sequence number, while the cell still runs. What must hold: the run is shown as the widget
 (not as stream output), the kernel answers the backlog request and a ``kernel_info_request``
 in the middle of the run (the cell waits as a coroutine), and the entries it sends are
-numbered without a gap and are the run's output.
+numbered without a gap and are the run's output. On an ipykernel older than 7.4, which
+answers the page only between cells, the run is still its live widget, the cell says so in
+one line, and the page's request is answered when the cell ends.
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ import queue
 import re
 import time
 
+import ipykernel
 import pytest
+from ipykernel.ipkernel import IPythonKernel
+
+from taas_magic.kernel.frontend import MID_CELL_IPYKERNEL, answers_mid_cell
 
 pytest.importorskip("anywidget", reason="the live view is an anywidget")
+
+ANSWERS_MID_CELL = answers_mid_cell(IPythonKernel)  # the kernels these tests start run this env's ipykernel
 
 CELL = ("#pragma taas --device cpu --gpus 2\nimport time\nfor i in range(60):\n"
         "    print('tick', i, flush=True)\n    time.sleep(0.05)\n'done'\n")
@@ -35,6 +43,8 @@ def _ask(kernel, comm_id: str, content: dict) -> None:
     kernel.client.shell_channel.send(message)
 
 
+@pytest.mark.minimums
+@pytest.mark.skipif(not ANSWERS_MID_CELL, reason=f"ipykernel < {MID_CELL_IPYKERNEL}: the test after this one")
 def test_a_run_in_a_widget_page_is_its_live_widget_and_answers_the_page_while_it_runs(new_kernel):
     kernel = new_kernel()
     _as_a_widget_page(kernel)
@@ -72,6 +82,7 @@ def test_a_run_in_a_widget_page_is_its_live_widget_and_answers_the_page_while_it
                 info_after = time.monotonic() - asked
     assert comm_id is not None, "the run was shown as its widget"
     assert "tick" not in streamed  # not also as stream output
+    assert "taas: ipykernel" not in streamed  # this kernel answers mid-cell: nothing to say
     assert backlog, "the backlog request was answered"
     ticks = [int(n) for n in re.findall(r"tick (\d+)", "".join(entries[seq] for seq in sorted(entries)))]
     assert ticks == list(range(60))
@@ -83,6 +94,47 @@ def test_a_run_in_a_widget_page_is_its_live_widget_and_answers_the_page_while_it
     while not any(reply["parent_header"].get("msg_id") == msg_id for reply in replies):
         replies.extend(_shell_replies(kernel, timeout=1))
     assert next(r for r in replies if r["parent_header"].get("msg_id") == msg_id)["content"]["status"] == "ok"
+
+
+@pytest.mark.minimums
+@pytest.mark.skipif(ANSWERS_MID_CELL, reason=f"ipykernel >= {MID_CELL_IPYKERNEL} answers the page mid-cell")
+def test_where_the_kernel_answers_only_between_cells_the_cell_says_so_in_one_line_and_the_view_still_runs(new_kernel):
+    kernel = new_kernel()
+    _as_a_widget_page(kernel)
+    kernel.execute("1")
+    msg_id, _ = kernel.submit(CELL)
+    comm_id, entries, backlog, asked, idle_at, backlog_at = None, {}, None, False, None, None
+    streamed = ""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and backlog is None:
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "comm_open" and "run_id" in content["data"].get("state", {}):
+            comm_id = content["comm_id"]
+        elif kind == "comm_msg" and content["comm_id"] == comm_id and content["data"].get("method") == "custom":
+            sent = content["data"]["content"]
+            for seq, _stream, text in sent.get("entries", []):
+                entries[seq] = text
+            if sent.get("backlog"):
+                backlog, backlog_at = sent, time.monotonic()
+        elif kind == "stream" and msg["parent_header"].get("msg_id") == msg_id:
+            streamed += content["text"]
+        elif kind == "status" and msg["parent_header"].get("msg_id") == msg_id and content["execution_state"] == "idle":
+            idle_at = time.monotonic()
+        if comm_id and not asked and "tick 10\n" in "".join(entries.values()):
+            _ask(kernel, comm_id, {"backlog": -1})  # a page reloaded mid-run asks for what it missed
+            asked = True
+    assert comm_id is not None, "the run was shown as its widget"
+    ticks = [int(n) for n in re.findall(r"tick (\d+)", "".join(entries[seq] for seq in sorted(entries)))]
+    assert ticks == list(range(60)), "the widget was fed as the run went"
+    note = f"taas: ipykernel {ipykernel.__version__} answers the page only between cells"
+    assert streamed.startswith(note) and streamed.count("\n") == 1, streamed  # one line, and no output of the run
+    assert f"ipykernel >= {MID_CELL_IPYKERNEL}" in streamed
+    assert backlog is not None and idle_at is not None and backlog_at > idle_at, "the page's request was answered after the cell"
+    assert [seq for seq, _, _ in backlog["entries"]][0] == 0
 
 
 def _shell_replies(kernel, timeout: float = 0.01) -> list[dict]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from taas_magic.launch.rankenv import AUTO_CPU_RANKS, visible_gpu_count
@@ -38,6 +39,7 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     assert not list(Path(os.getcwd()).glob("mnist_cnn.pt"))
 
 
+@pytest.mark.minimums
 def test_kernelspec_python3_taas_loads_the_extension(new_kernel):
     from jupyter_client.kernelspec import KernelSpecManager
 

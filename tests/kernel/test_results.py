@@ -148,6 +148,7 @@ CASES_REASONS = {
 }
 
 
+@pytest.mark.minimums
 @pytest.mark.parametrize("case", list(CASES))
 def test_what_rank_0_binds_arrives_in_the_notebook(kernel, case):
     cell, check, lost, note = CASES[case]
@@ -230,6 +231,7 @@ def test_files_of_a_killed_kernel_are_swept(kernel):
     assert not os.path.exists(path)
 
 
+@pytest.mark.minimums
 def test_a_traceback_shows_the_lines_of_earlier_cells(kernel):
     defined = kernel.execute("def helper(v):\n    if v > 1:\n        raise ValueError(f'too big: {v}')\n    return v")
     cell_number = defined.reply["execution_count"]
