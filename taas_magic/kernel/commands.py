@@ -20,6 +20,7 @@ from IPython.core.error import UsageError
 
 from taas_magic.cell.pragma import shown_defaults
 from taas_magic.errors import ClusterError
+from taas_magic.feed import registry
 from taas_magic.kernel import runcommands
 from taas_magic.kernel.cluster import Cluster
 from taas_magic.kernel.dataplane import describe_registered
@@ -143,12 +144,10 @@ def _attach(session: Session, address: str) -> None:
 
 def _status(session: Session, settings: MagicSettings) -> None:
     """``%taas status``: the last run, the devices, the defaults, the spares, the write rule, the cluster."""
-    import taas
-
     rule = session.write_rule()
     defaults = shown_defaults(settings.defaults)
     print(status_text(session.last_run, visible_gpu_count(), defaults,
-                      [describe_registered(loader, settings.namespace) for loader in taas.registered()]))
+                      [describe_registered(loader, settings.namespace) for loader in registry.registered()]))
     spares = session.spares
     factory = "" if spares.factory is None else \
         " with their factory (ready: new spares are forks)" if spares.forks_ready() else \

@@ -27,6 +27,7 @@ from taas_magic.kernel.restarts import Attempts
 from taas_magic.kernel.run import Run
 from taas_magic.kernel.supervisor import RunOutcome, RunParts, run_ranks
 from taas_magic.launch.base import ProcessGroup
+from taas_magic.output import lastmetrics
 from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay, TextOut
 from taas_magic.peers import Peer
@@ -90,9 +91,7 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
         return run_ranks(parts, start_ranks, start_data if data is not None else None,
                          Attempts(run.settings.restarts, between, run.backend.standby))
     finally:
-        import taas
-
         if trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)
             trial.metrics = board.metrics()
         else:
-            taas._last_metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing
+            lastmetrics.keep(board.metrics())  # a failed run's reports too: what it reached is worth seeing

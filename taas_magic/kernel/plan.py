@@ -25,6 +25,7 @@ from taas_magic.cell.cellcode import CellCode, earlier_cells
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.errors import LaunchError
+from taas_magic.feed import registry
 from taas_magic.kernel.dataplane import DataRun
 from taas_magic.kernel.run import Run
 from taas_magic.kernel.session import Session
@@ -55,9 +56,7 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
          trial: TrialLink | None = None) -> Run:
     """Everything the run needs, decided and held before anything starts; the header is its log's first entry.
     A search's ``trial`` is told to its ranks (its number) and answers their suggestions (kernel/search.py)."""
-    import taas
-
-    registered = taas.registered()
+    registered = registry.registered()
     run = Run(settings, serialise_closure(closure, registered), registered)
     run.trial = trial
     session = context.session

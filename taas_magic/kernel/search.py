@@ -42,8 +42,9 @@ from taas_magic.errors import SearchError, TrialPruned
 from taas_magic.kernel.background import BackgroundRun, RunThread
 from taas_magic.kernel.plan import PlanContext, plan
 from taas_magic.kernel.run import ending, error_lines
+from taas_magic.output import lastmetrics
 from taas_magic.output.runlog import OUT, RunLog
-from taas_magic.output.trials import TrialRow, search_display, trials_frame
+from taas_magic.output.trials import MOST_POINTS, TrialRow, search_display, trials_frame
 from taas_magic.protocol import Display
 from taas_magic.search.link import TrialLink
 from taas_magic.search.space import every_point_asked
@@ -85,9 +86,8 @@ class Trial:
 
     def row(self, maximize: bool) -> TrialRow:
         link = self.link
-        values = [value for _, value in link.curve]
-        best = (max(values) if maximize else min(values)) if values else None
-        return TrialRow(link.number, dict(link.values), self.state, link.last, best, link.seconds, tuple(link.curve))
+        best = link.highest if maximize else link.lowest
+        return TrialRow(link.number, dict(link.values), self.state, link.last, best, link.seconds, link.drawn(MOST_POINTS))
 
 
 class SearchRun(RunThread):
@@ -193,7 +193,7 @@ class SearchRun(RunThread):
         if state == FAILED:
             self.log.say(f"taas: trial {link.number} failed: {_first_line(error)} (its log: {trial.run.log.path})", "stderr")
         elif state == PRUNED:
-            self.log.say(f"taas: trial {link.number} pruned at step {link.curve[-1][0]:g}" if link.curve else
+            self.log.say(f"taas: trial {link.number} pruned at step {link.curve.last[0]:g}" if link.curve.count else
                          f"taas: trial {link.number} pruned")
 
     def _stop_all(self) -> None:
@@ -252,7 +252,7 @@ class SearchView:
 
     def draw(self, trials: list[Trial], leader: Trial | None, force: bool) -> None:
         lines = _tail(leader) if leader is not None else []
-        seen = ([(trial.state, len(trial.link.curve)) for trial in trials], lines)
+        seen = ([(trial.state, trial.link.curve.count) for trial in trials], lines)
         now = time.monotonic()
         if not trials or seen == self._drawn or (not force and now - self._drawn_at < REDRAW_SECONDS):
             return
@@ -276,8 +276,11 @@ def _state_of(error: BaseException | None) -> str:
 
 
 def _keep_only(best: Trial | None, trials: list[Trial]) -> None:
-    """Drop the results of every trial that ended and is not the best (its rank-0 files, and what rank 0 sent)."""
+    """Drop the results of every trial that ended and is not the best (its rank-0 files, and what rank 0 sent,
+    and, once there is a best, its reports for taas.metrics(): an ended trial never becomes the best later)."""
     for trial in trials:
+        if trial is not best and trial.state != RUNNING and best is not None:
+            trial.link.metrics = []
         if trial is not best and trial.state != RUNNING and trial.run.outcome is not None:
             trial.run.run.drop_results()
             trial.run.outcome = None
@@ -285,9 +288,7 @@ def _keep_only(best: Trial | None, trials: list[Trial]) -> None:
 
 def _show_metrics(trial: Trial | None) -> None:
     """``taas.metrics()`` after the search: the best trial's rank-0 reports, else the last to end's."""
-    import taas
-
-    taas._last_metrics = trial.link.metrics if trial is not None else []
+    lastmetrics.keep(trial.link.metrics if trial is not None else [])
 
 
 def best_of(trials: list[Trial], maximize: bool) -> Trial | None:

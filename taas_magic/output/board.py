@@ -1,12 +1,13 @@
 """What the cell shows of a run while it trains: a live chart and a per-rank health line.
 
 Every rank sends what ``taas.report`` collected in batches (output/reports.py). Here, in the
-kernel, the :class:`Board` keeps every rank's reports and publishes two displays, each
-updated in place (``update_display_data``):
+kernel, the :class:`Board` keeps the ranks' reports in bounded memory (below) and publishes
+two displays, each updated in place (``update_display_data``):
 
 - the chart: one panel per metric rank 0 reports, against its ``step`` (or the report's
   number), rank 0's line drawn over the band between the lowest and the highest rank where
-  every rank reports that metric (the ranks' reports are aligned by their order). It is an
+  every rank reports that metric (the ranks' reports are aligned by their order: the n-th
+  value of the metric on each rank, at the n-th of rank 0's steps). It is an
   SVG image drawn here without any plotting library, so it costs the kernel a few
   milliseconds, needs nothing installed, stays in the saved notebook and renders in any front
   end. At most twice a second, and only when something new arrived; once more at the end.
@@ -20,18 +21,39 @@ rank 0's text: a display arriving in the middle of a ``\r`` progress line would 
 two in the front end (the text after the display cannot redraw the line before it). A cell
 that never reports keeps an empty chart output.
 
-``taas.metrics()`` in the notebook returns the last run's rank-0 reports (:meth:`Board.metrics`).
+The kernel keeps the reports in bounded memory, each series a
+:class:`~taas_magic.history.SeriesHistory` (taas_magic/history.py): per rank and metric its
+values (and rank 0's steps), as numbers of 8 bytes, and rank 0's reports as they arrived, for
+``taas.metrics()``. Each keeps every report up to ``RECENT + PAST`` (20,000); past that, the
+first report, an evenly thinned past of at most ``PAST`` (10,000) reports (every 2nd, then
+every 4th, ... report: always the first, evenly spaced), and the last ``RECENT`` (10,000)
+reports exactly. A run reporting every step for two days holds what one reporting 20,000 times
+does: at most 160 KB per rank and metric (320 KB on rank 0), and rank 0's reports as decoded
+(about 350 bytes each with one metric, 1.4 KB with twelve): a million reports of one metric on
+two ranks hold about 6 MB (tests/unit/test_board_bounded.py). The run's log on disk keeps every
+report of rank 0 (output/runlog.py's ``points`` entries, given to it here as they arrive). The
+band is drawn at points every rank keeps (histories with equal bounds keep the same indices up
+to the shorter one's count, taas_magic/history.py); the health line needs each rank's last
+``HEALTH_BATCHES`` batches only.
+
+``taas.metrics()`` in the notebook returns the last run's rank-0 reports (:meth:`Board.metrics`):
+a list of dicts ``{"step": ..., metric: value, ...}`` in order, all of them up to 20,000, then
+the first report, the evenly thinned past, and the last 10,000 reports exactly.
 """
 
 from __future__ import annotations
 
+import collections
 import secrets
 import statistics
 import time
+from array import array
 from dataclasses import dataclass, field
 from html import escape
-from typing import Callable
+from operator import itemgetter
+from typing import Callable, Sequence
 
+from taas_magic.history import SeriesHistory
 from taas_magic.output.relay import Publish
 from taas_magic.protocol import Display, Report
 
@@ -39,16 +61,39 @@ CHART_SECONDS = 0.5
 HEALTH_SECONDS = 2.0
 STRAGGLER_RATIO = 1.5
 MAX_POINTS = 1000  # per line drawn: a longer series is thinned evenly
+HEALTH_BATCHES = 8  # each rank's last batches, for its reports per second (about 2 s of them)
 PANEL_WIDTH, PANEL_HEIGHT, MARGIN = 560, 150, 46
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf")
 
 
+class _Series:
+    """One metric of one rank: its values and (rank 0's: the chart's x) its steps, in report
+    order, the same indices kept of both."""
+
+    __slots__ = ("steps", "values")
+
+    def __init__(self, steps: bool) -> None:
+        self.steps: SeriesHistory[float] | None = SeriesHistory(typecode="d") if steps else None
+        self.values: SeriesHistory[float] = SeriesHistory(typecode="d")
+
+    def extend(self, steps: list, values: list) -> None:
+        try:
+            numbers = array("d", steps), array("d", values)
+        except (TypeError, OverflowError):  # a value that is not a number: not drawn (the others are)
+            pairs = [(step, value) for step, value in zip(steps, values)
+                     if isinstance(step, (int, float)) and isinstance(value, (int, float))]
+            numbers = array("d", [step for step, _ in pairs]), array("d", [value for _, value in pairs])
+        if self.steps is not None:
+            self.steps.extend(numbers[0])
+        self.values.extend(numbers[1])
+
+
 @dataclass
 class _Rank:
-    steps: dict[str, list[float]] = field(default_factory=dict)  # metric -> steps, in report order
-    values: dict[str, list[float]] = field(default_factory=dict)  # metric -> values
-    reports: list[dict] = field(default_factory=list)  # rank 0's, for taas.metrics()
-    batches: list[tuple[float, int]] = field(default_factory=list)  # (when sent, by the rank's clock; reports)
+    series: dict[str, _Series] = field(default_factory=dict)  # metric -> its steps and values
+    reports: SeriesHistory[tuple] = field(default_factory=SeriesHistory)  # rank 0's (step, metrics), for taas.metrics()
+    # (when sent, by the rank's clock; reports) of the last batches
+    batches: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=HEALTH_BATCHES))
     health: tuple[dict, dict] | None = None  # the last two health figures
 
 
@@ -65,17 +110,16 @@ class Board:
 
     def add(self, rank: int, batch: Report) -> None:
         """A rank's batch: its reports (and perhaps its health)."""
-        record = self.ranks[rank]
-        if batch.reports:
-            record.batches.append((batch.at, len(batch.reports)))
-            if rank == 0 and self.points is not None:
-                self.points(batch.reports)
-        for step, metrics in batch.reports:
+        record, reports = self.ranks[rank], batch.reports
+        if reports:
+            record.batches.append((batch.at, len(reports)))
             if rank == 0:
-                record.reports.append({"step": step, **metrics})
-            for name, value in metrics.items():
-                record.steps.setdefault(name, []).append(step)
-                record.values.setdefault(name, []).append(value)
+                if self.points is not None:
+                    self.points(reports)  # every report: the run log keeps them all on disk
+                record.reports.extend(reports)
+            for name, (steps, values) in _columns(reports).items():
+                series = record.series.get(name) or record.series.setdefault(name, _Series(steps=rank == 0))
+                series.extend(steps, values)
             self.dirty = True
         if batch.health is not None:
             previous = record.health[1] if record.health is not None else batch.health
@@ -87,7 +131,8 @@ class Board:
         self._publish(self.chart_id, {"text/plain": ""})
 
     def metrics(self) -> list[dict]:
-        return list(self.ranks[0].reports)
+        """Rank 0's reports as kept (see the module docstring), each ``{"step": ..., metric: value}``."""
+        return [{"step": step, **metrics} for step, metrics in self.ranks[0].reports]
 
     def show(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -105,12 +150,13 @@ class Board:
         self.shown.add(display_id)
 
     def _chart_text(self) -> str:
-        last = self.ranks[0].reports[-1] if self.ranks[0].reports else {}
+        reports = self.ranks[0].reports
+        last = {"step": reports.last[0], **reports.last[1]} if reports.count else {}
         return "taas chart · " + ", ".join(f"{name} {value:.4g}" for name, value in last.items())
 
     # -- the chart ---------------------------------------------------------------------------
     def chart(self) -> str | None:
-        names = list(self.ranks[0].values)
+        names = list(self.ranks[0].series)
         if not names:
             return None
         panels = [self._panel(name, index) for index, name in enumerate(names)]
@@ -120,14 +166,15 @@ class Board:
                 '<rect width="100%" height="100%" fill="white"/>' + "".join(panels) + "</svg>")
 
     def _panel(self, name: str, index: int) -> str:
-        steps, values = self.ranks[0].steps[name], self.ranks[0].values[name]
+        steps, values = self.ranks[0].series[name].steps, self.ranks[0].series[name].values
+        assert steps is not None  # rank 0's series keep their steps
         band = self._band(name)  # (index, lowest, highest), thinned
         lows = [low for _, low, _ in band] if band else values
         highs = [high for _, _, high in band] if band else values
         low, high = min(min(lows), min(values)), max(max(highs), max(values))
         if high == low:
             low, high = low - 0.5, high + 0.5
-        first, last = steps[0], steps[-1] if steps[-1] != steps[0] else steps[0] + 1
+        first, last = steps.first, steps.last if steps.last != steps.first else steps.first + 1
         top = index * PANEL_HEIGHT
         left, right, upper, lower = MARGIN, PANEL_WIDTH - 10, top + 18, top + PANEL_HEIGHT - 22
 
@@ -138,7 +185,7 @@ class Board:
             return lower - (value - low) / (high - low) * (lower - upper)
 
         parts = [f'<text x="{left}" y="{top + 13}" font-weight="bold">{escape(name)}</text>',
-                 f'<text x="{right}" y="{top + 13}" text-anchor="end">rank 0: {values[-1]:.4g}'
+                 f'<text x="{right}" y="{top + 13}" text-anchor="end">rank 0: {values.last:.4g}'
                  + (" (band: every rank's min-max)" if band else "") + "</text>",
                  f'<rect x="{left}" y="{upper}" width="{right - left}" height="{lower - upper}" fill="none" stroke="#ccc"/>']
         for value in (low, (low + high) / 2, high):
@@ -147,22 +194,29 @@ class Board:
             parts.append(f'<text x="{x(step):.1f}" y="{lower + 14}" text-anchor="middle">{step:g}</text>')
         colour = COLOURS[index % len(COLOURS)]
         if band:
-            upper_edge = " ".join(f"{x(steps[i]):.1f},{y(high):.1f}" for i, _, high in band)
-            lower_edge = " ".join(f"{x(steps[i]):.1f},{y(low):.1f}" for i, low, _ in reversed(band))
+            upper_edge = " ".join(f"{x(steps.at(i)):.1f},{y(high):.1f}" for i, _, high in band)
+            lower_edge = " ".join(f"{x(steps.at(i)):.1f},{y(low):.1f}" for i, low, _ in reversed(band))
             parts.append(f'<polygon points="{upper_edge} {lower_edge}" fill="{colour}" fill-opacity="0.2" stroke="none"/>')
-        line = " ".join(f"{x(steps[i]):.1f},{y(values[i]):.1f}" for i in _thin(range(len(values))))
+        line = " ".join(f"{x(steps.at(i)):.1f},{y(values.at(i)):.1f}" for i in values.thinned(MAX_POINTS))
         parts.append(f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         return "".join(parts)
 
     def _band(self, name: str) -> list[tuple[int, float, float]]:
         """(report index, lowest, highest) over the ranks where every rank reports ``name``, at
-        the points drawn only (a run of 100,000 reports costs a thousand, not 100,000, each time)."""
-        if len(self.ranks) < 2 or not all(name in record.values for record in self.ranks):
+        the points drawn only (a run of 100,000 reports costs a thousand, not 100,000, each time).
+        The indices are those the rank with the most reports keeps (the most thinned): every rank
+        keeps them, up to the fewest reports of any rank (taas_magic/history.py)."""
+        if len(self.ranks) < 2 or not all(name in record.series for record in self.ranks):
             return []
-        series = [record.values[name] for record in self.ranks]
-        length = min(len(values) for values in series)
-        return [(i, min(values[i] for values in series), max(values[i] for values in series))
-                for i in _thin(range(length))]
+        series = [record.series[name].values for record in self.ranks]
+        length = min(values.count for values in series)
+        coarsest = max(series, key=lambda values: values.count)
+        band = []
+        for i in coarsest.thinned(MAX_POINTS, below=length):
+            if all(values.kept(i) for values in series):
+                at = [values.at(i) for values in series]
+                band.append((i, min(at), max(at)))
+        return band
 
     # -- the health line -----------------------------------------------------------------------
     def health_line(self) -> str:
@@ -196,19 +250,31 @@ def _size(count: int) -> str:
     return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.0f} MB"
 
 
-def _interval(batches: list[tuple[float, int]], window: int = 8) -> float | None:
+def _columns(reports: list[tuple]) -> dict[str, tuple[list, list]]:
+    """A batch's steps and values by metric, in report order (for a metric some reports leave
+    out, the steps of those that have it)."""
+    names = list(reports[0][1])
+    every = [metrics for _, metrics in reports]
+    if sum(map(len, every)) == len(names) * len(every):  # the usual batch: the same metrics in every report
+        try:
+            steps = list(map(itemgetter(0), reports))
+            return {name: (steps, list(map(itemgetter(name), every))) for name in names}
+        except KeyError:
+            pass  # as many metrics, not the same ones
+    columns: dict[str, tuple[list, list]] = {}
+    for step, metrics in reports:
+        for name, value in metrics.items():
+            column = columns.get(name) or columns.setdefault(name, ([], []))
+            column[0].append(step)
+            column[1].append(value)
+    return columns
+
+
+def _interval(batches: Sequence[tuple[float, int]], window: int = HEALTH_BATCHES) -> float | None:
     """A rank's mean time between reports over its last batches (about 2 s); None before two batches."""
-    recent = batches[-window:]
+    recent = list(batches)[-window:]
     count = sum(reports for _, reports in recent[1:])
     if len(recent) < 2 or not count:
         return None
     return (recent[-1][0] - recent[0][0]) / count
 
-
-def _thin(indices: range) -> list[int]:
-    """At most MAX_POINTS indices, evenly spread, the last always kept."""
-    if len(indices) <= MAX_POINTS:
-        return list(indices)
-    stride = len(indices) / MAX_POINTS
-    kept = [indices[int(i * stride)] for i in range(MAX_POINTS)]
-    return kept + [indices[-1]] if kept[-1] != indices[-1] else kept

@@ -31,7 +31,7 @@ from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
 from taas_magic.protocol import PeerChannel, RankError, Spec, Suggest, Suggested
-from taas_magic.rank import execute, lifeline, lightning, shell, startup
+from taas_magic.rank import execute, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
@@ -71,13 +71,8 @@ def _own_output() -> None:
 
 def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -> types.ModuleType:
     """A fresh ``__main__`` for the cell, IPython's stand-ins, the rank's device, its sources, its run's data."""
-    import taas
-
-    taas._IN_RANK = True
-    taas._DEVICE = spec.device
-    taas._SEED = spec.seed
+    identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
-    taas.report = reports.report  # the cell's taas.report: one call, one append
     reports.start(channel)
     search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
     module = types.ModuleType("__main__")

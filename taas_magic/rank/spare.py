@@ -20,9 +20,10 @@ import select
 import sys
 
 # What DDP construction imports, so a warm cell does not pay for it either, then what the
-# rank itself imports once it has its cell (the closure loader, the cell's ``taas`` module).
+# rank itself imports once it has its cell (the closure loader, the devices). The package never
+# imports the face (taas.py): the cell's own ``import taas`` loads it, over modules already here.
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.distributed_c10d",
-                "taas", "taas_magic.rank.loaders", "taas_magic.rank.devices")
+                "taas_magic.rank.loaders", "taas_magic.rank.devices")
 
 
 first_step_taken = False  # the factory took the first CPU step before forking this spare (factory.py)

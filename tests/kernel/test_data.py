@@ -54,7 +54,7 @@ def data_kernel(kernel):
     ran = kernel.execute(SETUP)
     assert ran.reply["status"] == "ok", ran.error_text()
     yield kernel
-    kernel.execute("taas._registered.clear()")
+    kernel.execute("[taas.unregister(loader) for loader in taas.registered()];")
 
 
 def _gathered(kernel, pragma: str, epochs: int):
@@ -76,6 +76,7 @@ def _flat(batches):
     return [value for batch in batches for value in (batch if isinstance(batch, list) else [batch])]
 
 
+@pytest.mark.minimums
 def test_map_loader_split_between_ranks_disjoint_complete_equal_then_replayed(data_kernel):
     # 103 samples in batches of 10: 11 elements a pass; 2 ranks get 5 each, one is dropped.
     data_kernel.execute("loader = taas.register(DataLoader(Ids(103), batch_size=10, shuffle=True))")

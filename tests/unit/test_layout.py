@@ -35,7 +35,7 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
 # rank half; under them all, the ground of contracts (the modules at the top of the package).
 STAGES = ["cell", "kernel", "launch", "feed", "rank"]
 FEATURES = ["transfer", "output", "autopsy", "writes", "search"]
-GROUND_MOST = 10  # modules at the top level of taas_magic/, __init__.py included
+GROUND_MOST = 12  # modules at the top level of taas_magic/, __init__.py included (private.py: the table of private APIs; history.py: the bounded series the output and the search both keep)
 
 
 def _room(module: str) -> str:

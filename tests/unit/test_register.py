@@ -19,11 +19,16 @@ class Reiterable:
         return iter([1, 2])
 
 
+def _unregister_all():
+    for loader in taas.registered():
+        taas.unregister(loader)
+
+
 @pytest.fixture(autouse=True)
 def empty_registry():
-    taas._registered.clear()
+    _unregister_all()
     yield
-    taas._registered.clear()
+    _unregister_all()
 
 
 @pytest.mark.parametrize("loader", [

@@ -89,7 +89,7 @@ def test_a_trial_link_asks_optuna_once_per_name_and_answers_every_rank_the_same(
     assert "other arguments" in other.error
     assert "ValueError" in first.answer(0, Suggest("n", "int", {"low": 5, "high": 1, "step": 1, "log": False})).error
     first.reported([(0, {"loss": 1.0}), (1, {"accuracy": 0.5}), (2, {"loss": 0.5})])
-    assert first.curve == [(0, 1.0), (2, 0.5)] and first.last == 0.5 and not first.pruned()
+    assert list(first.curve) == [(0, 1.0), (2, 0.5)] and first.last == 0.5 and not first.pruned()
     study.tell(first.trial, first.last)
     second = TrialLink(study.ask(), "loss", threading.Lock(), prunes=True)
     second.reported([(0, {"loss": 5.0})])
