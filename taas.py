@@ -16,7 +16,7 @@ need it (:func:`get_worker_info` and the checkpoint calls).
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
   restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py, via rank/identity.py).
 - :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/output/board.py;
-  the last run's kept in taas_magic/output/lastmetrics.py).
+  the last run's kept by the session, read through taas_magic/kernel/fromcode.py).
 - :func:`wait`: a detached run's names and value, once it ends (``%taas wait``; taas_magic/kernel/fromcode.py).
 - :func:`trial`: the trial a search's cell (``--trials K``) takes its hyperparameters from;
   alone, a fixed trial of the suggestions' defaults (taas_magic/search/trial.py). :func:`trials` /
@@ -29,7 +29,6 @@ from typing import Any
 
 from taas_magic.feed import registry as _registry
 from taas_magic.kernel import fromcode as _fromcode
-from taas_magic.output import lastmetrics as _lastmetrics
 from taas_magic.rank import identity as _identity
 
 __all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",
@@ -87,12 +86,12 @@ def load_checkpoint(map_location: Any = None) -> Any:
     In a rank its tensors land on the rank's own device (``map_location`` overrides that);
     in the notebook, after a cell, it is the last run's newest checkpoint, on the CPU.
     """
-    return _identity.load_checkpoint(map_location)
+    return _identity.load_checkpoint(map_location, None if _identity.in_rank() else _fromcode.last_checkpoints())
 
 
 def checkpoint_path() -> str | None:
     """The file :func:`load_checkpoint` would read now (this run's newest; the last run's in the notebook)."""
-    return _identity.checkpoint_path()
+    return _identity.checkpoint_path(None if _identity.in_rank() else _fromcode.last_checkpoints())
 
 
 def report(step: Any = None, **metrics: Any) -> None:
@@ -110,7 +109,7 @@ def report(step: Any = None, **metrics: Any) -> None:
 
 def metrics() -> list[dict]:
     """The last taas run's rank-0 reports, in order: ``[{"step": 0, "loss": 1.0, ...}, ...]``."""
-    return _lastmetrics.metrics()
+    return _fromcode.last_metrics()
 
 
 def wait(run: str | None = None) -> Any:

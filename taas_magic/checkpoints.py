@@ -15,10 +15,11 @@ first), mapped to the rank's own device; in the notebook, after the cell, the ne
 the kernel's last run. The cluster mode needs the root on a file system every host sees,
 as Ray Train's ``storage_path`` does.
 
-Which folder is "this run's" is process state, set once: in a rank by its bootstrap from
-the run spec (:func:`use_run`, rank/main.py), in the kernel after each run
-(:func:`finished_run`). Nothing is read from the environment, so a process the cell
-starts (which inherits it) never writes into the run's folder by mistake.
+Which folder is "this run's" is a rank's process state, set once by its bootstrap from the
+run spec (:func:`use_run`, rank/main.py). In the kernel the last run's folder is the
+session's (kernel/status.py's LastRun), given to :func:`load` and :func:`newest` by the face.
+Nothing is read from the environment, so a process the cell starts (which inherits it) never
+writes into the run's folder by mistake.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _NAME = re.compile(rf"^{PREFIX}(\d+){re.escape(SUFFIX)}$")
 
 DEFAULT_KEEP = 2
 
-_run_folder: str | None = None  # in a rank: its run's folder; in the kernel: the last run's
+_run_folder: str | None = None  # in a rank: its run's folder (None elsewhere)
 _keep = DEFAULT_KEEP  # in a rank: how many of its run's newest checkpoints are kept
 
 
@@ -42,14 +43,8 @@ def use_run(folder: str, keep: int) -> None:
     _run_folder, _keep = folder or None, keep
 
 
-def finished_run(folder: str) -> None:
-    """The kernel, after a run: :func:`newest` outside a rank reads this run's folder."""
-    global _run_folder
-    _run_folder = folder
-
-
 def run_folder() -> str | None:
-    """This run's folder in a rank; the last run's in the kernel (None before the first)."""
+    """This run's folder, in a rank (None elsewhere: the kernel's is the session's last run's)."""
     return _run_folder
 
 

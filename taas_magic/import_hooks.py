@@ -1,15 +1,26 @@
-"""Run a callback right after a module is first imported in the rank.
+"""Imports with consequences: a callback run right after a module is first imported in the
+rank, and a first import made on a stack of its own in the kernel.
 
-Used to pay only for what a cell uses: the non-interactive IPython shell is built when
-the cell (or matplotlib's inline backend) imports IPython, and ``nccl`` is mapped to
-``gloo`` when ``torch.distributed`` is imported on a host without GPUs.
+:func:`when_imported` pays only for what a cell uses: the non-interactive IPython shell is
+built when the cell (or matplotlib's inline backend) imports IPython, and ``nccl`` is mapped
+to ``gloo`` when ``torch.distributed`` is imported on a host without GPUs.
+
+:func:`import_on_own_stack` imports a heavy optional module (Optuna, the live widget's
+anywidget) for the first time on a short-lived thread. Some libraries keep an exception from
+their import for later (Optuna's ``try_import`` keeps every optional dependency's
+ImportError): its traceback's frames reach, through ``f_back``, every frame that was running
+the import. Imported from the magic's stack, that would pin the frames that hold a cell's
+closure and its run, so a tensor the notebook deletes would never be freed
+(tests/kernel/test_memory.py). A thread's stack ends at the thread.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -61,3 +72,25 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     _finder.callbacks[name] = callback
+
+
+def import_on_own_stack(name: str) -> ModuleType:
+    """``importlib.import_module(name)``, the first time on a thread of its own (see the module docstring);
+    its error, if any, is raised here."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    done: list[ModuleType | BaseException] = []
+
+    def load() -> None:
+        try:
+            done.append(importlib.import_module(name))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            done.append(exc.with_traceback(None))
+
+    thread = threading.Thread(target=load, name=f"taas-import-{name}", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]

@@ -11,14 +11,20 @@ Every run, in the foreground or detached (``--detach``), is supervised on a thre
   them (``%taas wait``, ``taas.wait()``), never behind the person's back while other cells run.
 
 How a run ends is kept until it is taken: its outcome (rank 0's results, still in their
-files) or its error, raised in the cell that waits for it. A stop (``%taas stop``, or an
+files) or its error, raised in the cell that waits for it. Then the run lets go
+(:meth:`RunThread.let_go`): what it captured and what rank 0 sent are the person's, so once its
+names are bound (or its error raised, or it failed or was stopped: nothing will be bound) no
+object of taas keeps its closure's packed tensors, its handoff, its results or its log's
+entries in the kernel; a name the person deletes is freed at once. What stays is its summary
+and its log's file on disk, for ``%taas runs`` and ``%taas status``. A stop (``%taas stop``, or an
 interrupt of the cell that waits in the foreground) is the supervisor's interrupt: the
 autopsy, then every rank stopped. An interrupt of the kernel never reaches this thread, so a
 detached run goes on; shutting the kernel down stops every run (:meth:`Runs.close`, at exit),
 and each rank's lifeline stops it should the kernel die without that.
 
 :class:`Runs` holds this kernel's runs in the order they started, finds one by its id (or a
-prefix of it), and says which run holds the host's GPUs.
+prefix of it), and says which run holds the host's GPUs. It keeps every run still running or
+waiting to be taken, and the last ``KEEP_ENDED`` (100) that were taken; older ones are forgotten.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import traceback
 from typing import Any, Callable, TypeVar
 
 from IPython.core.error import UsageError
@@ -38,6 +45,7 @@ from taas_magic.kernel.supervisor import RunOutcome
 from taas_magic.output.runlog import RunLog
 
 STOP_WAIT_SECONDS = 60.0  # at exit: how long a run's stop ladder may take before the kernel leaves anyway
+KEEP_ENDED = 100  # runs taken (or refused) that %taas runs still lists: each a summary and an empty log
 RUNNING = "running"
 RunThreadT = TypeVar("RunThreadT", bound="RunThread")
 
@@ -55,6 +63,7 @@ class RunThread:
         self.taken = False  # its names were bound (or its error raised) in a cell
         self.widget: Any = None  # its live widget, once a cell showed one (kernel/views.py)
         self.views: list[Any] = []  # the pumps feeding its views
+        self._let_go = False  # let_go() was called: nothing of it will be bound
         self._stop = threading.Event()
         self._done = threading.Event()
         self._on_done: list[Callable[[], None]] = []
@@ -72,15 +81,36 @@ class RunThread:
     def _ended(self) -> None:
         """Once the work ended, before anyone waiting is woken (a run's log ends as its parts are released)."""
 
+    def _let_go_of_parts(self) -> None:
+        """Drop what the work holds for binding (see :meth:`let_go`)."""
+
+    def let_go(self) -> None:
+        """Nothing of this run will be bound (any more): forget its parts (the closure's packed tensors, its
+        handoff, rank 0's results and their files) and, once every view of it has shown the run's last
+        entry (:meth:`view_ended`), its log's entries in the kernel (its file stays; a widget keeps its own
+        final snapshot)."""
+        self._let_go_of_parts()
+        self.outcome = None
+        self._let_go = True
+        self.view_ended()
+
+    def view_ended(self) -> None:
+        """A view showed the run's last entry (its pump's thread), or the run let go: the log's entries in the
+        kernel go once both happened for every view."""
+        if self._let_go and all(view.finished for view in self.views):
+            self.log.forget()
+
     def _main(self) -> None:
         try:
             self.outcome = self._work()
         except KeyboardInterrupt:  # a stop was asked: the autopsy is in the log, every rank stopped
             self.error = RunInterrupted()
         except BaseException as exc:  # noqa: BLE001 - kept and raised in the cell that waits for this run
-            self.error = exc
+            self.error = _without_locals(exc)
         finally:
             self._ended()
+            if self.error is not None:  # failed or stopped: nothing will be bound (the error is raised when taken)
+                self._let_go_of_parts()
             self._done.set()
             for callback in list(self._on_done):
                 callback()
@@ -113,9 +143,12 @@ class RunThread:
         if self.taken:
             raise UsageError(f"taas: run {self.id}'s results were already taken; a run binds its names once")
         self.taken = True
-        if self.error is not None:
-            raise self.error
-        return self._bind(namespace)
+        try:
+            if self.error is not None:
+                raise self.error
+            return self._bind(namespace)
+        finally:
+            self.let_go()
 
     def summary(self) -> RunSummary:
         return RunSummary(self.id, self.state, self.ranks, self.started, self.detached, self.taken, self.log.last_line)
@@ -127,16 +160,37 @@ class BackgroundRun(RunThread):
     def __init__(self, run: Run, detached: bool):
         on_gpus = run.backend.devices.device == "cuda" and run.backend.loopback_only
         super().__init__(run.log, run.spec.run_id, run.settings.gpus, on_gpus, detached)
-        self.run = run
+        self.run: Run | None = run  # None once it let go
+        self.record = run.record  # the session's record of it (kernel/status.py): small, kept
         self.outcome: RunOutcome | None = None
 
     def _work(self) -> RunOutcome:
+        assert self.run is not None
         with self.run:
             return execute(self.run, self._stop.is_set)
 
     def _bind(self, namespace: dict) -> Any:
-        assert self.outcome is not None
+        assert self.outcome is not None and self.run is not None
         return self.run.bind_results(self.outcome.result, namespace)
+
+    def _let_go_of_parts(self) -> None:
+        run, self.run = self.run, None
+        if run is not None and self.outcome is not None and not self.taken:
+            run.drop_results()  # rank 0's results files: never to be bound
+        self.outcome = None
+
+
+def _without_locals(error: BaseException) -> BaseException:
+    """``error`` with the locals of its traceback's frames (and its causes') cleared: they are this thread's
+    frames, which hold the run (its closure, its results), and IPython keeps the last error it showed
+    (``sys.last_value``). The lines of the traceback stay."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    return error
 
 
 class Runs:
@@ -148,7 +202,14 @@ class Runs:
 
     def add(self, run: RunThreadT) -> RunThreadT:
         self._runs[run.id] = run
+        self._forget_old()
         return run
+
+    def _forget_old(self) -> None:
+        """Keep the last KEEP_ENDED runs that were taken; running and untaken ones are always kept."""
+        taken = [run_id for run_id, run in self._runs.items() if run.done and run.taken]
+        for run_id in taken[:max(0, len(taken) - KEEP_ENDED)]:
+            del self._runs[run_id]
 
     def all(self) -> list[RunThread]:
         return list(self._runs.values())

@@ -27,7 +27,6 @@ from taas_magic.kernel.restarts import Attempts
 from taas_magic.kernel.run import Run
 from taas_magic.kernel.supervisor import RunOutcome, RunParts, run_ranks
 from taas_magic.launch.base import ProcessGroup
-from taas_magic.output import lastmetrics
 from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay, TextOut
 from taas_magic.peers import Peer
@@ -94,4 +93,5 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
         if trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)
             trial.metrics = board.metrics()
         else:
-            lastmetrics.keep(board.metrics())  # a failed run's reports too: what it reached is worth seeing
+            assert run.record is not None  # planned: the session's record of this run
+            run.record.metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing

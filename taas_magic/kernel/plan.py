@@ -78,7 +78,7 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         closure_text = closure_size(len(run.packing.skeleton) + tensor_bytes, route)
         lines = [header_line(settings, backend.devices, spec.run_id, closure_text, why), rule.header(),
                  backend.layout(), run.data.header() if run.data is not None else None]
-        session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure))
+        session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
         run.open(spec, rule, session.last_run)
         run.log.header("\ntaas: ".join(line for line in lines if line))
         undo.pop_all()

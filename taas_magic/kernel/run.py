@@ -7,7 +7,7 @@ left out of. In the order they are taken:
 
 1. the data run (its cache folders), when the cell reads registered loaders;
 2. the backend (a reserved port; a cluster's placement and agents), a context manager;
-3. the run spec, with its checkpoint folder (the kernel reads it after the run) and its
+3. the run spec, with its checkpoint folder (the session's record of the last run names it) and its
    stacks folder (the ranks' autopsy files);
 4. the ranks' scratch layers (what the write rule diverted is reported, then removed);
 5. the rank server, and the closure handoff (its memory files, its CUDA IPC handles; it
@@ -32,7 +32,7 @@ from contextlib import ExitStack
 from types import TracebackType
 from typing import Callable, TypeVar
 
-from taas_magic import checkpoints, protocol, wire
+from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
@@ -108,7 +108,6 @@ class Run:
         """The log, the folders, the scratch layers, the server and the closure handoff, in that order."""
         self.rule, self.record = rule, record
         self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
-        self._stack.callback(checkpoints.finished_run, spec.checkpoints)
         stacks_dir = stacks.make_dir(spec.run_id)
         self._stack.callback(remove_tree, stacks_dir)
         self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)

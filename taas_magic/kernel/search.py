@@ -31,6 +31,7 @@ trial's failure: the search stops there with that error.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from taas_magic.errors import SearchError, TrialPruned
 from taas_magic.kernel.background import BackgroundRun, RunThread
 from taas_magic.kernel.plan import PlanContext, plan
 from taas_magic.kernel.run import ending, error_lines
-from taas_magic.output import lastmetrics
+from taas_magic.kernel.session import Session
 from taas_magic.output.runlog import OUT, RunLog
 from taas_magic.output.trials import MOST_POINTS, TrialRow, search_display, trials_frame
 from taas_magic.protocol import Display
@@ -93,9 +94,9 @@ class Trial:
 class SearchRun(RunThread):
     """A search of ``plan.settings.trials`` trials on its own thread (see the module docstring)."""
 
-    def __init__(self, search: SearchPlan, study: Any, log: RunLog):
+    def __init__(self, search: SearchPlan, study: Any, log: RunLog, session: Session):
         super().__init__(log, log.run_id, search.settings.gpus * search.slots, search.on_gpus, detached=False)
-        self.plan, self.study = search, study
+        self.plan, self.study, self.session = search, study, session
         self.trials: list[Trial] = []
         self._lock = threading.Lock()  # one Optuna call at a time, from the trials' threads and this one
         self._wake = threading.Event()
@@ -128,8 +129,15 @@ class SearchRun(RunThread):
         super().stop()
         self._wake.set()
 
+    def _let_go_of_parts(self) -> None:
+        """The search ended (or was taken): no trial is planned again, so the captured closure goes, and every
+        trial lets go of its parts (the best's were bound, the others' never will be)."""
+        self.plan = dataclasses.replace(self.plan, closure={})
+        for trial in self.trials:
+            trial.run.let_go()
+
     def _ended(self) -> None:
-        _show_metrics(self.best() or max(self.trials, key=lambda trial: trial.link.ended or 0.0, default=None))
+        _show_metrics(self.session, self.best() or max(self.trials, key=lambda trial: trial.link.ended or 0.0, default=None))
         self.log.end(ending(self.error), error_lines(self.error))  # the search's log ends as a run's does
 
     def running_trials(self) -> list[Trial]:
@@ -217,17 +225,7 @@ class SearchRun(RunThread):
         return best_of(self.trials, self.plan.settings.maximize)
 
     def _verdict(self) -> Trial:
-        best = self.best()
-        counts = collections.Counter(trial.state for trial in self.trials)
-        summary = ", ".join(f"{count} {state}" for state, count in counts.items())
-        if best is None:
-            failed = [trial.error for trial in self.trials if trial.error is not None]
-            self.log.say(f"taas: no trial of {len(self.trials)} completed ({summary})", "stderr")
-            raise failed[0] if failed else SearchError("taas: the search ran no trial")
-        params = ", ".join(f"{name}={value!r}" for name, value in best.link.values.items())
-        self.log.say(f"taas: best trial {best.link.number}: {self.plan.settings.objective} {best.value:.6g} · "
-                     f"{params or 'no params'} ({summary} of {len(self.trials)})")
-        return best
+        return verdict(self.trials, self.best(), self.plan.settings.objective, self.log)
 
     def _bind(self, namespace: dict) -> Any:
         best: Trial = self.outcome
@@ -266,6 +264,20 @@ class SearchView:
                 self._shown.add(display_id)
 
 
+def verdict(trials: list[Trial], best: Trial | None, objective: str, log: RunLog) -> Trial:
+    """The search's outcome, said in its log: the best trial, or the first trial's error when none completed."""
+    counts = collections.Counter(trial.state for trial in trials)
+    summary = ", ".join(f"{count} {state}" for state, count in counts.items())
+    if best is None:
+        failed = [trial.error for trial in trials if trial.error is not None]
+        log.say(f"taas: no trial of {len(trials)} completed ({summary})", "stderr")
+        raise failed[0] if failed else SearchError("taas: the search ran no trial")
+    params = ", ".join(f"{name}={value!r}" for name, value in best.link.values.items())
+    log.say(f"taas: best trial {best.link.number}: {objective} {best.value:.6g} · "
+            f"{params or 'no params'} ({summary} of {len(trials)})")
+    return best
+
+
 def _state_of(error: BaseException | None) -> str:
     """How a trial ended, as the table says it: complete, pruned, stopped (an interrupt) or failed."""
     if isinstance(error, TrialPruned):
@@ -281,14 +293,16 @@ def _keep_only(best: Trial | None, trials: list[Trial]) -> None:
     for trial in trials:
         if trial is not best and trial.state != RUNNING and best is not None:
             trial.link.metrics = []
-        if trial is not best and trial.state != RUNNING and trial.run.outcome is not None:
-            trial.run.run.drop_results()
-            trial.run.outcome = None
+        if trial is not best and trial.state != RUNNING:
+            trial.run.let_go()  # its results files, its closure's packed tensors: never to be bound
 
 
-def _show_metrics(trial: Trial | None) -> None:
-    """``taas.metrics()`` after the search: the best trial's rank-0 reports, else the last to end's."""
-    lastmetrics.keep(trial.link.metrics if trial is not None else [])
+def _show_metrics(session: Session, trial: Trial | None) -> None:
+    """After the search, the session's last run is the best trial (else the last to end): ``taas.metrics()``
+    gives its rank-0 reports, ``%taas status`` and ``taas.load_checkpoint()`` read it."""
+    if trial is not None and trial.run.record is not None:
+        trial.run.record.metrics = trial.link.metrics
+        session.last_run = trial.run.record
 
 
 def best_of(trials: list[Trial], maximize: bool) -> Trial | None:

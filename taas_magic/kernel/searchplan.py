@@ -85,4 +85,4 @@ def plan_search(settings: RunSettings, code: CellCode, closure: dict, why: str |
     log = RunLog(f"search-{secrets.token_hex(6)}")
     log.header("\n".join(lines))
     search = SearchPlan(settings, code, closure, why, lambda slot: context(slot, slots), slots, on_gpus, grid)
-    return SearchRun(search, study, log)
+    return SearchRun(search, study, log, session)

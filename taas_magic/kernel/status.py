@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from taas_magic.cell.pragma import OPTIONS, RunSettings
@@ -65,12 +65,18 @@ class RunSummary:
 
 @dataclass
 class LastRun:
+    """The last run, as the session keeps it (its one owner): what ``%taas status`` shows,
+    ``taas.metrics()`` returns and ``taas.load_checkpoint()`` reads in the notebook. Small: no
+    closure, no results, no log, only their names and the folder's path."""
+
     settings: RunSettings
     devices: DevicePlan
     run_id: str
     closure_names: tuple[str, ...]
+    checkpoints: str = ""  # the run's checkpoint folder (taas.load_checkpoint in the notebook reads its newest)
     outcome: str = "running"
     seconds: float = 0.0
+    metrics: list[dict] = field(default_factory=list)  # rank 0's reports as its board kept them (bounded), once it ended
 
 
 def _devices_text(devices: DevicePlan, ranks: object) -> str:

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from taas_magic.import_hooks import import_on_own_stack
 from taas_magic.kernel.background import RunThread
 from taas_magic.kernel.frontend import cell_publisher, mid_cell_note
 from taas_magic.output.budget import OutputBudget
@@ -54,7 +55,8 @@ def show_run(run: RunThread, viewing: Viewing) -> CellStream | None:
             print(note)
         return _stream(run, viewing, displays_only=True)
     if run.detached:
-        run.views.append(LivePump(run.log, TextView(run.log, cell_publisher(viewing.shell)), f"taas-view-{run.id}"))
+        run.views.append(LivePump(run.log, TextView(run.log, cell_publisher(viewing.shell)), f"taas-view-{run.id}",
+                                  run.view_ended))
         return None
     return _stream(run, viewing)
 
@@ -71,10 +73,10 @@ def attach(run: RunThread, viewing: Viewing) -> CellStream | None:
 def live_widget(run: RunThread) -> Any:
     """The run's one widget (made, and its pump started, the first time)."""
     if run.widget is None:
-        from taas_magic.output.widget import LiveView
-
-        run.widget = LiveView(run.log)
-        run.views.append(LivePump(run.log, run.widget, f"taas-widget-{run.id}"))
+        # its first import (anywidget, ipywidgets) on a stack of its own: import_hooks.py says why
+        widget = import_on_own_stack("taas_magic.output.widget")
+        run.widget = widget.LiveView(run.log)
+        run.views.append(LivePump(run.log, run.widget, f"taas-widget-{run.id}", run.view_ended))
     return run.widget
 
 

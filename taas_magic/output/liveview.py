@@ -105,9 +105,11 @@ class View(Protocol):
 class LivePump:
     """Feeds one view from one log on a daemon thread, until the run's last entry (see the module docstring)."""
 
-    def __init__(self, log: RunLog, view: View, name: str):
+    def __init__(self, log: RunLog, view: View, name: str, on_end: Callable[[], None] | None = None):
         self.log, self.view = log, view
         self.seq = -1
+        self.finished = False  # it showed the run's last entry: it will not read the log again
+        self._on_end = on_end
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -119,6 +121,9 @@ class LivePump:
                 self.seq = entries[-1].seq
                 if entries[-1].kind == END:
                     self.view.ended()
+                    self.finished = True
+                    if self._on_end is not None:
+                        self._on_end()
                     return
             self.log.wait(self.seq, 0.5)
             time.sleep(PUMP_SECONDS)  # what arrives meanwhile goes in one update

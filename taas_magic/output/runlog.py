@@ -10,15 +10,19 @@ and misses nothing.
 
 Where it is kept:
 
-- in the kernel, the last entries up to ``keep_bytes`` (4 MiB: a run printing a million
-  lines, or reporting a million times, holds the same memory as one printing ten thousand; a
-  ``points`` entry counts what its reports hold in memory), plus the newest display of each
-  display id (the chart, the health line), which a view that comes back shows at once;
+- in the kernel, while the run's views may still ask for them, the last entries up to
+  ``keep_bytes`` (4 MiB: a run printing a million lines, or reporting a million times,
+  holds the same memory as one printing ten thousand; a ``points`` entry counts what its
+  reports hold in memory), plus the newest display of each
+  display id (the chart, the health line), which a view that comes back shows at once; once
+  the run ended and was taken, only its last entry (:meth:`RunLog.forget`);
 - on disk, every entry as one JSON line in ``<log dir>/<run id>.run.jsonl`` (owner-only,
   beside the cell's elided-output log, output/budget.py), flushed as it is written: the
   record a person reads on Monday. The chart's SVG is left out there (its points are in the
   ``points`` entries; the SVG is redrawn from them), so a two-day run's log grows with what it
   printed, not with how often its chart was redrawn.
+  The folder is pruned as each run starts (:func:`prune_logs`): a log file untouched for 30
+  days is removed, and beyond the newest 1,000 log files the oldest are.
 
 It is written by the run's thread and read by the views (the cell's stream in the kernel's
 main thread, the live widget's pump): one lock, and listeners called after each entry
@@ -43,6 +47,10 @@ KEEP_BYTES = 4 << 20  # entries kept in the kernel for views that come back (the
 # one metric, 1.4 KB with twelve), so that a points entry counts what it costs, not a tenth of it
 REPORT_BYTES, METRIC_BYTES = 250, 100
 HEADER, OUT, SAY, DISPLAY, POINTS, END = "header", "out", "say", "display", "points", "end"
+# the log folder's pruning rule, applied as each run starts: a log untouched for KEEP_LOG_DAYS goes, and past
+# the newest KEEP_LOGS runs' logs the oldest go (a run still writing is among the newest: its file is touched)
+KEEP_LOG_DAYS, KEEP_LOGS = 30, 1000
+LOG_SUFFIXES = (".run.jsonl", ".log")  # a run's log and the cell's elided-output log (output/budget.py)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ class RunLog:
         self.run_id, self.keep_bytes = run_id, keep_bytes
         folder = directory or log_dir()
         os.makedirs(folder, mode=0o700, exist_ok=True)
+        prune_logs(folder)
         self.path = os.path.join(folder, f"{run_id}.run.jsonl")
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # output may hold secrets
         self._file: IO[str] | None = open(fd, "w", encoding="utf-8", errors="replace")
@@ -197,6 +206,15 @@ class RunLog:
         with self._lock:
             self._close_file()
 
+    def forget(self) -> None:
+        """The run ended and nothing will show its entries again (kernel/background.py's let_go): the kernel
+        keeps only its last entry (how it ended), so a view that comes back still sees it end; the rest is
+        in the file."""
+        with self._lock:
+            if self.ended is None:
+                return
+            self._kept = _Kept(collections.deque([self.ended]), self.ended.size())
+
     # -- reading (the views) --------------------------------------------------------------------
     def since(self, seq: int) -> tuple[int, list[Entry]]:
         """The entries after ``seq`` still kept in the kernel, and the first sequence number kept
@@ -234,6 +252,28 @@ class RunLog:
     @property
     def kept_bytes(self) -> int:
         return self._kept.bytes
+
+
+def prune_logs(folder: str, days: float = KEEP_LOG_DAYS, most: int = KEEP_LOGS) -> list[str]:
+    """The log folder's pruning rule (above): what it removed. Only files this module and output/budget.py
+    name (``<run id>.run.jsonl``, ``<run id>.log``); a file that vanishes meanwhile is skipped."""
+    found = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.endswith(LOG_SUFFIXES) and entry.is_file(follow_symlinks=False):
+                try:
+                    found.append((entry.stat(follow_symlinks=False).st_mtime, entry.path))
+                except FileNotFoundError:
+                    continue
+    found.sort(reverse=True)
+    cutoff = time.time() - days * 86400
+    removed = [path for index, (mtime, path) in enumerate(found) if index >= most or mtime < cutoff]
+    for path in removed:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 class LogStream:

@@ -73,21 +73,22 @@ def save_checkpoint(obj: Any) -> str | None:
     return checkpoints.save(obj, folder, checkpoints.kept())
 
 
-def load_checkpoint(map_location: Any = None) -> Any:
+def load_checkpoint(map_location: Any = None, notebook_folder: str | None = None) -> Any:
     """``taas.load_checkpoint``: the run's newest checkpoint (None before the first), on the rank's own
-    device in a rank and on the CPU in the notebook, unless ``map_location`` says otherwise."""
+    device in a rank and on the CPU in the notebook, unless ``map_location`` says otherwise. Outside a
+    rank the folder is ``notebook_folder`` (the session's last run's, which the face reads)."""
     from taas_magic import checkpoints
 
     if map_location is None:
         map_location = own_device() if _in_rank else "cpu"
-    return checkpoints.load(checkpoints.run_folder(), map_location)
+    return checkpoints.load(checkpoints.run_folder() if _in_rank else notebook_folder, map_location)
 
 
-def checkpoint_path() -> str | None:
+def checkpoint_path(notebook_folder: str | None = None) -> str | None:
     """``taas.checkpoint_path``: the file :func:`load_checkpoint` would read now."""
     from taas_magic import checkpoints
 
-    return checkpoints.newest(checkpoints.run_folder())
+    return checkpoints.newest(checkpoints.run_folder() if _in_rank else notebook_folder)
 
 
 def own_device() -> Any:

@@ -28,6 +28,7 @@ import threading
 from typing import Any
 
 from taas_magic.errors import SearchError
+from taas_magic.import_hooks import import_on_own_stack
 
 STUDIES_FILE = "studies.db"
 # A trial's states as the search's table and taas.trials() name them (a stopped trial is told to Optuna as failed)
@@ -36,7 +37,7 @@ COMPLETE, PRUNED, FAILED, STOPPED, RUNNING = "complete", "pruned", "failed", "st
 
 def optuna_module() -> Any:
     try:
-        import optuna
+        optuna = import_on_own_stack("optuna")  # not from the magic's stack: Optuna keeps ImportErrors (import_hooks.py)
     except ImportError:
         raise SearchError("taas: --trials needs Optuna: pip install 'taas-magic[trials]' (or pip install optuna)") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -3,10 +3,11 @@
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 from taas_magic.output.liveview import Screen
-from taas_magic.output.runlog import RunLog
+from taas_magic.output.runlog import RunLog, prune_logs
 from taas_magic.protocol import Display
 
 
@@ -66,3 +67,34 @@ def test_the_screen_redraws_a_carriage_return_line_in_place_and_keeps_the_last_l
     assert screen.shown() == ["epoch 1 [100/100]", "saved", "next"]
     screen.feed("a\nb\nc")
     assert screen.shown() == ["next", "a", "b", "c"]  # three whole lines kept, and the line being written
+
+
+def test_a_forgotten_log_keeps_only_its_end_in_the_kernel_and_everything_on_disk(tmp_path):
+    log = RunLog("run4", directory=str(tmp_path))
+    for index in range(100):
+        log.out("stdout", f"line {index}\n")
+    log.forget()  # a run still going is not forgotten
+    assert len(log.since(-1)[1]) == 100
+    log.end("ok")
+    log.forget()
+    first, entries = log.since(-1)
+    assert [entry.kind for entry in entries] == ["end"] and first == 100 and log.kept_bytes < 200
+    assert len(Path(log.path).read_text().splitlines()) == 101
+
+
+def test_the_log_folder_keeps_the_newest_files_and_none_older_than_the_rule(tmp_path):
+    now = time.time()
+    for index in range(6):
+        path = tmp_path / f"run{index}.run.jsonl"
+        path.write_text("{}\n")
+        os.utime(path, (now - index * 60, now - index * 60))  # run0 newest
+    old = tmp_path / "old.log"
+    old.write_text("x")
+    os.utime(old, (now - 31 * 86400, now - 31 * 86400))
+    other = tmp_path / "notes.txt"  # not a log: never touched
+    other.write_text("mine")
+    os.utime(other, (now - 99 * 86400, now - 99 * 86400))
+    removed = prune_logs(str(tmp_path), days=30, most=4)
+    assert sorted(Path(path).name for path in removed) == ["old.log", "run4.run.jsonl", "run5.run.jsonl"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "notes.txt", "run0.run.jsonl", "run1.run.jsonl", "run2.run.jsonl", "run3.run.jsonl"]
