@@ -30,6 +30,8 @@ waiting to be taken, and the last ``KEEP_ENDED`` (100) that were taken; older on
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
 import threading
 import time
 import traceback
@@ -93,6 +95,7 @@ class RunThread:
         self.outcome = None
         self._let_go = True
         self.view_ended()
+        give_back_memory()
 
     def view_ended(self) -> None:
         """A view showed the run's last entry (its pump's thread), or the run let go: the log's entries in the
@@ -178,6 +181,28 @@ class BackgroundRun(RunThread):
         if run is not None and self.outcome is not None and not self.taken:
             run.drop_results()  # rank 0's results files: never to be bound
         self.outcome = None
+
+
+def give_back_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Freed memory is not always given back: after a large block is freed, glibc raises its mmap
+    threshold (up to 32 MB), so the next tensors of a few MB come from the heap, and what is freed
+    there stays in the process. Measured (every tensor freed, cells 10 to 60 of a kernel, each
+    capturing a new 4 MB tensor and binding one back): the kernel grew by 53 MB; trimmed as each
+    run starts and lets go, by 29 MB (what the notebook frees between those moments stays until
+    the next). It takes well under a millisecond."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
 
 
 def _without_locals(error: BaseException) -> BaseException:

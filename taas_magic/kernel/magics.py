@@ -31,7 +31,7 @@ from taas_magic.cell.pragma import SETTINGS, PragmaOptions, RunSettings, parse_c
 from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel import commands
-from taas_magic.kernel.background import BackgroundRun, RunThread
+from taas_magic.kernel.background import BackgroundRun, RunThread, give_back_memory
 from taas_magic.kernel.foreground import STOP, wait_async, wait_blocking
 from taas_magic.kernel.frontend import Frontend
 from taas_magic.kernel.plan import PlanContext, plan
@@ -124,6 +124,7 @@ class TaasMagics(Magics):
     def _start(self, line: str, cell: str) -> Started:
         """Parse, plan (the header into the run's log), start the run's thread and its view."""
         parsed = parse_cell(cell, line)
+        give_back_memory()  # what the notebook freed since the last run (kernel/background.py)
         settings, why = self._settle(parsed.options)
         code = translate(self._shell, parsed.source)
         closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
