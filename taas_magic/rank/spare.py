@@ -22,8 +22,12 @@ import sys
 # What DDP construction imports, so a warm cell does not pay for it either, then what the
 # rank itself imports once it has its cell (the closure loader, the devices). The package never
 # imports the face (taas.py): the cell's own ``import taas`` loads it, over modules already here.
+# what a cell's rank imports before its first line, imported while the spare waits: the write rule's modules
+# too (a rank other than 0 imports them to divert its writes the moment it is taken: 7 ms here, on the
+# critical path of a warm cell, whose rank 0 waits in init_process_group for rank 1)
 WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.distributed_c10d",
-                "taas_magic.rank.loaders", "taas_magic.rank.devices")
+                "taas_magic.rank.loaders", "taas_magic.rank.devices", "taas_magic.writes.divert",
+                "taas_magic.writes.namespace")
 
 
 first_step_taken = False  # the factory took the first CPU step before forking this spare (factory.py)
