@@ -29,11 +29,6 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     _loaded.update(shell=ipython, magics=magics)
 
 
-def loaded_magics() -> Any:
-    """The magic this process's shell loaded (its ``session`` owns the last run), None when not loaded."""
-    return _loaded.get("magics")
-
-
 def _runs_coroutines(ipython: InteractiveShell) -> bool:
     """The shell awaits a cell's top-level ``await`` on asyncio (IPython's autoawait; ipykernel's default)."""
     from IPython.core.async_helpers import _asyncio_runner  # private API: see taas_magic/private.py

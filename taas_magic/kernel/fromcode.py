@@ -30,10 +30,12 @@ def line_command(command: str, argument: str = "") -> Any:
 
 
 def _last_run() -> Any:
-    """The loaded extension's session's last run (kernel/status.py's LastRun), None without one."""
-    import taas_magic
+    """The loaded extension's session's last run (kernel/status.py's LastRun), None without one: the magic
+    this process's shell registered (IPython's registry of magics, by class name)."""
+    from IPython import get_ipython
 
-    magics = taas_magic.loaded_magics()
+    shell = get_ipython()
+    magics = None if shell is None else shell.magics_manager.registry.get("TaasMagics")
     session = getattr(magics, "session", None)
     return None if session is None else session.last_run
 

@@ -19,7 +19,7 @@ from taas_magic.kernel.cluster import Cluster, address_from_environment
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import LastRun
 from taas_magic.launch.spares import SparePool
-from taas_magic.writes.rule import WriteRule, choose_rule, find_repository
+from taas_magic.writes.rule import WriteRule, choose_rule, find_repository, probe_overlay_soon
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Session:
     def start(cls, warm: Warm) -> Session:
         """A new session: ``warm``'s spares warming, attached to ``$TAAS_CLUSTER`` if it is set."""
         session = cls()
+        probe_overlay_soon()  # the write rule's probe, off the first cell's path
         if warm.count is not None:
             session.spares.keep(warm.count)
         address = address_from_environment()

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,9 +42,23 @@ def find_repository(cwd: str, configured: str | None = None) -> str:
         probe = parent
 
 
-@lru_cache(maxsize=1)
+_probing = threading.Lock()  # the session's early probe and a first cell's ask wait for one probe
+
+
 def probe_overlay() -> str | None:
-    """None when the namespaces and the overlay mount work here, else why not."""
+    """None when the namespaces and the overlay mount work here, else why not (probed once per kernel)."""
+    with _probing:
+        return _probe_overlay_once()
+
+
+def probe_overlay_soon() -> None:
+    """Probe now, on a thread of its own: the session does as the extension loads, so that a fresh kernel's
+    first cell does not wait for the probe's interpreter (50-70 ms here) before its ranks start."""
+    threading.Thread(target=probe_overlay, name="taas-probe-overlay", daemon=True).start()
+
+
+@lru_cache(maxsize=1)
+def _probe_overlay_once() -> str | None:
     lower, scratch = tempfile.mkdtemp(prefix="taas-probe-"), tempfile.mkdtemp(prefix="taas-probe-")
     try:
         run = subprocess.run(
