@@ -90,7 +90,9 @@ class RunThread:
         """Nothing of this run will be bound (any more): forget its parts (the closure's packed tensors, its
         handoff, rank 0's results and their files) and, once every view of it has shown the run's last
         entry (:meth:`view_ended`), its log's entries in the kernel (its file stays; a widget keeps its own
-        final snapshot)."""
+        final snapshot). Once only (a search lets its ended trials go at every trial's end)."""
+        if self._let_go:
+            return
         self._let_go_of_parts()
         self.outcome = None
         self._let_go = True
@@ -111,12 +113,14 @@ class RunThread:
         except BaseException as exc:  # noqa: BLE001 - kept and raised in the cell that waits for this run
             self.error = _without_locals(exc)
         finally:
-            self._ended()
-            if self.error is not None:  # failed or stopped: nothing will be bound (the error is raised when taken)
-                self._let_go_of_parts()
-            self._done.set()
-            for callback in list(self._on_done):
-                callback()
+            try:
+                self._ended()
+                if self.error is not None:  # failed or stopped: nothing will be bound (the error is raised when taken)
+                    self._let_go_of_parts()
+            finally:  # whatever releasing raised, whoever waits is woken
+                self._done.set()
+                for callback in list(self._on_done):
+                    callback()
 
     @property
     def state(self) -> str:

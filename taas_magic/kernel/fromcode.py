@@ -12,6 +12,7 @@ too, where there is no session (no metrics, and the rank's own checkpoint folder
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -32,9 +33,8 @@ def line_command(command: str, argument: str = "") -> Any:
 def _last_run() -> Any:
     """The loaded extension's session's last run (kernel/status.py's LastRun), None without one: the magic
     this process's shell registered (IPython's registry of magics, by class name)."""
-    from IPython import get_ipython
-
-    shell = get_ipython()
+    ipython = sys.modules.get("IPython")  # not imported by this call: a rank's import builds its shell (rank/shell.py)
+    shell = ipython.get_ipython() if ipython is not None else None
     magics = None if shell is None else shell.magics_manager.registry.get("TaasMagics")
     session = getattr(magics, "session", None)
     return None if session is None else session.last_run

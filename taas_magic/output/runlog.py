@@ -285,7 +285,7 @@ def prune_logs(folder: str, days: float = KEEP_LOG_DAYS, most: int = KEEP_LOGS) 
     for path in removed:
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile, or not ours to remove: left as it is
             pass
     return removed
 

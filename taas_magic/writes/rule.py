@@ -54,7 +54,13 @@ def probe_overlay() -> str | None:
 def probe_overlay_soon() -> None:
     """Probe now, on a thread of its own: the session does as the extension loads, so that a fresh kernel's
     first cell does not wait for the probe's interpreter (50-70 ms here) before its ranks start."""
-    threading.Thread(target=probe_overlay, name="taas-probe-overlay", daemon=True).start()
+    def probe() -> None:
+        try:
+            probe_overlay()
+        except Exception:  # noqa: BLE001 - not cached: the first cell probes again and says why there
+            pass
+
+    threading.Thread(target=probe, name="taas-probe-overlay", daemon=True).start()
 
 
 @lru_cache(maxsize=1)
