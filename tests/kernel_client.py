@@ -67,6 +67,7 @@ class Kernel:
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
+        self._last_status = "ok"
         if load_ext:
             ran = self.execute("%load_ext taas_magic")
             assert ran.reply["status"] == "ok", ran.error_text()
@@ -140,11 +141,22 @@ class Kernel:
             reply = self.client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
             if reply["parent_header"].get("msg_id") == msg_id:
                 break
+        self._last_status = reply["content"]["status"]
         return Execution(reply["content"], idle_at, messages)
 
     def execute(self, code: str, timeout: float = 120) -> Execution:
+        after_error = self._last_status == "error"
         msg_id, started = self.submit(code)
-        return self.collect(msg_id, started, timeout)
+        ran = self.collect(msg_id, started, timeout)
+        for _ in range(3):
+            if not (ran.reply["status"] == "aborted" and after_error):
+                break
+            # ipykernel 6 aborts every execute_request that reaches it until one turn of its loop after an
+            # error reply (stop_on_error: a notebook's "run all" stops at the failing cell); a client as fast
+            # as this one can land in that window. The person's next cell is the one sent after it.
+            msg_id, started = self.submit(code)
+            ran = self.collect(msg_id, started, timeout)
+        return ran
 
     def wait_for_stream(self, msg_id: str, needle: str | tuple[str, ...], timeout: float = 60) -> list[Message]:
         """Read iopub until rank output containing ``needle`` (every one of several) arrives."""

@@ -104,7 +104,7 @@ def test_where_the_kernel_answers_only_between_cells_the_cell_says_so_in_one_lin
     kernel.execute("1")
     msg_id, _ = kernel.submit(CELL)
     comm_id, entries, backlog, asked, idle_at, backlog_at = None, {}, None, False, None, None
-    streamed = ""
+    streamed, snapshot = "", {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and backlog is None:
         try:
@@ -120,6 +120,8 @@ def test_where_the_kernel_answers_only_between_cells_the_cell_says_so_in_one_lin
                 entries[seq] = text
             if sent.get("backlog"):
                 backlog, backlog_at = sent, time.monotonic()
+        elif kind == "comm_msg" and content["comm_id"] == comm_id and content["data"].get("method") == "update":
+            snapshot.update(content["data"]["state"])  # the model's state: what a page made now starts from
         elif kind == "stream" and msg["parent_header"].get("msg_id") == msg_id:
             streamed += content["text"]
         elif kind == "status" and msg["parent_header"].get("msg_id") == msg_id and content["execution_state"] == "idle":
@@ -128,13 +130,35 @@ def test_where_the_kernel_answers_only_between_cells_the_cell_says_so_in_one_lin
             _ask(kernel, comm_id, {"backlog": -1})  # a page reloaded mid-run asks for what it missed
             asked = True
     assert comm_id is not None, "the run was shown as its widget"
+    assert backlog is not None, "the page's request was answered"
+    end_seq = backlog["entries"][-1][0]
+    while time.monotonic() < deadline and (snapshot.get("seq") != end_seq or end_seq not in entries):
+        try:  # the view's pump may show the run's end after the kernel answered the page
+            msg = kernel.client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == comm_id:
+            data = msg["content"]["data"]
+            if data.get("method") == "update":
+                snapshot.update(data["state"])
+            elif data.get("method") == "custom":
+                entries.update({seq: text for seq, _stream, text in data["content"].get("entries", [])})
     ticks = [int(n) for n in re.findall(r"tick (\d+)", "".join(entries[seq] for seq in sorted(entries)))]
     assert ticks == list(range(60)), "the widget was fed as the run went"
     note = f"taas: ipykernel {ipykernel.__version__} answers the page only between cells"
     assert streamed.startswith(note) and streamed.count("\n") == 1, streamed  # one line, and no output of the run
     assert f"ipykernel >= {MID_CELL_IPYKERNEL}" in streamed
     assert backlog is not None and idle_at is not None and backlog_at > idle_at, "the page's request was answered after the cell"
-    assert [seq for seq, _, _ in backlog["entries"]][0] == 0
+    # by then the run had ended: the answer runs without a gap to the run's end, from the first entry the kernel
+    # still keeps, what came before named as skipped (once every view showed the end and the run let go, the
+    # kernel keeps only that end; the log's file keeps the rest); the model's final snapshot is the whole
+    # screen as of that end, which is what a page reloaded now draws before it asks
+    assert end_seq == max(entries)
+    answered = [seq for seq, _, _ in backlog["entries"]]
+    assert answered == list(range(answered[0], end_seq + 1)), answered
+    assert backlog.get("skipped", [0, -1]) == [0, answered[0] - 1]
+    assert snapshot["seq"] == end_seq
+    assert any("tick 59" in line for line in snapshot["lines"]), snapshot["lines"][-3:]
 
 
 def _shell_replies(kernel, timeout: float = 0.01) -> list[dict]:
