@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import sys
 import time
 import uuid
@@ -41,7 +42,13 @@ def run_notebook(path: str, kernel_name: str, cwd: str) -> int:
             msg_id = client.execute(source)
             failed = False
             while True:
-                msg = client.get_iopub_msg(timeout=1800)
+                try:
+                    msg = client.get_iopub_msg(timeout=5)
+                except queue.Empty:
+                    if not manager.is_alive():  # it died (its output has ended): say so rather than wait
+                        print(f"\nthe kernel died during cell {number}", file=sys.stderr, flush=True)
+                        return 1
+                    continue
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
                 kind, content = msg["msg_type"], msg["content"]

@@ -36,6 +36,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 from taas_magic.launch.rankenv import AUTO_CPU_RANKS, visible_gpu_count  # noqa: E402
+from tests.kernel_client import started_here  # noqa: E402
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [
@@ -263,7 +264,8 @@ def _run_processes(since: float) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline", "create_time"]):
         line = " ".join(process.info["cmdline"] or [])
-        if process.info["create_time"] >= since and ("taas_magic.rank" in line or "taas_magic.feed.worker" in line):
+        if (process.info["create_time"] >= since and ("taas_magic.rank" in line or "taas_magic.feed.worker" in line)
+                and started_here(process)):
             found.append(process)
     return found
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kernel_client import Kernel, wait_until_gone
+from tests.kernel_client import Kernel, started_here, wait_until_gone
 
 pytestmark = pytest.mark.ray
 cluster_utils = pytest.importorskip("ray.cluster_utils", reason='the cluster mode needs Ray: pip install "taas-magic[ray]"')
@@ -26,9 +26,12 @@ cluster_utils = pytest.importorskip("ray.cluster_utils", reason='the cluster mod
 
 def cell_processes() -> list[psutil.Process]:
     """Ranks, data workers and agents anywhere on this machine (every simulated host is on
-    it); local-mode warm spares that other tests' kernels keep are not a cell's."""
+    it) that this test process started; local-mode warm spares that other tests' kernels keep are
+    not a cell's."""
     found = []
     for proc in psutil.process_iter(["cmdline", "name"]):
+        if not started_here(proc):
+            continue
         try:
             line = " ".join(proc.info["cmdline"] or [])
         except psutil.Error:
