@@ -85,7 +85,9 @@ def test_a_million_reports_hold_a_few_mb_and_keep_the_first_the_last_and_the_las
     assert len({after - before for before, after in zip(past, past[1:])}) == 1 and len(past) >= PAST // 2
     # the health line: each rank's last batches only
     assert all(len(rank.batches) <= 8 for rank in board.ranks) and "reports/s" in board.health_line()
-    assert seconds < 30, seconds  # a few seconds (most of them tracemalloc's, on every allocation and free)
+    # a few seconds alone (most of them tracemalloc's, on every allocation and free), twice that beside another test
+    # process; a quadratic keep would take minutes
+    assert seconds < 60, seconds
 
 
 def test_the_band_lines_up_ranks_that_thinned_differently():
