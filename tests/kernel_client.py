@@ -19,7 +19,7 @@ from jupyter_core.paths import jupyter_runtime_dir
 
 # Each test process marks its environment. What it starts inherits the mark (kernels, their ranks and spares, a
 # Ray cluster's workers and the ranks its agents start), so a look at every process on the machine keeps only
-# this test process's own while another one (a second pytest-xdist worker, CI's run on the minimums) runs cells
+# this test process's own while another one (a second pytest-xdist worker, say) runs cells
 # of its own beside it. An exited process whose parent has not yet read its status shows an empty environment.
 TEST_PROCESS_MARK = "TAAS_TEST_PROCESS"
 os.environ[TEST_PROCESS_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
