@@ -36,7 +36,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 from taas_magic.launch.rankenv import AUTO_CPU_RANKS, visible_gpu_count  # noqa: E402
-from tests.kernel_client import started_here  # noqa: E402
+from tests.kernel_client import describe, started_here  # noqa: E402
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [
@@ -283,6 +283,8 @@ def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
     _wait(lambda: (look := _look(browser, training))["running"] and "epoch 1 [" in look["text"], 120,
           "rank 0's first line, live")
     assert _look(browser, training)["view"] is not None, "the training cell shows the run's live view (a widget)"
+    # the running ranks are among what the check after the kernel's shutdown looks at (this test's own processes)
+    assert len(_run_processes(started)) >= (visible_gpu_count() or AUTO_CPU_RANKS), describe(_run_processes(started))
     lines_seen, images_seen = set(), set()
     while "epoch 2 [" not in (look := _look(browser, training))["text"]:
         lines_seen.update(line for line in look["text"].splitlines() if line.startswith("epoch 1 ["))
