@@ -105,8 +105,13 @@ def test_where_the_kernel_answers_only_between_cells_the_cell_says_so_in_one_lin
     msg_id, _ = kernel.submit(CELL)
     comm_id, entries, backlog, asked, idle_at, backlog_at = None, {}, None, False, None, None
     streamed, snapshot = "", {}
+
+    def shown_to_the_end() -> bool:  # the page was answered, and the view's pump (maybe later) showed that end
+        end = backlog["entries"][-1][0] if backlog else None
+        return end is not None and end in entries and snapshot.get("seq") == end
+
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and backlog is None:
+    while time.monotonic() < deadline and not shown_to_the_end():
         try:
             msg = kernel.client.get_iopub_msg(timeout=1)
         except queue.Empty:
@@ -132,17 +137,6 @@ def test_where_the_kernel_answers_only_between_cells_the_cell_says_so_in_one_lin
     assert comm_id is not None, "the run was shown as its widget"
     assert backlog is not None, "the page's request was answered"
     end_seq = backlog["entries"][-1][0]
-    while time.monotonic() < deadline and (snapshot.get("seq") != end_seq or end_seq not in entries):
-        try:  # the view's pump may show the run's end after the kernel answered the page
-            msg = kernel.client.get_iopub_msg(timeout=1)
-        except queue.Empty:
-            continue
-        if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == comm_id:
-            data = msg["content"]["data"]
-            if data.get("method") == "update":
-                snapshot.update(data["state"])
-            elif data.get("method") == "custom":
-                entries.update({seq: text for seq, _stream, text in data["content"].get("entries", [])})
     ticks = [int(n) for n in re.findall(r"tick (\d+)", "".join(entries[seq] for seq in sorted(entries)))]
     assert ticks == list(range(60)), "the widget was fed as the run went"
     note = f"taas: ipykernel {ipykernel.__version__} answers the page only between cells"
