@@ -22,7 +22,8 @@ def test_a_hanging_anchor_is_stopped_at_its_deadline_and_leaves_nothing():
     def hangs(cwd):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         started.extend([child.pid, _start_orphaned_sleeper("hang")])
-        time.sleep(300)
+        child.wait()  # until the deadline's stop kills it: reaped here, so no "still running" warning when collected
+        time.sleep(300)  # and still hung
 
     began = time.monotonic()
     outcome = run_with_deadline("hangs", hangs, "/tmp", deadline=2)
