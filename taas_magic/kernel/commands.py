@@ -29,6 +29,7 @@ from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import help_text, status_text
 from taas_magic.launch.rankenv import Binding, visible_gpu_count
+from taas_magic.launch.spares import gpu_bytes
 from taas_magic.writes.rule import MODES, OVERLAY, probe_overlay
 
 
@@ -166,7 +167,7 @@ def _spares_gpu_text(session: Session) -> str:
     bound = session.spares.gpu_bound()
     if not bound:
         return ""
-    held = session.spares.gpu_bytes()
+    held = gpu_bytes(bound)
     amount = f"{held / 2**20:.0f} MiB" if held is not None else "GPU memory unknown (nvidia-smi cannot see them)"
     return f"; {len(bound)} bound to GPU(s) {', '.join(_gpu_name(s.binding) for s in bound)}, {amount} on the GPUs"
 

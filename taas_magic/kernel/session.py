@@ -35,7 +35,8 @@ class Session:
 
     @classmethod
     def start(cls, warm: Warm) -> Session:
-        """A new session: ``warm``'s spares warming, attached to ``$TAAS_CLUSTER`` if it is set."""
+        """A new session: ``warm``'s spares warming (``auto``: the spare factory importing), attached
+        to ``$TAAS_CLUSTER`` if it is set."""
         session = cls()
         probe_overlay_soon()  # the write rule's probe, off the first cell's path
         if warm.count is not None:
@@ -46,6 +47,8 @@ class Session:
                 session.cluster = Cluster.attach(address)
             except ClusterError as exc:  # the extension still loads: the local mode works
                 print(f"{exc} ($TAAS_CLUSTER); cells run as local processes", file=sys.stderr)
+        if warm.count is None and not warm.off and session.cluster is None:
+            session.spares.prepare()  # the first cell's ranks are forks, not fresh interpreters
         return session
 
     def write_rule(self) -> WriteRule:

@@ -2,7 +2,8 @@
 
 :class:`SpareFactory` starts ``python -m taas_magic.rank --spare --factory FD`` once; while
 it imports, :meth:`SpareFactory.spawn` says None and the pool starts a spare the slow way
-(a fresh interpreter). Once it is ready, a spare is a fork of it: the kernel makes the
+(a fresh interpreter), except for a cell's rank that has no spare: that request waits for
+the factory, whose imports are ahead of any fresh interpreter's. Once it is ready, a spare is a fork of it: the kernel makes the
 spare's three pipes, hands their far ends over the socket, and gets a :class:`ForkedSpare`,
 which the pool, the launcher and the stop ladder use as they use a ``subprocess.Popen``:
 ``pid``, the pipes, ``poll``, ``wait``. Its exit code comes from the factory, its parent.
@@ -29,6 +30,9 @@ from taas_magic.procs import exit_fd, pid_alive
 
 FACTORY_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare", "--factory")
 ANSWER_SECONDS = 5.0  # a ready factory forks in milliseconds; past this it is taken for broken
+# how long a cell's rank waits for a factory still importing (1 to 2 s here, 3 to 4 s with a CUDA build;
+# a fresh interpreter would take as long) before it is taken for broken and the rank starts fresh
+IMPORT_SECONDS = 60.0
 EXIT_REPORT_SECONDS = 1.0  # a spare that ended is reported by the factory within milliseconds (its pidfd wakes it)
 MESSAGE_BYTES = 64 * 1024
 
@@ -60,21 +64,25 @@ class SpareFactory:
             theirs.close()
         self._control.setblocking(False)
 
-    def spawn(self, binding: Binding) -> ForkedSpare | None:
+    def spawn(self, binding: Binding, for_cell: bool = False) -> ForkedSpare | None:
         """A forked spare with its ``binding`` (its GPU, and the ``CUDA_VISIBLE_DEVICES`` it sets
-        before CUDA starts), or None while the factory still imports or if it broke (start one
-        the slow way). The pool asks for one spare at a time."""
+        before CUDA starts), or None if it broke (start one the slow way). While the factory
+        still imports: None at once, or, ``for_cell`` (the rank of a cell that has no spare),
+        the request waits in its socket and is the first thing it answers, within
+        ``IMPORT_SECONDS``; such a spare (and the factory, when the request waits as it finishes
+        importing) skips the first CPU step: the cell is waiting. One spare at a time."""
         self.collect()
-        if not self.ready or self.broken or self.retired:
+        if self.broken or self.retired or not (self.ready or (for_cell and self.alive())):
             return None
         pipes = [os.pipe() for _ in range(3)]
         mine = [pipes[0][1], pipes[1][0], pipes[2][0]]  # we write its stdin, read its stdout and stderr
         theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
-        request = {"gpu": binding.gpu, "visible": binding.visible, "cwd": os.getcwd()}
+        request = {"gpu": binding.gpu, "visible": binding.visible, "cwd": os.getcwd(), "for_cell": for_cell}
         try:
             self._spawned.clear()
             socket.send_fds(self._control, [json.dumps(request).encode()], theirs)
-            pid = self._await(lambda: self._spawned.pop(0) if self._spawned else None, ANSWER_SECONDS,
+            answer = ANSWER_SECONDS if self.ready else IMPORT_SECONDS  # its imports come first
+            pid = self._await(lambda: self._spawned.pop(0) if self._spawned else None, answer,
                               gives_up=lambda: self.retired)  # it refused: it is retiring
         except OSError:
             pid = None

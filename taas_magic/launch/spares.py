@@ -109,6 +109,27 @@ def proportional_bytes(pid: int) -> int:
         return 0
 
 
+def gpu_bytes(spares: Sequence[Spare]) -> int | None:
+    """GPU memory ``spares`` (the GPU-bound ones) hold, their CUDA contexts, from ``nvidia-smi``;
+    None where it cannot tell (no nvidia-smi, or a PID namespace that hides the processes)."""
+    pids = {spare.process.pid for spare in spares}
+    if not pids:
+        return 0
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    used: dict[int, int] = {}
+    for line in listing.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            used[int(pid)] = used.get(int(pid), 0) + int(mib) * 2**20
+    return sum(used[pid] for pid in pids) if pids <= set(used) else None
+
+
 def bindings(count: int, gpus: int, host_gpus: int = 0) -> list[Binding]:
     """What rank ``k``'s spare is bound to: GPU ``k`` while ``k < gpus``, else the CPU (seeing
     none of the host's ``host_gpus``)."""
@@ -137,8 +158,9 @@ class SparePool:
 
     def take(self, wanted: Sequence[Binding]) -> list[Process | None]:
         """For each rank (wanting ``wanted[k]``), a spare that serves it, ready ones first, still
-        warming ones next; None where there is none (start that rank fresh). A warming spare is
-        taken rather than thrown away: its warm-up is already ahead of any fresh process's."""
+        warming ones next, then a fork of the factory (waiting for it while it imports); None
+        where there is none (start that rank fresh). A warming spare, and a factory still
+        importing, are waited for rather than passed over: they are ahead of any fresh process."""
         with self._lock:
             self._drop_dead()
             by_readiness = sorted(self.spares, key=lambda spare: not spare.ready)
@@ -149,7 +171,19 @@ class SparePool:
                     by_readiness.remove(match)
                     self.spares.remove(match)
                 taken.append(match.process if match is not None else None)
+            factory = self._serving_factory()
+            for rank, binding in enumerate(wanted):
+                if taken[rank] is None and factory is not None:
+                    taken[rank] = factory.spawn(binding, for_cell=True)
             return taken
+
+    def prepare(self) -> None:
+        """Start the factory now (the extension loads), so that the kernel's first cell forks its
+        ranks from it instead of starting fresh interpreters: by the time a person has written
+        a cell its imports are done, and even a cell sent at once waits only for what is left
+        of one import, not for one import per rank side by side."""
+        with self._lock:
+            self._factory(step=visible_gpu_count() == 0)
 
     def fill(self, wanted: Sequence[Binding], host_gpus: int = 0) -> None:
         """Keep exactly the spares ranks wanting ``wanted`` would take (on a host with ``host_gpus``
@@ -196,6 +230,14 @@ class SparePool:
                 return None  # spares start as fresh interpreters
         return current
 
+    def _serving_factory(self) -> SpareFactory | None:
+        """The factory, if it can fork for a launch now or once it has imported (alive, not
+        retired, under the kernel's frozen settings); none is started here."""
+        factory = self.factory
+        if factory is None or factory.broken or factory.retired or factory.settings != frozen_settings():
+            return None
+        return factory
+
     def forks_ready(self) -> bool:
         """Whether a spare started now is a fork of a ready factory (milliseconds, no import), not a
         fresh interpreter (seconds of CPU for its imports)."""
@@ -215,26 +257,6 @@ class SparePool:
 
     def gpu_bound(self) -> list[Spare]:
         return [spare for spare in self.spares if spare.gpu is not None]
-
-    def gpu_bytes(self) -> int | None:
-        """GPU memory the GPU-bound spares hold (their CUDA contexts), from ``nvidia-smi``;
-        None where it cannot tell (no nvidia-smi, or a PID namespace that hides the processes)."""
-        pids = {spare.process.pid for spare in self.gpu_bound()}
-        if not pids:
-            return 0
-        try:
-            listing = subprocess.run(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=10, check=True,
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        used: dict[int, int] = {}
-        for line in listing.splitlines():
-            pid, _, mib = line.partition(",")
-            if pid.strip().isdigit() and mib.strip().isdigit():
-                used[int(pid)] = used.get(int(pid), 0) + int(mib) * 2**20
-        return sum(used[pid] for pid in pids) if pids <= set(used) else None
 
     def close(self) -> None:
         """Stop the waiting spares; the factory retires (it leaves once what it forked has ended)."""

@@ -5,14 +5,15 @@ and the pool starts new spares the moment a cell's ranks are gone: a cell run ri
 another used to wait for that import. The kernel's pool (launch/factory.py) starts this
 process once, with OpenMP and OpenBLAS at one thread; it imports what a spare imports and,
 on a host without GPUs, takes the spare's first CPU training step (about 1 s of lazy
-imports and first-call set-up), and nothing else: no CUDA (a forked CUDA context is
+imports and first-call set-up; skipped when a cell's rank already waits for a fork, and each
+spare it forks then takes the step itself while idle), and nothing else: no CUDA (a forked CUDA context is
 broken, an imported CUDA library is not; on a GPU host even the CPU step would start the
 driver, so there each spare takes it). It stays single-threaded, and a fork of it is a
 warm spare in a few milliseconds, as ``multiprocessing``'s forkserver with preloaded modules is.
 
 Its requests and answers are messages on a ``SOCK_SEQPACKET`` socket (``--factory FD``):
 
-    kernel -> factory : {"gpu": K|None, "visible": V|None, "cwd": ...} with three fds:
+    kernel -> factory : {"gpu": K|None, "visible": V|None, "cwd": ..., "for_cell": B} with three fds:
                         the spare's stdin (read end), stdout and stderr (write ends)
     factory -> kernel : {"ready": true}                   its imports are done
                         {"spawned": PID}                  the spare asked for
@@ -64,7 +65,7 @@ def serve(control: socket.socket, step: bool) -> NoReturn:
         except Exception:  # noqa: BLE001 - a broken torch: each spare finds out and the cell says so
             break
     else:
-        if step:
+        if step and not _request_waiting(control):  # a cell's rank waits for its fork: no step first
             spare.first_step_taken = spare.first_step("cpu")
     if _threads() != 1:
         os._exit(3)  # a fork of a threaded process may inherit a held lock: the kernel starts spares fresh
@@ -154,6 +155,7 @@ def _become_spare(control: socket.socket, fds: list[int], request: dict) -> NoRe
             os.dup2(fd, target)
             os.close(fd)
         see_gpus(request.get("visible"))
+        spare.for_cell = bool(request.get("for_cell"))  # a cell's rank waits for it: no warm-up step
         os.chdir(request["cwd"])
         _fresh_randomness()
         gpu = request.get("gpu")
@@ -182,6 +184,11 @@ def see_gpus(visible: str | None) -> None:
     slice), or the factory's own (None)."""
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _request_waiting(control: socket.socket) -> bool:
+    """Whether a spawn request already waits (a cell's rank sent it while this process imported)."""
+    return bool(select.select([control], [], [], 0)[0])
 
 
 def _threads() -> int:

@@ -31,6 +31,7 @@ WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distri
 
 
 first_step_taken = False  # the factory took the first CPU step before forking this spare (factory.py)
+for_cell = False  # the factory forked this spare for a cell's rank that already waits for it (factory.py)
 namespace_ready = False  # a GPU spare for rank 1 or above entered its namespaces while single-threaded
 
 WAITING_NAME = b"taas-spare"  # the process name (comm) once warm and waiting; tools and tests tell spares by it
@@ -84,7 +85,10 @@ def warm_up(gpu: int | None = None) -> None:
 
 
 def cell_waiting(fd: int = 0) -> bool:
-    """Whether a cell took this spare while it was still warming (its handshake waits on stdin)."""
+    """Whether a cell took this spare while it was still warming (its handshake waits on stdin,
+    or is about to: the factory forked it for a cell's rank)."""
+    if for_cell:
+        return True
     try:
         return bool(select.select([fd], [], [], 0)[0])
     except (OSError, ValueError):

@@ -2,7 +2,8 @@
 
 What the pool and the launcher rely on: a forked spare is warm at once, leads its own
 session on its own pipes, and its exit code reaches the kernel through the factory (its
-parent); while the factory imports the pool starts spares the slow way; a retired factory
+parent); while the factory imports the pool starts spares the slow way, but a cell's rank with
+no spare waits for it and is a fork; a retired factory
 leaves once its last spare has ended, and one whose kernel side closes leaves at once.
 """
 
@@ -83,6 +84,48 @@ def test_while_the_factory_imports_the_pool_starts_fresh_spares_then_forks_them(
         pool.factory = _ready_factory()
         pool.fill([CPU, CPU])
         assert [type(spare.process) for spare in pool.spares] == [ForkedSpare, ForkedSpare]
+    finally:
+        pool.close()
+
+
+def _end(spare) -> None:
+    os.killpg(spare.pid, 9)
+    spare.wait(timeout=10)
+    reap(spare)
+
+
+def test_a_cells_ranks_with_no_spare_wait_for_the_importing_factory_and_are_its_forks():
+    """The extension starts the factory as it loads (``prepare``); a cell sent before its imports are
+    done takes forks of it, not fresh interpreters (which would each import torch again, side by
+    side), and those forks take no warm-up step: the cell is waiting for them."""
+    pool = SparePool()
+    taken = []
+    try:
+        pool.prepare()
+        assert pool.factory is not None and not pool.forks_ready()  # still importing
+        taken = pool.take([CPU, CPU])
+        assert [type(process) for process in taken] == [ForkedSpare, ForkedSpare]
+        for process in taken:
+            child = psutil.Process(process.pid)
+            assert child.ppid() == pool.factory.process.pid
+            assert _until(lambda: child.name() == "taas-spare"), child.name()
+            used = child.cpu_times()
+            assert used.user + used.system < 0.4, used  # no first training step (about 0.7 s of CPU here)
+    finally:
+        for process in taken:
+            if process is not None:
+                _end(process)
+        pool.close()
+
+
+def test_a_factory_that_dies_while_importing_leaves_the_cells_ranks_to_start_fresh():
+    pool = SparePool()
+    try:
+        pool.prepare()
+        assert pool.factory is not None
+        os.killpg(pool.factory.process.pid, 9)
+        assert pool.take([CPU]) == [None]  # the launcher starts rank 0 as a fresh interpreter
+        assert pool.factory is None or pool.factory.broken
     finally:
         pool.close()
 
