@@ -1,6 +1,6 @@
 """A cell's start, beside its floors: the three figures a release must not regress.
 
-    python bench/start.py [--kernels 5] [--warm 3] [--megabytes 200]
+    python bench/start.py [--kernels 5] [--warm 3] [--megabytes 200] [--cold-only] [--kernel python3|taas]
 
 Through real kernels (jupyter_client), ``--device cpu --gpus 2`` (gloo), the time a person
 waits: execute_request -> rank 0's first line on iopub. Per fresh kernel, in this order:
@@ -10,7 +10,11 @@ waits: execute_request -> rank 0's first line on iopub. Per fresh kernel, in thi
   kernel starts, so each cold cell has its own floor (the paired ratio);
 - cold: the kernel's first taas cell, a DDP cell whose first line is printed after its imports
   and before ``init_process_group``, as bench/launch.py's loop does (the method the figures of
-  earlier rounds were taken with); target: at most 0.95x its floor;
+  earlier rounds were taken with); target: at most 0.95x its floor. With ``--kernel python3``
+  (the default) the kernel is a plain one, the cell ``%load_ext taas_magic`` runs first and
+  the cold cell is sent the moment it replies (the spare factory, started as the extension
+  loads, has had no time at all); with ``--kernel taas`` it is the kernel "Python 3 (taas)",
+  which loads the extension as it starts, and the cell is sent the moment the kernel answers;
 - warm: the same cell 5 s after the last one replied (its warm spares ready), ``--warm``
   times per kernel; target: at most 0.04 s; beside it, as many cells printing their line
   after ``init_process_group`` (the process group made too: no target);
@@ -92,6 +96,10 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=5)
     parser.add_argument("--warm", type=int, default=3, help="warm cells per kernel")
     parser.add_argument("--megabytes", type=int, default=200)
+    parser.add_argument("--cold-only", action="store_true", help="only the floor and the cold cell, per kernel")
+    parser.add_argument("--kernel", choices=("python3", "taas"), default="python3",
+                        help="python3: `%%load_ext taas_magic` then the cold cell at once; taas: the kernel "
+                             "Python 3 (taas), which loads the extension as it starts, and the cell the moment it answers")
     args = parser.parse_args()
     rows: dict[str, list[float]] = {}
 
@@ -101,12 +109,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.kernels):
             floor = floor_seconds()
-            kernel = Kernel(cwd=tmp)
+            kernel = Kernel(args.kernel, load_ext=args.kernel == "python3", cwd=tmp)
             try:
                 add("floor: two parallel `import torch`", floor)
                 cold = first_line(kernel, DDP_CELL)
                 add("cold: a fresh kernel's first DDP cell", cold)
                 add("cold / its floor (paired)", cold / floor)
+                if args.cold_only:
+                    continue
                 for cell, name in ((DDP_CELL, "warm: a DDP cell 5 s after the last"),
                                    (DDP_INIT_CELL, "warm, its line after init_process_group")):
                     for _ in range(args.warm):

@@ -46,6 +46,10 @@ from taas_magic.rank.spare import WARM_MODULES, set_name
 FACTORY_NAME = b"taas-factory"
 FORKED_NAME = b"taas-warming"  # a forked spare until its warm-up ends (then taas-spare)
 MESSAGE_BYTES = 64 * 1024
+# what every fork imports next, between its fork and its rank's first line (the rank's runtime; numpy's
+# generator, which a fork reseeds; the codec a connection to "localhost" loads): about 40 ms a fork here,
+# on the critical path of a first cell whose ranks wait for their forks
+FORK_MODULES = ("taas_magic.rank.main", "numpy.random", "encodings.idna")
 EXIT_POLL_SECONDS = 0.05  # where no pidfd wakes the factory (an old kernel), how often it looks for exits
 
 
@@ -59,7 +63,7 @@ def serve(control: socket.socket, step: bool) -> NoReturn:
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))  # not Linux: its stdin's end-of-file alone
     if os.getppid() != kernel:
         os._exit(0)
-    for name in WARM_MODULES:
+    for name in (*WARM_MODULES, *FORK_MODULES):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a broken torch: each spare finds out and the cell says so
