@@ -1,6 +1,6 @@
 """A cell's start, beside its floors: the three figures a release must not regress.
 
-    python bench/start.py [--kernels 5] [--warm 3] [--megabytes 200] [--cold-only] [--kernel python3|taas]
+    python bench/start.py [--kernels 5] [--warm 3] [--megabytes 200] [--cold-only] [--kernel taas|python3]
 
 Through real kernels (jupyter_client), ``--device cpu --gpus 2`` (gloo), the time a person
 waits: execute_request -> rank 0's first line on iopub. Per fresh kernel, in this order:
@@ -10,11 +10,11 @@ waits: execute_request -> rank 0's first line on iopub. Per fresh kernel, in thi
   kernel starts, so each cold cell has its own floor (the paired ratio);
 - cold: the kernel's first taas cell, a DDP cell whose first line is printed after its imports
   and before ``init_process_group``, as bench/launch.py's loop does (the method the figures of
-  earlier rounds were taken with); target: at most 0.95x its floor. With ``--kernel python3``
-  (the default) the kernel is a plain one, the cell ``%load_ext taas_magic`` runs first and
-  the cold cell is sent the moment it replies (the spare factory, started as the extension
-  loads, has had no time at all); with ``--kernel taas`` it is the kernel "Python 3 (taas)",
-  which loads the extension as it starts, and the cell is sent the moment the kernel answers;
+  earlier rounds were taken with); target: at most 0.95x its floor. The kernel is "Python 3
+  (taas)", which loads the extension as it starts, and the cell is sent the moment it answers
+  (``--kernel taas``, the default); with ``--kernel python3`` it is a plain kernel, the cell
+  ``%load_ext taas_magic`` runs first and the cold cell is sent the moment that replies, so
+  the spare factory (started as the extension loads) has had no head start at all;
 - warm: the same cell 5 s after the last one replied (its warm spares ready), ``--warm``
   times per kernel; target: at most 0.04 s; beside it, as many cells printing their line
   after ``init_process_group`` (the process group made too: no target);
@@ -97,9 +97,10 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=3, help="warm cells per kernel")
     parser.add_argument("--megabytes", type=int, default=200)
     parser.add_argument("--cold-only", action="store_true", help="only the floor and the cold cell, per kernel")
-    parser.add_argument("--kernel", choices=("python3", "taas"), default="python3",
-                        help="python3: `%%load_ext taas_magic` then the cold cell at once; taas: the kernel "
-                             "Python 3 (taas), which loads the extension as it starts, and the cell the moment it answers")
+    parser.add_argument("--kernel", choices=("taas", "python3"), default="taas",
+                        help="taas: the kernel Python 3 (taas), which loads the extension as it starts, and the "
+                             "cold cell the moment it answers; python3: a plain kernel, `%%load_ext taas_magic`, "
+                             "then the cold cell the moment that replies")
     args = parser.parse_args()
     rows: dict[str, list[float]] = {}
 
@@ -138,7 +139,8 @@ def main() -> None:
         "warm: a DDP cell 5 s after the last": "target <= 0.040 s",
         f"capture {args.megabytes} MB / its floor (paired)": "target <= 1.20x",
     }
-    print(f"\nbench/start.py: --device cpu --gpus 2 (gloo), {os.cpu_count()} cores, {args.kernels} fresh kernels")
+    print(f"\nbench/start.py: --device cpu --gpus 2 (gloo), {os.cpu_count()} cores, {args.kernels} fresh kernels "
+          f"(--kernel {args.kernel})")
     print("| figure | median | (min, max) | samples | target |")
     print("|---|---|---|---|---|")
     for name, values in rows.items():
