@@ -1,9 +1,10 @@
 """The kernel's half of the spare factory (rank/factory.py): start it, ask it for spares, hear their exits.
 
-:class:`SpareFactory` starts ``python -m taas_magic.rank --spare --factory FD`` once; while
-it imports, :meth:`SpareFactory.spawn` says None and the pool starts a spare the slow way
-(a fresh interpreter), except for a cell's rank that has no spare: that request waits for
-the factory, whose imports are ahead of any fresh interpreter's. Once it is ready, a spare is a fork of it: the kernel makes the
+:class:`SpareFactory` starts ``python -m taas_magic.rank --spare --factory FD`` once (as the
+extension loads, or with the first spares); while it imports, :meth:`SpareFactory.spawn`
+says None and the pool starts a spare the slow way (a fresh interpreter), except for a
+cell's rank that has no spare: that request waits for the factory, whose imports are ahead
+of any fresh interpreter's. Once it is ready, a spare is a fork of it: the kernel makes the
 spare's three pipes, hands their far ends over the socket, and gets a :class:`ForkedSpare`,
 which the pool, the launcher and the stop ladder use as they use a ``subprocess.Popen``:
 ``pid``, the pipes, ``poll``, ``wait``. Its exit code comes from the factory, its parent.

@@ -6,9 +6,9 @@ another used to wait for that import. The kernel's pool (launch/factory.py) star
 process once, with OpenMP and OpenBLAS at one thread; it imports what a spare imports and,
 on a host without GPUs, takes the spare's first CPU training step (about 1 s of lazy
 imports and first-call set-up; skipped when a cell's rank already waits for a fork, and each
-spare it forks then takes the step itself while idle), and nothing else: no CUDA (a forked CUDA context is
-broken, an imported CUDA library is not; on a GPU host even the CPU step would start the
-driver, so there each spare takes it). It stays single-threaded, and a fork of it is a
+spare it forks then takes the step itself while idle), and nothing else: no CUDA (a forked
+CUDA context is broken, an imported CUDA library is not; on a GPU host even the CPU step
+would start the driver, so there each spare takes it). It stays single-threaded, and a fork of it is a
 warm spare in a few milliseconds, as ``multiprocessing``'s forkserver with preloaded modules is.
 
 Its requests and answers are messages on a ``SOCK_SEQPACKET`` socket (``--factory FD``):
@@ -63,12 +63,17 @@ def serve(control: socket.socket, step: bool) -> NoReturn:
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))  # not Linux: its stdin's end-of-file alone
     if os.getppid() != kernel:
         os._exit(0)
-    for name in (*WARM_MODULES, *FORK_MODULES):
+    for name in WARM_MODULES:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a broken torch: each spare finds out and the cell says so
             break
     else:
+        for name in FORK_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - numpy is optional: a fork imports what it needs itself
+                pass
         if step and not _request_waiting(control):  # a cell's rank waits for its fork: no step first
             spare.first_step_taken = spare.first_step("cpu")
     if _threads() != 1:
