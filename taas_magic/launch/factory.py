@@ -87,6 +87,10 @@ class SpareFactory:
                               gives_up=lambda: self.retired)  # it refused: it is retiring
         except OSError:
             pid = None
+        except BaseException:  # interrupted while it imports: a fork it makes later finds its stdin closed and leaves
+            for fd in mine:
+                os.close(fd)
+            raise
         finally:
             for fd in theirs:
                 os.close(fd)

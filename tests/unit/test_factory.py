@@ -118,6 +118,33 @@ def test_a_cells_ranks_with_no_spare_wait_for_the_importing_factory_and_are_its_
         pool.close()
 
 
+def test_a_cells_wait_for_an_importing_factory_interrupted_leaves_no_spare_behind():
+    """An interrupt while a cell's rank waits for the factory's imports: the request was sent, so
+    the factory forks that spare once it has imported; its stdin is already closed and it leaves."""
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    factory = SpareFactory({**os.environ, **SINGLE_THREADED}, frozen_settings(), step=False)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # well inside its import of torch
+        with pytest.raises(Interrupted):
+            factory.spawn(CPU, for_cell=True)
+        # it imports, forks the spare asked for, and that spare finds its stdin closed and leaves
+        assert _until(lambda: factory.collect() or factory.exits, timeout=60), "no spare was forked and left"
+        assert not psutil.Process(factory.process.pid).children()
+        assert factory.alive() and not factory.broken
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        factory.close()
+
+
 def test_a_factory_that_dies_while_importing_leaves_the_cells_ranks_to_start_fresh():
     pool = SparePool()
     try:
