@@ -56,7 +56,11 @@ from taas_magic.output.relay import Publish, publisher
 from taas_magic.protocol import ClearOutput, Display
 
 CONTROL_TARGET = "jupyter.widget.control"
-PROBE_WAIT_SECONDS = 0.3
+# a page answers in a few hundred ms on a quiet machine; with the spare factory importing torch beside the
+# kernel's and the browser's work on 2 cores (the extension starts it as it loads), a 0.3 s wait missed a
+# page's answer once in 30 runs of the browser test. Only a run from a page's cell this soon after loading
+# ever waits, and only its view does
+PROBE_WAIT_SECONDS = 2.0
 WIDGET_PROTOCOL = "2.1.0"  # ipywidgets' comm protocol, as its models are opened
 MID_CELL_IPYKERNEL = "7.4"  # the first ipykernel that answers comm messages while a coroutine cell waits
 _PROBE_MODULE = "export default { initialize({ model }) { model.send({ hello: 1 }); } };"
