@@ -65,6 +65,11 @@ class SpareFactory:
             theirs.close()
         self._control.setblocking(False)
 
+    def serves(self, settings: dict[str, str]) -> bool:
+        """Whether it forks (now, or once it has imported) for a kernel whose frozen settings are
+        ``settings``: not broken, not retired, and started under those settings."""
+        return not (self.broken or self.retired) and self.settings == settings
+
     def spawn(self, binding: Binding, for_cell: bool = False) -> ForkedSpare | None:
         """A forked spare with its ``binding`` (its GPU, and the ``CUDA_VISIBLE_DEVICES`` it sets
         before CUDA starts), or None if it broke (start one the slow way). While the factory

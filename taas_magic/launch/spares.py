@@ -220,7 +220,7 @@ class SparePool:
         settings, else a new one (the old one retired)."""
         self._release_retired()
         current = self.factory
-        if current is not None and (current.broken or not current.alive() or current.settings != frozen_settings()):
+        if current is not None and not (current.serves(frozen_settings()) and current.alive()):
             self._retire_factory()
             current = None
         if current is None:
@@ -234,9 +234,7 @@ class SparePool:
         """The factory, if it can fork for a launch now or once it has imported (alive, not
         retired, under the kernel's frozen settings); none is started here."""
         factory = self.factory
-        if factory is None or factory.broken or factory.retired or factory.settings != frozen_settings():
-            return None
-        return factory
+        return factory if factory is not None and factory.serves(frozen_settings()) else None
 
     def forks_ready(self) -> bool:
         """Whether a spare started now is a fork of a ready factory (milliseconds, no import), not a
@@ -245,7 +243,7 @@ class SparePool:
         if factory is None:
             return False
         factory.collect()  # it says "ready" once, when its imports are done
-        return factory.ready and not (factory.broken or factory.retired) and factory.settings == frozen_settings()
+        return factory.ready and factory.serves(frozen_settings())
 
     def resident_bytes(self) -> int:
         """What keeping the spares costs in memory: theirs and the factory's, each process's
