@@ -1,10 +1,14 @@
-"""Attaching the kernel to a Ray cluster, and what the cluster has (``%taas cluster``).
+"""Attaching the kernel to a cluster, and what the cluster has (``%taas cluster``).
 
-``%taas cluster ADDRESS`` takes anything ``ray.init(address=...)`` accepts (``HOST:PORT``,
-``ray://HOST:PORT``, ``auto``); ``$TAAS_CLUSTER`` does the same when the extension loads.
-``%taas cluster local`` detaches (the kernel's Ray driver is shut down) and cells run as
-local processes again. Ray is imported only here and in ``launch/ray.py``, only once a
-cluster is asked for: the local mode never needs it.
+Two engines: Ray and Slurm. ``%taas cluster ADDRESS`` takes anything ``ray.init(address=...)``
+accepts (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); ``%taas cluster slurm [OPTIONS]`` holds a
+Slurm allocation (launch/slurm/allocation.py); ``$TAAS_CLUSTER`` (an address, or ``slurm``: the
+job the kernel runs inside) does the same when the extension loads. ``%taas cluster off`` (or
+``local``) detaches and cells run as local processes again. Ray is imported only here and in
+``launch/ray.py``, only once a Ray cluster is asked for: the local mode never needs it.
+
+Either attachment is an :class:`Attachment`: its nodes, a run's backend on it, its status
+lines, and letting go of it; nothing above asks which engine it is.
 """
 
 from __future__ import annotations
@@ -14,13 +18,30 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from taas_magic.errors import ClusterError
 from taas_magic.launch.placement import Node
 
+if TYPE_CHECKING:
+    from taas_magic.launch.backend import Backend
+
 ENV_VAR = "TAAS_CLUSTER"
 INSTALL_HINT = 'the cluster mode needs Ray: pip install "taas-magic[ray]"'
+
+
+class Attachment(Protocol):
+    """What the session holds when a cluster is attached (a Ray :class:`Cluster`, or a Slurm
+    allocation: launch/slurm/allocation.py's ``Allocation``)."""
+
+    def nodes(self) -> list[Node]: ...
+
+    def place(self, gpus: int, per_host: int | None, wait: float) -> "Backend":
+        """A run's backend on the cluster, its resources held; raises LaunchError, holding nothing."""
+
+    def status_lines(self) -> list[str]: ...
+
+    def detach(self) -> None: ...
 
 
 def import_ray() -> Any:
@@ -58,6 +79,11 @@ class Cluster:
         except Exception as exc:  # noqa: BLE001 - Ray raises many types for an unreachable cluster
             raise ClusterError(f"taas: could not attach to the Ray cluster at {address!r}: {exc}") from None
         return cls(address, ray, ray.get_runtime_context().get_node_id())
+
+    def place(self, gpus: int, per_host: int | None, wait: float) -> "Backend":
+        from taas_magic.launch.backend import ClusterBackend
+
+        return ClusterBackend.place(self, gpus, per_host, wait)
 
     def detach(self) -> None:
         if self.ray.is_initialized():

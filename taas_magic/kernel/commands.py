@@ -1,5 +1,5 @@
 """``%taas`` line commands: ``help``, ``status``, ``config repo PATH``, ``config isolation
-auto|overlay|python``, ``warm off|auto|N``, ``cluster ADDRESS|local``; the runs' (runcommands.py);
+auto|overlay|python``, ``warm off|auto|N``, ``cluster [ADDRESS|slurm [OPTIONS]|off]``; the runs' (runcommands.py);
 ``trials`` and ``study``, the last search's.
 
 :func:`run` reads one command line and applies it to the session's state (kernel/session.py),
@@ -22,7 +22,7 @@ from taas_magic.cell.pragma import shown_defaults
 from taas_magic.errors import ClusterError
 from taas_magic.feed import registry
 from taas_magic.kernel import runcommands
-from taas_magic.kernel.cluster import Cluster
+from taas_magic.kernel.cluster import Attachment, Cluster
 from taas_magic.kernel.dataplane import describe_registered
 from taas_magic.kernel.search import SearchRun, trials_table
 from taas_magic.kernel.session import Session
@@ -68,8 +68,8 @@ def run(line: str, session: Session, settings: MagicSettings) -> object:
         _set_isolation(session, words[2])
     elif words[:1] == ["warm"] and len(words) == 2:
         _set_warm(session, settings, words[1])
-    elif words[:1] == ["cluster"] and len(words) == 2:
-        _attach(session, words[1])
+    elif words[:1] == ["cluster"]:
+        _cluster(session, command[len("cluster"):].strip())
     elif command == "help":
         print(help_text())
     elif command == "status":
@@ -124,23 +124,66 @@ def _set_warm(session: Session, settings: MagicSettings, text: str) -> None:
         print("taas: after each cell, keeping as many warm spares as its --gpus")
 
 
-def _attach(session: Session, address: str) -> None:
-    """``%taas cluster ADDRESS|local``."""
-    if address == "local":
-        if session.cluster is not None:
-            session.cluster.detach()
-            session.cluster = None
+def _cluster(session: Session, given: str) -> None:
+    """``%taas cluster`` (what is attached) | ``ADDRESS`` (Ray) | ``slurm [OPTIONS]`` | ``off`` (or ``local``)."""
+    if not given:
+        print("\n".join(session.cluster.status_lines()) if session.cluster is not None
+              else "cluster: none (local processes); %taas cluster ADDRESS attaches a Ray cluster, "
+                   "%taas cluster slurm [OPTIONS] a Slurm allocation")
+        return
+    if given in ("off", "local"):
+        _detach(session)
         print("taas: local mode (ranks are processes on this host)")
         return
-    try:
-        attached = Cluster.attach(address)  # an unreachable address fails before the current one is let go
-    except ClusterError:
-        if session.cluster is not None and not session.cluster.ray.is_initialized():
-            session.cluster = None  # Ray let go of it before failing: the local mode now
-        raise
+    if given.split()[0] == "slurm":
+        attached: Attachment = hold_allocation(given[len("slurm"):].strip())  # the current one stays until this one holds
+        _detach(session)
+    else:
+        try:
+            attached = Cluster.attach(given)  # an unreachable address fails before the current one is let go
+        except ClusterError:
+            if isinstance(session.cluster, Cluster) and not session.cluster.ray.is_initialized():
+                session.cluster = None  # Ray let go of it before failing: the local mode now
+            raise
+        if not isinstance(session.cluster, Cluster):
+            _detach(session)
     session.cluster = attached
-    session.spares.close()  # the cluster's agents start fresh ranks; local spares only hold memory
-    print("taas: attached; " + "\n".join(session.cluster.status_lines()))
+    session.spares.close()  # the cluster's nodes start fresh ranks; local spares only hold memory
+    print("taas: attached; " + "\n".join(attached.status_lines()))
+
+
+def _detach(session: Session) -> None:
+    if session.cluster is not None:
+        cluster, session.cluster = session.cluster, None
+        cluster.detach()
+
+
+def hold_allocation(options: str) -> Attachment:
+    """``%taas cluster slurm [OPTIONS]``: the job this kernel runs inside when no option is given
+    and there is one, else a new allocation, its queue state shown live in the cell while it waits."""
+    from IPython.display import display
+
+    from taas_magic.launch.slurm import slurmcli
+    from taas_magic.launch.slurm.allocation import Allocation, AllocationRequest
+
+    why = slurmcli.missing()
+    if why is not None:
+        raise ClusterError(f"taas: {why}")
+    request = AllocationRequest.parse(options)
+    if request.empty and os.environ.get("SLURM_JOB_ID"):
+        return Allocation.current()
+    shown: list = []
+
+    def show(line: str) -> None:
+        if not shown:
+            shown.append(display({"text/plain": line}, raw=True, display_id=True))
+        else:
+            shown[0].update({"text/plain": line}, raw=True)
+
+    try:
+        return Allocation.request(request, show)
+    except KeyboardInterrupt:
+        raise ClusterError("taas: interrupted while the allocation was queued: it was cancelled, nothing is held") from None
 
 
 def _status(session: Session, settings: MagicSettings) -> None:

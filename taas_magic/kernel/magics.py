@@ -39,7 +39,7 @@ from taas_magic.kernel.searchplan import plan_search
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import VALIDATED, Warm, option_trait, refuse
 from taas_magic.kernel.views import Started, Viewing, show_run
-from taas_magic.launch.backend import Backend, ClusterBackend, GpuSlice, LocalBackend
+from taas_magic.launch.backend import Backend, GpuSlice, LocalBackend
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.launch.spares import SparePool
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
@@ -170,7 +170,7 @@ class TaasMagics(Magics):
         """Where a run's ranks go; a search's trial on ``slot`` of ``slots`` on GPUs gets its own slice of them."""
         cluster = self.session.cluster
         if cluster is not None:
-            return ClusterBackend.place(cluster, settings.gpus, settings.per_host, settings.place_timeout)
+            return cluster.place(settings.gpus, settings.per_host, settings.place_timeout)
         side_by_side = slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count() > 0
         spares = None if self._warm.off else self.spares
         return LocalBackend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots), settings.device,
@@ -179,7 +179,7 @@ class TaasMagics(Magics):
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str) -> object:
         """``%taas help`` | ``status`` | ``runs`` | ``attach|wait|stop [RUN]`` | ``config repo PATH`` |
-        ``config isolation auto|python`` | ``warm off|auto|N`` | ``cluster ADDRESS|local``."""
+        ``config isolation auto|python`` | ``warm off|auto|N`` | ``cluster [ADDRESS|slurm [OPTIONS]|off]``."""
         settings = commands.MagicSettings(self.warm, self._set_warm, self._session(), self._shell.user_ns,
                                           self._viewing, self._take)
         return commands.run(line, self.session, settings)

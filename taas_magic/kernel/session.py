@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from taas_magic.errors import ClusterError
 from taas_magic.kernel.background import Runs
-from taas_magic.kernel.cluster import Cluster, address_from_environment
+from taas_magic.kernel.cluster import Attachment, Cluster, address_from_environment
 from taas_magic.kernel.settings import Warm
 from taas_magic.kernel.status import LastRun
 from taas_magic.launch.spares import SparePool
@@ -29,7 +29,7 @@ class Session:
     spares: SparePool = field(default_factory=SparePool)
     repository: str | None = None  # %taas config repo PATH
     isolation: str = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
-    cluster: Cluster | None = None  # %taas cluster ADDRESS, or $TAAS_CLUSTER at load
+    cluster: Attachment | None = None  # %taas cluster ADDRESS|slurm, or $TAAS_CLUSTER at load
     last_run: LastRun | None = None
     runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/background.py)
 
@@ -44,7 +44,7 @@ class Session:
         address = address_from_environment()
         if address is not None:
             try:
-                session.cluster = Cluster.attach(address)
+                session.cluster = _attach_at_load(address)
             except ClusterError as exc:  # the extension still loads: the local mode works
                 print(f"{exc} ($TAAS_CLUSTER); cells run as local processes", file=sys.stderr)
         if warm.count is None and not warm.off and session.cluster is None:
@@ -55,3 +55,12 @@ class Session:
         """The write rule for a cell run now: the repository holding the working directory (or the
         one set), and the isolation set."""
         return choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
+
+
+def _attach_at_load(address: str) -> Attachment:
+    """``$TAAS_CLUSTER``: a Ray address, or ``slurm``: the Slurm job the kernel runs inside."""
+    if address == "slurm":
+        from taas_magic.launch.slurm.allocation import Allocation
+
+        return Allocation.current()
+    return Cluster.attach(address)

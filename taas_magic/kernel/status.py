@@ -14,6 +14,8 @@ LINE_COMMANDS = (
     ("%taas config repo PATH", "set the repository (default: $TAAS_REPO, the git work tree, the cwd)"),
     ("%taas config isolation auto|overlay|python", "how other ranks' writes are diverted (auto: overlay where possible)"),
     ("%taas cluster ADDRESS|local", "run ranks on a Ray cluster (ray.init address), or back to this host"),
+    ("%taas cluster slurm [OPTIONS]", "hold a Slurm allocation (salloc options; none: the job this kernel runs in)"),
+    ("%taas cluster", "what is attached: its nodes, GPUs, time left; off releases it"),
     ("%taas warm off|auto|N", "warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus"),
     ("%taas runs", "this kernel's runs: state, ranks, start time, last line"),
     ("%taas attach [RUN]", "show a run's live view here: what it showed so far, then live until it ends"),

@@ -1,0 +1,12 @@
+"""The Slurm engine: a held allocation, and each cell one ``srun`` step in it.
+
+- ``slurmcli.py``: Slurm's own commands (``squeue``, ``scontrol``, ``scancel``), run and read;
+- ``allocation.py``: the allocation the session holds (``salloc`` with a lifeline), or the
+  one the kernel runs inside; its nodes, GPUs and time left; its queue state while it waits;
+- ``step.py``: one attempt's ranks as one ``srun`` step, its tasks' output and exits back
+  through the kernel's output hub, as the Ray engine's agents send theirs (launch/ray.py);
+- ``task.py``: what each task of the step runs (``python -m taas_magic.launch.slurm.task``):
+  it says where Slurm put it, takes its rank's plan, and starts and serves the rank with the
+  local machinery (launch/agent.py's HostAgent);
+- ``backend.py``: the run's :class:`~taas_magic.launch.backend.Backend` on an allocation.
+"""

@@ -1,0 +1,172 @@
+"""One task of a cell's ``srun`` step: ``python -m taas_magic.launch.slurm.task``.
+
+Slurm starts one per rank, wherever it placed them. Each task:
+
+1. reads the kernel's output hub (host, port, the run's key) on its stdin, which ``srun
+   --input=all`` gives every task, and which then stays its lifeline: when the kernel's
+   ``srun`` ends, stdin ends, and the task stops its rank and leaves;
+2. connects its command channel (the run's key proven) and says where Slurm put it:
+   ``SLURM_PROCID`` (its RANK), ``SLURM_LOCALID``, ``SLURM_NODEID``, the node, the GPU Slurm
+   bound to it, the address the kernel reached it from, and, task 0, a port reserved for the
+   rendezvous on its node;
+3. receives its rank's plan (environment, working folder, handshake, place, autopsy file),
+   made by the kernel from every task's answer (launch/slurm/step.py), and starts the rank
+   with the local machinery (launch/agent.py's HostAgent: a fresh ``python -m taas_magic.rank``
+   in its own session, its output pumped to the hub, its exit code sent after its output);
+4. serves the kernel's commands until told to end: ``stop`` (the INT -> TERM -> KILL
+   ladder), ``stacks`` (the hang autopsy, read on this node), ``end``.
+
+Nothing of the task outlives the step: it exits when its rank is reaped, and Slurm's step
+ends with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+from taas_magic import wire
+from taas_magic.peers import STREAMS
+
+COMMAND = (sys.executable, "-m", "taas_magic.launch.slurm.task")
+
+
+@dataclass(frozen=True)
+class StepChannels:
+    """The hub's channels for a step of ``tasks`` tasks: each rank's stdout and stderr, then each
+    task's exit channel (launch/agent.py's control channel), then each task's command channel."""
+
+    tasks: int
+
+    def __len__(self) -> int:
+        return (len(STREAMS) + 2) * self.tasks
+
+    @staticmethod
+    def stream(rank: int, stream: str) -> int:
+        return len(STREAMS) * rank + STREAMS.index(stream)
+
+    def exits(self, task: int) -> int:
+        return len(STREAMS) * self.tasks + task
+
+    def command(self, task: int) -> int:
+        return (len(STREAMS) + 1) * self.tasks + task
+
+
+def where_slurm_put_me(address: str, master_port: int | None) -> dict:
+    """This task's hello: Slurm's own variables, and what the kernel needs to plan its rank."""
+    env = os.environ
+    return {
+        "task": int(env["SLURM_PROCID"]),
+        "local": int(env.get("SLURM_LOCALID", "0")),
+        "node_index": int(env.get("SLURM_NODEID", "0")),
+        "node": env.get("SLURMD_NODENAME") or socket.gethostname(),
+        "tasks": int(env.get("SLURM_NTASKS") or env.get("SLURM_STEP_NUM_TASKS") or "1"),
+        "step": f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}",
+        "gpus": env.get("CUDA_VISIBLE_DEVICES"),
+        "address": address,
+        "master_port": master_port,
+        "pid": os.getpid(),
+    }
+
+
+def rank_env(planned: dict[str, str], visible: str | None) -> dict[str, str]:
+    """The rank's environment: the kernel's plan, with this task's Slurm variables (not the
+    kernel's) and the node's GPUs in local-task order, so LOCAL_RANK indexes this task's own."""
+    env = {name: value for name, value in planned.items() if not name.startswith("SLURM")}
+    env.update({name: value for name, value in os.environ.items() if name.startswith("SLURM")})
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return env
+
+
+class Task:
+    """The task's side of the command channel, and its rank under a HostAgent."""
+
+    def __init__(self, hub: wire.Handshake):
+        from taas_magic.launch.agent import HostAgent, connect_channel
+
+        self.hub = hub
+        self.task = int(os.environ["SLURM_PROCID"])
+        self.channels = StepChannels(int(os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_STEP_NUM_TASKS") or "1"))
+        self.sock = connect_channel(hub, self.channels.command(self.task))
+        self.reader = self.sock.makefile("rb")
+        self.agent = HostAgent()
+        self.port: socket.socket | None = None
+
+    def send(self, message: dict) -> None:
+        self.sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def hello(self) -> None:
+        from taas_magic.launch.rankenv import reserve_port
+
+        address = self.sock.getsockname()[0]
+        if self.task == 0:
+            self.port = reserve_port(address)  # rank 0's store binds it (SO_REUSEADDR); held meanwhile
+        self.send(where_slurm_put_me(address, self.port.getsockname()[1] if self.port is not None else None))
+
+    def start(self) -> None:
+        from taas_magic.launch.base import LaunchPlan
+
+        line = self.reader.readline()
+        if not line:
+            raise ConnectionError("the kernel closed the command channel before sending the plan")
+        plan = json.loads(line)
+        env = rank_env(plan["env"], plan.get("visible"))
+        launch = LaunchPlan(1, [env], plan["cwd"], plan["handshake"], [wire.Placement.parse(plan["place"])],
+                            [plan["stack_file"]] if plan.get("stack_file") else [])
+        self.agent.start(launch, self.task, self.hub, self.channels.exits(self.task),
+                         command=tuple(plan["command"]) if plan.get("command") else None, dirs=tuple(plan.get("dirs", ())))
+        if self.port is not None:
+            self.port.close()
+
+    def serve(self) -> None:
+        """The kernel's commands, one JSON line each, answered in order, until ``end`` (or the channel ends)."""
+        for line in self.reader:
+            command = json.loads(line)
+            what = command["do"]
+            if what == "stop":
+                self.send({"signals": self.agent.stop(command.get("graceful", True))})
+            elif what == "stacks":
+                self.send({"stacks": {str(k): v for k, v in self.agent.stacks(command["ranks"]).items()}})
+            elif what == "end":
+                break
+        self.agent.close()
+        try:
+            self.send({"ended": True})
+        except OSError:
+            pass
+
+
+def _watch_stdin(task: Task) -> None:
+    """srun's stdin is the lifeline: once it ends (the kernel's srun is gone), the rank is stopped."""
+    try:
+        sys.stdin.buffer.read()
+    except OSError:
+        pass
+    task.agent.close()
+    os._exit(0)
+
+
+def main() -> int:
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # the kernel's srun went away before it said anything
+    task = Task(wire.Handshake.parse(line))
+    threading.Thread(target=_watch_stdin, args=(task,), name="taas-lifeline", daemon=True).start()
+    try:
+        task.hello()
+        task.start()
+        task.serve()
+    except (ConnectionError, OSError) as exc:
+        print(f"taas: slurm task {task.task}: {exc}", file=sys.stderr)
+        task.agent.close()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
