@@ -63,12 +63,11 @@ class SlurmStep:
         count = plan.world_size
         channels = StepChannels(count)
         hub = OutputHub(listen_host, key, len(channels))
-        srun_command = ["srun", f"--jobid={job_id}", f"--ntasks={count}", "--input=all", "--kill-on-bad-exit=0",
-                        "--overlap", "--quiet"]
+        srun_command = ["srun", f"--jobid={job_id}", f"--ntasks={count}", "--input=all", "--kill-on-bad-exit=0", "--quiet"]
         if gpus:
-            srun_command.append("--gpus-per-task=1")
+            srun_command.append("--gpus-per-task=1")  # steps side by side (a search's trials) get GPUs of their own
         else:
-            srun_command.append("--gres=none")
+            srun_command += ["--gres=none", "--overlap"]  # data workers share the CPUs with the ranks' step
         if exclude:
             srun_command.append(f"--exclude={','.join(sorted(exclude))}")
         srun = subprocess.Popen([*srun_command, *COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

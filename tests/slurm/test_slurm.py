@@ -1,0 +1,235 @@
+"""The Slurm engine on a real multi-node Slurm on this machine (tests/slurm/minislurm.py).
+
+Three nodes of 2 fake GPUs each (GPU GRES over ``mknod`` devices: Slurm binds and hands out
+``CUDA_VISIBLE_DEVICES`` as on a real cluster; the ranks compute on CPU with gloo). One kernel
+holds a 2-node allocation for the module (``%taas cluster slurm --nodes 2 --gpus-per-node 2``);
+the tests that queue, kill a kernel, lose a node or run inside a job make allocations of their
+own. After each test no task, rank or keeper of this test process is left on any node, and the
+shared allocation has no step running.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from tests.kernel_client import Kernel, started_here, wait_until_gone
+
+pytestmark = pytest.mark.slurm
+
+
+def cell_processes(keepers: bool = False) -> list[psutil.Process]:
+    """Tasks and ranks on any node (all are this machine) started by this test process; the
+    keepers (and their salloc) too when asked (an allocation held is not a cell's)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        if not started_here(proc):
+            continue
+        line = " ".join(proc.info["cmdline"] or [])
+        if "--spare" in line and proc.info["name"] != "taas-rank":
+            continue  # the local mode's warm spares, kept on purpose
+        if "taas_magic.rank" in line or "taas_magic.launch.slurm.task" in line or "taas_magic.feed.worker" in line:
+            found.append(proc)
+        elif keepers and ("taas_magic.launch.slurm.allocation" in line or proc.info["name"] == "salloc"):
+            found.append(proc)
+    return found
+
+
+def keepers_of(kernel: Kernel) -> list[psutil.Process]:
+    """The kernel's allocation keepers and their salloc."""
+    return [proc for proc in psutil.Process(kernel.pid).children(recursive=True)
+            if "taas_magic.launch.slurm.allocation" in " ".join(proc.cmdline()) or proc.name() == "salloc"]
+
+
+def steps(slurm, job: str) -> list[str]:
+    out = slurm.run("squeue", "-h", "-s", "-j", job, "-o", "%i %j", check=False)
+    return [line for line in out.splitlines() if line.strip() and not line.split()[0].endswith((".extern", ".interactive"))]
+
+
+def job_of(kernel: Kernel) -> str:
+    return re.search(r"Slurm job (\d+)", kernel.execute("%taas cluster").stream()).group(1)
+
+
+@pytest.fixture(scope="module")
+def attached(slurm, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    kernel = Kernel(cwd=str(repo), env={"SLURM_CONF": str(slurm.conf)})
+    ran = kernel.execute("%taas cluster slurm --nodes 2 --gpus-per-node 2 --time 30", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert ran.stream().startswith("taas: attached; cluster: Slurm job"), ran.stream()
+    kernel.repo = repo
+    yield kernel
+    job = job_of(kernel)
+    kernel.shutdown()
+    deadline = time.monotonic() + 30
+    while any(line.startswith(job + " ") for line in slurm.jobs()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(line.startswith(job + " ") for line in slurm.jobs()), slurm.jobs()  # shutdown gave it back
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_any_node():
+    yield
+    alive = wait_until_gone(cell_processes(), timeout=15)
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+ACROSS_NODES = """\
+#pragma taas --gpus 4 --output all
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("nccl", init_method="env://")
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID",
+         "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS")
+print("env", *(f"{k}={os.environ.get(k)}" for k in names), flush=True)
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+if dist.get_rank() == 0:
+    print("streamed before the end", flush=True)
+    time.sleep(1.5)
+total = total.item()
+dist.destroy_process_group()
+total
+"""
+
+
+def test_four_ranks_over_two_nodes_all_reduce_and_bind_names(attached, slurm):
+    msg_id, started = attached.submit(ACROSS_NODES)
+    before = attached.wait_for_stream(msg_id, "[rank 0] streamed before the end", timeout=120)
+    streamed_at = time.monotonic() - started
+    ran = attached.collect(msg_id, started)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert streamed_at < ran.reply_at - 1.0  # live, while rank 0 still slept: not from a log file afterwards
+    out = "".join(m.content["text"] for m in before if m.type == "stream" and m.content["name"] == "stdout")
+    out += ran.stream("stdout")
+    envs = {int(rank): dict(pair.split("=", 1) for pair in rest.split())
+            for rank, rest in re.findall(r"\[rank (\d)\] env (.*)", out)}
+    assert sorted(envs) == [0, 1, 2, 3], out
+    nodes = {env["SLURMD_NODENAME"] for env in envs.values()}
+    assert len(nodes) == 2, out  # more GPUs than one node has: two nodes
+    for rank, env in envs.items():
+        assert env["RANK"] == env["SLURM_PROCID"] == str(rank)  # Slurm's own numbering
+        assert env["LOCAL_RANK"] == env["SLURM_LOCALID"] and env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2"
+        # the node's GPUs as Slurm bound them to its tasks, in local order: cuda:LOCAL_RANK is this task's own
+        assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] == env["SLURM_STEP_GPUS"], env
+        assert sorted(env["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"], env
+    assert ran.result["text/plain"] == "10.0"  # the all-reduce of 1+2+3+4 across both nodes
+    assert attached.execute("print(total)").stream("stdout").strip() == "10.0"
+    assert steps(slurm, job_of(attached)) == []  # the cell's step ended with it
+
+
+def test_gpus_auto_is_every_gpu_of_the_allocation(attached):
+    ran = attached.execute("#pragma taas --gpus auto\nimport os\nint(os.environ['WORLD_SIZE'])", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert ran.result["text/plain"] == "4"
+
+
+def test_a_failing_rank_is_named_with_its_node(attached):
+    ran = attached.execute(
+        "#pragma taas --gpus 4\nimport os, time\n"
+        "if os.environ['RANK'] == '3':\n    raise ValueError('bad shard on ' + os.environ['SLURMD_NODENAME'])\ntime.sleep(60)",
+        timeout=120,
+    )
+    assert ran.reply["status"] == "error"
+    text = ran.error_text()
+    node = re.search(r"bad shard on (node\d)", text).group(1)
+    assert f"rank 3 on {node} raised ValueError: bad shard on {node}" in text, text
+
+
+def test_more_gpus_than_the_allocation_fails_at_once(attached):
+    ran = attached.execute("#pragma taas --gpus 6\nprint('never')")
+    assert ran.reply["status"] == "error"
+    assert "--gpus 6 cannot be placed: Slurm job" in ran.error_text() and "has 4 GPU(s)" in ran.error_text()
+    assert "never" not in ran.stream()
+
+
+def test_interrupt_ends_every_rank_of_the_step_within_3_s(attached, slurm):
+    msg_id, started = attached.submit("#pragma taas --gpus 4\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)")
+    attached.wait_for_stream(msg_id, "sleeping", timeout=120)
+    ranks = cell_processes()
+    assert len([p for p in ranks if "-m taas_magic.rank" in " ".join(p.cmdline()) and p.name() != "taas-watchdog"]) == 4
+    interrupted = time.monotonic()
+    attached.manager.interrupt_kernel()
+    ran = attached.collect(msg_id, started, timeout=60)
+    alive = wait_until_gone(ranks, timeout=10)
+    gone_after = time.monotonic() - interrupted
+    assert ran.reply["status"] == "error" and ran.error["ename"] == "KeyboardInterrupt"
+    assert not alive and gone_after < 3.0, (gone_after, alive)
+    assert steps(slurm, job_of(attached)) == []  # the step is over in Slurm too
+    again = attached.execute("#pragma taas --gpus 4\n__import__('os').environ['WORLD_SIZE']", timeout=120)
+    assert again.result["text/plain"] == "'4'"  # the GPUs were free again at once
+
+
+def test_rank_1_writes_are_diverted_on_its_node(attached):
+    ran = attached.execute(
+        "#pragma taas --gpus 2\nimport os\nopen(f\"made-by-{os.environ['RANK']}.txt\", 'w').write('x')", timeout=120
+    )
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert (attached.repo / "made-by-0.txt").exists()
+    assert not (attached.repo / "made-by-1.txt").exists()
+    assert "rank 1" in ran.stream("stderr") and "made-by-1.txt" in ran.stream("stderr"), ran.stream()
+
+
+def test_timeout_shows_every_ranks_stack(attached):
+    ran = attached.execute(
+        "#pragma taas --gpus 4 --timeout 4\nimport os, time\n"
+        "def wait_here():\n    time.sleep(60)\n"
+        "if os.environ['RANK'] in ('0', '3'):\n    wait_here()",
+        timeout=120,
+    )
+    assert ran.error["ename"] == "RunTimeout", ran.error_text()
+    text = ran.error_text() + ran.stream()
+    assert "ranks still running: 0, 3. Every rank was stopped." in text
+    assert text.count("wait_here") >= 2, text  # the autopsy read both ranks' stacks on their nodes
+
+
+DATA_CELL = """\
+#pragma taas --gpus 2 --cpus 2 --output all
+import os
+seen = sorted(int(batch[0, 0]) for batch in loader)
+print("seen", os.environ["RANK"], len(seen), flush=True)
+"""
+
+
+def test_data_workers_run_as_slurm_tasks(attached):
+    setup = attached.execute(
+        "import taas, torch\n"
+        "loader = torch.utils.data.DataLoader(torch.arange(40.0).repeat_interleave(3).reshape(40, 3), batch_size=1)\n"
+        "taas.register(loader)"
+    )
+    assert setup.reply["status"] == "ok", setup.error_text()
+    try:
+        ran = attached.execute(DATA_CELL, timeout=180)
+    finally:
+        attached.execute("taas.unregister(loader)")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    out = ran.stream()
+    assert re.search(r"data workers as Slurm tasks on (workers 0-1 on node\d|worker 0 on node\d, worker 1 on node\d)", out), out
+    assert "[rank 0] seen 0 20" in out and "[rank 1] seen 1 20" in out, out
+
+
+def test_detach_and_wait(attached):
+    ran = attached.execute("#pragma taas --gpus 2 --detach\nimport time\ntime.sleep(2)\nanswer = 41 + 1", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text()
+    waited = attached.execute("%taas wait", timeout=120)
+    assert waited.reply["status"] == "ok", waited.error_text()
+    assert attached.execute("answer").result["text/plain"] == "42"
+
+
+def test_interrupt_while_queued_cancels_the_request(attached, slurm, new_kernel):
+    kernel = new_kernel(env={"SLURM_CONF": str(slurm.conf)})
+    msg_id, started = kernel.submit("%taas cluster slurm --nodes 3 --gpus-per-node 2")  # 2 of 3 nodes are held
+    kernel.wait_for(msg_id, lambda kind, content: "PENDING" in str(content.get("data", {})), "the queue state", timeout=60)
+    before = set(slurm.jobs())
+    kernel.manager.interrupt_kernel()
+    ran = kernel.collect(msg_id, started, timeout=30)
+    assert ran.reply["status"] == "error"
+    assert "interrupted while the allocation was queued: it was cancelled, nothing is held" in ran.error_text()
+    assert [line for line in slurm.jobs() if "PENDING" in line] == [], (before, slurm.jobs())
+    assert wait_until_gone(keepers_of(kernel), timeout=10) == []
+    assert "cluster: none" in kernel.execute("%taas cluster").stream()
