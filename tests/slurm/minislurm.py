@@ -220,7 +220,9 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
                 proc.kill()
             except psutil.Error:
                 pass
-        self.daemons.pop(name, None)
+        slurmd = self.daemons.pop(name, None)
+        if slurmd is not None:
+            slurmd.wait(10)
 
     def restore_node(self, name: str) -> None:
         self._start(name, ["slurmd", "-D", "-N", name, "-f", str(self.conf)])

@@ -52,6 +52,7 @@ class SlurmStep:
         self.step = ""
         self._commands: dict[int, socket.socket] = {}
         self._said: deque[str] = deque(maxlen=20)
+        self._silent: set[int] = set()  # tasks whose command channel closed before they were told to end
         self._closed = False
         threading.Thread(target=self._read_srun, name="taas-srun", daemon=True).start()
 
@@ -154,12 +155,12 @@ class SlurmStep:
         return [hello["node"] for hello in self.hellos]
 
     def vanished_nodes(self) -> list[str]:
-        """Nodes whose tasks all went away without a word (no exit code, no answer): lost."""
-        vanished: dict[str, bool] = {}
-        for child in self.children:
-            gone = child.control.lost and 0 not in child.control.codes
-            vanished[child.host] = vanished.get(child.host, True) and gone
-        return [node for node, gone in vanished.items() if gone]
+        """Nodes whose every task went away unasked (its command channel closed without ``end``):
+        a task outlives its rank and answers for it, so a silent task means its node is gone."""
+        silent: dict[str, bool] = {}
+        for hello in self.hellos:
+            silent[hello["node"]] = silent.get(hello["node"], True) and hello["task"] in self._silent
+        return [node for node, gone in silent.items() if gone]
 
     def _ask(self, tasks: Sequence[int], message: dict, patience: float) -> dict[int, dict]:
         """Send ``message`` to those tasks, then read their answers until ``patience`` passes."""
@@ -172,14 +173,17 @@ class SlurmStep:
                 sock.sendall(json.dumps(message).encode() + b"\n")
                 asked[task] = sock
             except OSError:
+                self._silent.add(task)
                 continue
         deadline = time.monotonic() + patience
         answers: dict[int, dict] = {}
         for task, sock in asked.items():
             try:
                 answers[task] = json.loads(_read_line(sock, deadline))
-            except (OSError, ValueError, TimeoutError):
-                continue  # its node is gone, or it hangs: close() kills the step
+            except (ConnectionError, ValueError):
+                self._silent.add(task)  # it died (its node, most likely): close() kills what is left of the step
+            except (OSError, TimeoutError):
+                continue  # it hangs: close() kills the step
         return answers
 
     def stop(self, graceful: bool = True) -> list[str]:
