@@ -218,18 +218,22 @@ class SlurmStep:
                 self._srun.stdin.close()  # every task's lifeline
             except OSError:
                 pass
+            self._end_step()
+        finally:
+            self._hub.close()
+
+    def _end_step(self) -> None:
+        """srun ends once its tasks have; a step still there after a grace is killed, never left to KillWait."""
+        try:
+            self._srun.wait(END_GRACE)
+        except subprocess.TimeoutExpired:
+            if self.step:
+                slurmcli.cancel(self.step, signal="KILL")
             try:
                 self._srun.wait(END_GRACE)
             except subprocess.TimeoutExpired:
-                if self.step:
-                    slurmcli.cancel(self.step, signal="KILL")
-                try:
-                    self._srun.wait(END_GRACE)
-                except subprocess.TimeoutExpired:
-                    self._srun.kill()
-                    self._srun.wait()
-        finally:
-            self._hub.close()
+                self._srun.kill()
+                self._srun.wait()
 
 
 def _read_line(sock: socket.socket, deadline: float) -> str:
@@ -248,3 +252,4 @@ def _read_line(sock: socket.socket, deadline: float) -> str:
             raise ConnectionError("closed")
         data += chunk
     return data.decode()
+

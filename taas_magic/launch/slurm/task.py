@@ -144,7 +144,8 @@ class Task:
 def _watch_stdin(task: Task) -> None:
     """srun's stdin is the lifeline: once it ends (the kernel's srun is gone), the rank is stopped."""
     try:
-        sys.stdin.buffer.read()
+        while os.read(0, 1 << 16):  # fd 0 itself: a daemon thread blocked in sys.stdin would hold its lock,
+            pass  # and the interpreter's exit would wait a second for it
     except OSError:
         pass
     task.agent.close()
