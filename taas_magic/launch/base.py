@@ -35,10 +35,13 @@ class ChildProcess(Protocol):
     """One process a launcher started: a rank (``index`` = its RANK) or a data worker (its number)."""
 
     index: int
-    host: str
     stdout_fd: int
     stderr_fd: int
     exit_fd: int | None  # readable once the process has exited (a pidfd), or None: poll() is polled
+
+    @property
+    def host(self) -> str:
+        """Where it runs, as a failure names it."""
 
     def poll(self) -> int | None:
         """The exit code once the process has exited (negative: killed by that signal)."""

@@ -45,6 +45,25 @@ def test_the_kernel_killed_releases_its_allocation_and_leaves_nothing(slurm):
     assert not alive, f"left behind after the kernel died: {[(p.pid, p.cmdline()) for p in alive]}"
 
 
+def test_cluster_shows_the_allocation_and_off_releases_it(slurm):
+    kernel = Kernel(env={"SLURM_CONF": str(slurm.conf)})
+    try:
+        ran = kernel.execute("%taas cluster slurm -N 1 --gpus-per-node 1 --time 10", timeout=120)
+        assert ran.reply["status"] == "ok", ran.error_text()
+        job = job_of(kernel)
+        shown = kernel.execute("%taas cluster").stream()
+        assert re.search(rf"Slurm job {job} \(made by this session\), partition gpu, 1 node\(s\), 1 GPU, time left 0?:?[0-9]", shown), shown
+        assert re.search(r"  node\d: 1 GPU, 1 CPU, (mixed|allocated)", shown), shown
+        keepers = [proc for proc in psutil.Process(kernel.pid).children(recursive=True) if proc.name() == "salloc"]
+        assert len(keepers) == 1
+        assert "local mode" in kernel.execute("%taas cluster off").stream()
+        assert wait_job_gone(slurm, job, timeout=15), slurm.jobs()
+        assert wait_until_gone(keepers, timeout=10) == []
+        assert "cluster: none" in kernel.execute("%taas cluster").stream()
+    finally:
+        kernel.shutdown()
+
+
 RESTARTED = """\
 #pragma taas --gpus 4 --restarts 1 --output all
 import os, time, torch.distributed as dist, taas

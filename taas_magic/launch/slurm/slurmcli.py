@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from typing import Callable
 
 from taas_magic.errors import ClusterError
 
@@ -92,6 +93,11 @@ def show_job(job_id: str) -> JobInfo | None:
     out = run("scontrol", "show", "job", "-d", job_id, check=False)
     if not out.strip() or "Invalid job id" in out:
         return None
+    return parse_job(job_id, out, hostnames)
+
+
+def parse_job(job_id: str, out: str, expand: Callable[[str], list[str]]) -> JobInfo:
+    """``scontrol show job -d``'s text; ``expand`` turns a node list (``node[1-2]``) into names."""
     fields = dict(_FIELD.findall(out))
     gpus: dict[str, int] = {}
     cpus: dict[str, int] = {}
@@ -99,14 +105,14 @@ def show_job(job_id: str) -> JobInfo | None:
         line = line.strip()
         if not line.startswith("Nodes="):
             continue
-        names = hostnames(line.split()[0].removeprefix("Nodes="))
+        names = expand(line.split()[0].removeprefix("Nodes="))
         gres = line.partition("GRES=")[2]
         per_node = sum(int(count) for count in _GRES_GPU.findall(gres))
         cpu_ids = _CPU_IDS.search(line)
         for name in names:
             gpus[name] = gpus.get(name, 0) + per_node
             cpus[name] = cpus.get(name, 0) + (_count_ids(cpu_ids.group(1)) if cpu_ids else 0)
-    nodes = tuple(hostnames(fields.get("NodeList", "")))
+    nodes = tuple(expand(fields.get("NodeList", "")))
     return JobInfo(job_id, fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None"), nodes,
                    {node: gpus.get(node, 0) for node in nodes}, {node: cpus.get(node, 0) for node in nodes},
                    fields.get("Partition", ""), fields.get("TimeLimit", ""))

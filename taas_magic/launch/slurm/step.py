@@ -26,12 +26,13 @@ import subprocess
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Sequence
 
 from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.ray import HostControl, OutputHub, RayChild
+from taas_magic.launch.ray import HostControl, OutputHub
 from taas_magic.launch.slurm import slurmcli
 from taas_magic.launch.slurm.task import COMMAND, StepChannels
 
@@ -41,13 +42,35 @@ AUTOPSY_PATIENCE = 1.5  # seconds for the tasks to return their ranks' stacks (e
 END_GRACE = 2.0  # seconds the tasks have to end by themselves before the step is killed
 
 
+@dataclass
+class SlurmChild:
+    """One rank of the step, read as the supervisor reads a local one."""
+
+    index: int
+    node: str
+    stdout_fd: int
+    stderr_fd: int
+    control: HostControl  # its task's exit channel
+    exit_fd: int | None = None  # exit codes arrive on the exit channel, polled
+
+    @property
+    def host(self) -> str:
+        """Its node, and whether the node went away (its task vanished without reporting the rank's exit)."""
+        if self.control.lost and 0 not in self.control.codes:
+            return f"{self.node} (lost: its task vanished without a word; the node or its slurmd went away)"
+        return self.node
+
+    def poll(self) -> int | None:
+        return self.control.poll(0)
+
+
 class SlurmStep:
     """The ranks (or data workers) of one attempt: one srun step, one task each."""
 
     def __init__(self, srun: subprocess.Popen, hub: OutputHub):
         self._srun = srun
         self._hub = hub
-        self.children: list[RayChild] = []
+        self.children: list[SlurmChild] = []
         self.hellos: list[dict] = []
         self.step = ""
         self._commands: dict[int, socket.socket] = {}
@@ -87,8 +110,8 @@ class SlurmStep:
             for hello in step.hellos:
                 task = hello["task"]
                 control = HostControl(hub.connected[channels.exits(task)], hello["node"])
-                step.children.append(RayChild(task, hello["node"], hub.connected[channels.stream(task, "stdout")].fileno(),
-                                              hub.connected[channels.stream(task, "stderr")].fileno(), control, 0))
+                step.children.append(SlurmChild(task, hello["node"], hub.connected[channels.stream(task, "stdout")].fileno(),
+                                                hub.connected[channels.stream(task, "stderr")].fileno(), control))
         except BaseException:
             step.close()
             raise

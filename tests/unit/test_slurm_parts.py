@@ -1,0 +1,97 @@
+"""The Slurm engine's pure parts: the options %taas cluster slurm reads, scontrol's job text, the
+step's channel numbering, a rank's environment from its task's, and how a lost node is named.
+(The engine itself runs on a real Slurm in tests/slurm.)"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from taas_magic.errors import ClusterError
+from taas_magic.launch.ray import HostControl
+from taas_magic.launch.slurm import slurmcli
+from taas_magic.launch.slurm.allocation import AllocationRequest
+from taas_magic.launch.slurm.backend import _spans
+from taas_magic.launch.slurm.step import SlurmChild
+from taas_magic.launch.slurm.task import StepChannels, rank_env
+
+JOB_TEXT = """\
+JobId=42 JobName=interactive
+   UserId=ada(1000) GroupId=ada(1000) MCS_label=N/A
+   JobState=RUNNING Reason=None Dependency=(null)
+   RunTime=00:00:01 TimeLimit=01:00:00 TimeMin=N/A
+   Partition=gpu AllocNode:Sid=login1:21734
+   NodeList=gpu[1-2],cpu7
+   NumNodes=3 NumCPUs=10 NumTasks=4 CPUs/Task=1 ReqB:S:C:T=0:0:*:*
+   JOB_GRES=gpu:a100:4
+     Nodes=gpu[1-2] CPU_IDs=0-3 Mem=0 GRES=gpu:a100:2(IDX:0-1)
+     Nodes=cpu7 CPU_IDs=0,2 Mem=0 GRES=
+   MinCPUsNode=2 MinMemoryNode=0 MinTmpDiskNode=0
+"""
+
+
+def expand(nodelist: str) -> list[str]:
+    return {"gpu[1-2],cpu7": ["gpu1", "gpu2", "cpu7"], "gpu[1-2]": ["gpu1", "gpu2"], "cpu7": ["cpu7"]}[nodelist]
+
+
+def test_a_job_is_read_with_each_nodes_gpus_and_cpus():
+    job = slurmcli.parse_job("42", JOB_TEXT, expand)
+    assert job.state == "RUNNING" and job.partition == "gpu" and job.time_limit == "01:00:00"
+    assert job.nodes == ("gpu1", "gpu2", "cpu7")
+    assert job.gpus == {"gpu1": 2, "gpu2": 2, "cpu7": 0} and job.gpus_total == 4
+    assert job.cpus == {"gpu1": 4, "gpu2": 4, "cpu7": 2}
+
+
+def test_the_options_people_pass_to_salloc_by_name_and_the_rest_through():
+    request = AllocationRequest.parse("-p gpu --account lab --time 2:00:00 --gpus-per-node 4 -N 2 --mem=64G -- --exclusive")
+    assert (request.partition, request.account, request.time, request.gpus_per_node, request.nodes) == \
+        ("gpu", "lab", "2:00:00", "4", "2")
+    assert request.extra == ("--mem=64G", "--exclusive")
+    args = request.salloc_args()
+    assert "--partition=gpu" in args and "--gpus-per-node=4" in args and "--ntasks-per-node=4" in args
+    assert args[-2:] == ["--mem=64G", "--exclusive"]
+    assert AllocationRequest.parse("").empty and not request.empty
+    assert "--ntasks-per-node=4" not in AllocationRequest.parse("--gpus-per-node 4 --ntasks-per-node=1").salloc_args()[:-1]
+
+
+def test_unreadable_options_are_one_clear_error():
+    with pytest.raises(ClusterError, match="cannot read the Slurm options"):
+        AllocationRequest.parse("--constraint 'a100")
+
+
+def test_every_channel_of_a_step_has_its_own_number():
+    channels = StepChannels(3)
+    numbers = [channels.stream(rank, stream) for rank in range(3) for stream in ("stdout", "stderr")]
+    numbers += [channels.exits(task) for task in range(3)] + [channels.command(task) for task in range(3)]
+    assert sorted(numbers) == list(range(len(channels)))
+
+
+def test_a_rank_sees_its_tasks_slurm_variables_not_the_kernels(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu2")
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    env = rank_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "3", "HOME": "/home/ada"}, "2,3")
+    assert env["SLURM_PROCID"] == "3" and env["SLURMD_NODENAME"] == "gpu2" and env["RANK"] == "3"
+    assert "SLURM_NTASKS" not in env  # the kernel's own job's value never leaks in
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["HOME"] == "/home/ada"
+
+
+def test_a_rank_whose_task_vanished_names_its_node_as_lost():
+    ours, theirs = socket.socketpair()
+    child = SlurmChild(3, "gpu2", -1, -1, HostControl(ours, "gpu2"))
+    assert child.poll() is None and child.host == "gpu2"
+    theirs.close()  # the node went away: no exit code came
+    assert child.poll() == -9
+    assert child.host.startswith("gpu2 (lost: its task vanished")
+    ours.close()
+    ours, theirs = socket.socketpair()
+    killed = SlurmChild(1, "gpu1", -1, -1, HostControl(ours, "gpu1"))
+    theirs.sendall(b"0 -9\n")  # the task reported its rank killed (out of memory, say): the node is fine
+    theirs.close()
+    assert killed.poll() == -9 and killed.host == "gpu1"
+    ours.close()
+
+
+def test_spans_say_which_processes_run_where():
+    assert _spans(["n1", "n1", "n2"], "worker") == "workers 0-1 on n1, worker 2 on n2"
