@@ -68,3 +68,24 @@ class HubChannels:
 
     def control(self, host: int) -> int:
         return len(STREAMS) * self.ranks + host
+
+
+@dataclass(frozen=True)
+class StepChannels:
+    """The Slurm engine's hub channels for a step of ``tasks`` tasks (launch/slurm/): each rank's stdout and stderr, then each
+    task's exit channel (launch/agent.py's control channel), then each task's command channel."""
+
+    tasks: int
+
+    def __len__(self) -> int:
+        return (len(STREAMS) + 2) * self.tasks
+
+    @staticmethod
+    def stream(rank: int, stream: str) -> int:
+        return len(STREAMS) * rank + STREAMS.index(stream)
+
+    def exits(self, task: int) -> int:
+        return len(STREAMS) * self.tasks + task
+
+    def command(self, task: int) -> int:
+        return (len(STREAMS) + 1) * self.tasks + task

@@ -164,14 +164,15 @@ def hold_allocation(options: str) -> Attachment:
     from IPython.display import display
 
     from taas_magic.launch.slurm import slurmcli
-    from taas_magic.launch.slurm.allocation import Allocation, AllocationRequest
+    from taas_magic.launch.slurm.allocation import AllocationRequest
+    from taas_magic.launch.slurm.backend import SlurmCluster
 
     why = slurmcli.missing()
     if why is not None:
         raise ClusterError(f"taas: {why}")
     request = AllocationRequest.parse(options)
     if request.empty and os.environ.get("SLURM_JOB_ID"):
-        return Allocation.current()
+        return SlurmCluster.current()
     shown: list = []
 
     def show(line: str) -> None:
@@ -181,7 +182,7 @@ def hold_allocation(options: str) -> Attachment:
             shown[0].update({"text/plain": line}, raw=True)
 
     try:
-        return Allocation.request(request, show)
+        return SlurmCluster.request(request, show)
     except KeyboardInterrupt:
         raise ClusterError("taas: interrupted while the allocation was queued: it was cancelled, nothing is held") from None
 

@@ -60,7 +60,7 @@ class Session:
 def _attach_at_load(address: str) -> Attachment:
     """``$TAAS_CLUSTER``: a Ray address, or ``slurm``: the Slurm job the kernel runs inside."""
     if address == "slurm":
-        from taas_magic.launch.slurm.allocation import Allocation
+        from taas_magic.launch.slurm.backend import SlurmCluster
 
-        return Allocation.current()
+        return SlurmCluster.current()
     return Cluster.attach(address)

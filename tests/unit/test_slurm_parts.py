@@ -14,7 +14,8 @@ from taas_magic.launch.slurm import slurmcli
 from taas_magic.launch.slurm.allocation import AllocationRequest
 from taas_magic.launch.slurm.backend import _spans
 from taas_magic.launch.slurm.step import SlurmChild
-from taas_magic.launch.slurm.task import StepChannels, rank_env
+from taas_magic.launch.slurm.task import rank_env
+from taas_magic.peers import StepChannels
 
 JOB_TEXT = """\
 JobId=42 JobName=interactive

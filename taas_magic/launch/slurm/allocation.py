@@ -28,14 +28,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, TypeVar
 
 from taas_magic.errors import ClusterError
 from taas_magic.launch.placement import Node
 from taas_magic.launch.slurm import slurmcli
-
-if TYPE_CHECKING:
-    from taas_magic.launch.slurm.backend import SlurmBackend
 
 KEEPER = (sys.executable, "-m", "taas_magic.launch.slurm.allocation")
 RELEASE_PATIENCE = 15.0  # seconds for salloc to give a released allocation back before scancel
@@ -99,6 +96,9 @@ class AllocationRequest:
         return args + list(self.extra)
 
 
+AllocationT = TypeVar("AllocationT", bound="Allocation")
+
+
 class Allocation:
     """One Slurm job whose nodes the session's cells run on."""
 
@@ -113,7 +113,7 @@ class Allocation:
 
     # -- getting one -----------------------------------------------------------------------
     @classmethod
-    def current(cls) -> "Allocation":
+    def current(cls: type[AllocationT]) -> AllocationT:
         """The job this kernel runs inside (``SLURM_JOB_ID``)."""
         job_id = os.environ.get("SLURM_JOB_ID", "").strip()
         if not job_id:
@@ -122,7 +122,7 @@ class Allocation:
         return cls(job_id, made=False)
 
     @classmethod
-    def request(cls, request: AllocationRequest, show: Callable[[str], None]) -> "Allocation":
+    def request(cls: type[AllocationT], request: AllocationRequest, show: Callable[[str], None]) -> AllocationT:
         """Ask Slurm for the allocation and wait while it is queued, showing the queue's state;
         an interrupt (or any error) cancels it and leaves nothing in the queue."""
         keeper = subprocess.Popen(
@@ -167,17 +167,6 @@ class Allocation:
                                f"of Slurm job {self.job_id} (answered: {', '.join(found) or 'none'}); the nodes need the "
                                "same environment at the same path (a shared filesystem)")
         return self.info.gpus_total > 0 and all(int(found.get(node, 0)) >= self.info.gpus[node] for node in self.info.nodes)
-
-    # -- the session's contract (kernel/cluster.py's Cluster has the same) --------------------------
-    def place(self, gpus: int, per_host: int | None, wait: float) -> "SlurmBackend":
-        """A run's backend: its steps in this allocation (``--per-host`` and ``--place-timeout`` are
-        the Ray engine's: Slurm places the tasks, and the allocation is already held)."""
-        from taas_magic.launch.slurm.backend import SlurmBackend
-
-        return SlurmBackend(self, gpus)
-
-    def detach(self) -> None:
-        self.release()
 
     # -- what it has ----------------------------------------------------------------------------
     def refresh(self) -> slurmcli.JobInfo:

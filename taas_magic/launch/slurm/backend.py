@@ -21,7 +21,7 @@ from taas_magic.launch.base import LaunchPlan, ProcessGroup
 from taas_magic.launch.placement import RankSlot
 from taas_magic.launch.rankenv import DevicePlan
 from taas_magic.launch.slurm.allocation import Allocation
-from taas_magic.launch.slurm.step import SlurmStep
+from taas_magic.launch.slurm.step import SlurmStep, StepTarget
 
 ADDRESS_VARIABLE = "TAAS_SLURM_ADDRESS"  # where the nodes reach this kernel, when the route to them does not say
 
@@ -79,20 +79,19 @@ class SlurmBackend:
     def rank_extra_env(self, rank: int) -> dict[str, str]:
         return {}  # CUDA_VISIBLE_DEVICES: Slurm's binding, in the step
 
-    def _exclude(self) -> list[str]:
-        return [node for node in self._allocation.info.nodes if node not in self._usable]
+    def _target(self, gpus: bool) -> StepTarget:
+        left_out = tuple(node for node in self._allocation.info.nodes if node not in self._usable)
+        return StepTarget(self._allocation.job_id, self.listen_host, gpus, left_out)
 
     def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
-        self._step = SlurmStep.start(self._allocation.job_id, plan, key, self.listen_host, gpus=self._gpus,
-                                     exclude=self._exclude())
+        self._step = SlurmStep.start(self._target(self._gpus), plan, key)
         return self._step
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
         from taas_magic.launch.local import WORKER_COMMAND
 
         def launch(plan: LaunchPlan, dirs: tuple[str, ...]) -> ProcessGroup:
-            self._workers = SlurmStep.start(self._allocation.job_id, plan, key, self.listen_host, gpus=False,
-                                            exclude=self._exclude(), command=WORKER_COMMAND, dirs=dirs)
+            self._workers = SlurmStep.start(self._target(False), plan, key, WORKER_COMMAND, dirs)
             return self._workers
 
         plane = start(launch, None)
@@ -142,3 +141,15 @@ def _spans(nodes: list[str], what: str) -> str:
         else:
             spans.append((index, index, node))
     return ", ".join(f"{what}s {a}-{b} on {node}" if a != b else f"{what} {a} on {node}" for a, b, node in spans)
+
+
+class SlurmCluster(Allocation):
+    """The session's attachment (kernel/cluster.py's Attachment): the allocation, and a run's backend on it."""
+
+    def place(self, gpus: int, per_host: int | None, wait: float) -> SlurmBackend:
+        """``--per-host`` and ``--place-timeout`` are the Ray engine's: Slurm places the tasks, and
+        the allocation is already held."""
+        return SlurmBackend(self, gpus)
+
+    def detach(self) -> None:
+        self.release()

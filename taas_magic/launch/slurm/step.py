@@ -34,7 +34,8 @@ from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan
 from taas_magic.launch.ray import HostControl, OutputHub
 from taas_magic.launch.slurm import slurmcli
-from taas_magic.launch.slurm.task import COMMAND, StepChannels
+from taas_magic.launch.slurm.task import COMMAND
+from taas_magic.peers import StepChannels
 
 START_PATIENCE = 120.0  # seconds for Slurm to start the step's tasks and each to connect
 COMMAND_PATIENCE = 10.0  # seconds a task may take to answer a stop
@@ -64,48 +65,121 @@ class SlurmChild:
         return self.control.poll(0)
 
 
+@dataclass(frozen=True)
+class StepTarget:
+    """Where a step goes: the allocation's job, this kernel's address the tasks connect back to,
+    whether each task takes a GPU, and the nodes left out (found lost)."""
+
+    job_id: str
+    listen_host: str
+    gpus: bool
+    exclude: tuple[str, ...] = ()
+
+    def srun(self, count: int) -> list[str]:
+        command = ["srun", f"--jobid={self.job_id}", f"--ntasks={count}", "--input=all", "--kill-on-bad-exit=0", "--quiet"]
+        if self.gpus:
+            command.append("--gpus-per-task=1")  # steps side by side (a search's trials) get GPUs of their own
+        else:
+            command += ["--gres=none", "--overlap"]  # data workers share the CPUs with the ranks' step
+        if self.exclude:
+            command.append(f"--exclude={','.join(sorted(self.exclude))}")
+        return [*command, *COMMAND]
+
+
+class Srun:
+    """The step's srun on this host: its stdin (every task's lifeline) and its last words."""
+
+    def __init__(self, command: list[str], cwd: str):
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        env=slurmcli.command_env(), cwd=cwd, start_new_session=True, close_fds=True)
+        self._said: deque[str] = deque(maxlen=20)
+        threading.Thread(target=self._read, name="taas-srun", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            self._said.append(raw.decode(errors="replace").rstrip())
+
+    def said(self) -> str:
+        """What srun (and Slurm through it) said last, for an error."""
+        return "; ".join(line.removeprefix("srun: ").strip() for line in list(self._said)[-3:]) or "nothing"
+
+    def tell_tasks(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line.encode() + b"\n")
+        self.process.stdin.flush()
+
+    def end(self, step: str) -> None:
+        """Every task's lifeline closed; srun ends once its tasks have, and a step still there after
+        a grace is killed (never left to Slurm's KillWait)."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(END_GRACE)
+        except subprocess.TimeoutExpired:
+            if step:
+                slurmcli.cancel(step, signal="KILL")
+            try:
+                self.process.wait(END_GRACE)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def rank_plans(hellos: list[dict], plan: LaunchPlan, gpus: bool, command: tuple[str, ...] | None,
+               dirs: tuple[str, ...]) -> list[dict]:
+    """Each task's rank plan (by task), torchrun's variables from where Slurm put the tasks."""
+    first = hellos[0]
+    on_node: dict[str, list[dict]] = {}
+    for hello in hellos:
+        on_node.setdefault(hello["node"], []).append(hello)
+    plans = []
+    for hello in hellos:
+        task, node_tasks = hello["task"], sorted(on_node[hello["node"]], key=lambda h: h["local"])
+        env = dict(plan.envs[task])
+        env.update(RANK=str(task), LOCAL_RANK=str(hello["local"]), WORLD_SIZE=str(hello["tasks"]),
+                   LOCAL_WORLD_SIZE=str(len(node_tasks)), GROUP_RANK=str(hello["node_index"]),
+                   ROLE_RANK=str(task), ROLE_WORLD_SIZE=str(hello["tasks"]),
+                   MASTER_ADDR=first["address"], MASTER_PORT=str(first["master_port"] or env.get("MASTER_PORT", "")))
+        visible = ",".join(h["gpus"] for h in node_tasks if h["gpus"]) if gpus else None
+        plans.append({"env": env, "cwd": plan.cwd, "handshake": plan.handshake, "place": plan.places[task].line(),
+                      "stack_file": plan.stack_files[task] if task < len(plan.stack_files) else None,
+                      "visible": visible, "command": list(command) if command else None, "dirs": list(dirs)})
+    return plans
+
+
 class SlurmStep:
     """The ranks (or data workers) of one attempt: one srun step, one task each."""
 
-    def __init__(self, srun: subprocess.Popen, hub: OutputHub):
+    def __init__(self, srun: Srun, hub: OutputHub):
         self._srun = srun
         self._hub = hub
         self.children: list[SlurmChild] = []
         self.hellos: list[dict] = []
         self.step = ""
         self._commands: dict[int, socket.socket] = {}
-        self._said: deque[str] = deque(maxlen=20)
         self._silent: set[int] = set()  # tasks whose command channel closed before they were told to end
         self._closed = False
-        threading.Thread(target=self._read_srun, name="taas-srun", daemon=True).start()
 
     @classmethod
-    def start(cls, job_id: str, plan: LaunchPlan, key: bytes, listen_host: str, *, gpus: bool,
-              exclude: Sequence[str] = (), command: tuple[str, ...] | None = None,
+    def start(cls, target: StepTarget, plan: LaunchPlan, key: bytes, command: tuple[str, ...] | None = None,
               dirs: tuple[str, ...] = ()) -> "SlurmStep":
-        """Run ``plan``'s processes as the tasks of one step; return once every one is started and connected."""
+        """Run ``plan``'s processes (``command``: data workers, not ranks) as the tasks of one step;
+        return once every one is started and connected."""
         count = plan.world_size
         channels = StepChannels(count)
-        hub = OutputHub(listen_host, key, len(channels))
-        srun_command = ["srun", f"--jobid={job_id}", f"--ntasks={count}", "--input=all", "--kill-on-bad-exit=0", "--quiet"]
-        if gpus:
-            srun_command.append("--gpus-per-task=1")  # steps side by side (a search's trials) get GPUs of their own
-        else:
-            srun_command += ["--gres=none", "--overlap"]  # data workers share the CPUs with the ranks' step
-        if exclude:
-            srun_command.append(f"--exclude={','.join(sorted(exclude))}")
-        srun = subprocess.Popen([*srun_command, *COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=slurmcli.command_env(),
-                                cwd=plan.cwd, start_new_session=True, close_fds=True)
-        step = cls(srun, hub)
+        hub = OutputHub(target.listen_host, key, len(channels))
+        step = cls(Srun(target.srun(count), plan.cwd), hub)
         try:
-            assert srun.stdin is not None
-            srun.stdin.write(hub.handshake.line().encode() + b"\n")
-            srun.stdin.flush()
+            step._srun.tell_tasks(hub.handshake.line())
             deadline = time.monotonic() + START_PATIENCE
             step._collect(deadline, [channels.command(task) for task in range(count)])
             step._hellos(count, deadline)
-            step._send_plans(plan, gpus, command, dirs)
+            for task, rank_plan in enumerate(rank_plans(step.hellos, plan, target.gpus, command, dirs)):
+                step._commands[task].sendall(json.dumps(rank_plan).encode() + b"\n")
             step._collect(deadline, list(range(len(channels))))
             for hello in step.hellos:
                 task = hello["task"]
@@ -118,28 +192,19 @@ class SlurmStep:
         return step
 
     # -- starting ---------------------------------------------------------------------------
-    def _read_srun(self) -> None:
-        assert self._srun.stdout is not None
-        for raw in self._srun.stdout:
-            self._said.append(raw.decode(errors="replace").rstrip())
-
-    def said(self) -> str:
-        """What srun (and Slurm through it) said last, for an error."""
-        return "; ".join(line.removeprefix("srun: ").strip() for line in list(self._said)[-3:]) or "nothing"
-
     def _collect(self, deadline: float, wanted: list[int]) -> None:
         """Accept connections until the channels ``wanted`` are connected (each proves the run's key)."""
         hub = self._hub
         while any(channel not in hub.connected for channel in wanted):
-            if self._srun.poll() is not None:
+            if self._srun.process.poll() is not None:
                 time.sleep(0.1)  # its last words
-                raise LaunchError(f"taas: the srun step ended before its tasks connected (exit {self._srun.returncode}): "
-                                  f"{self.said()}")
+                raise LaunchError(f"taas: the srun step ended before its tasks connected "
+                                  f"(exit {self._srun.process.returncode}): {self._srun.said()}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LaunchError(f"taas: the step's tasks did not connect to the kernel within {START_PATIENCE:g} s "
                                   f"(is this host's address {hub.address[0]} reachable from the nodes? "
-                                  "TAAS_SLURM_ADDRESS sets it); srun said: " + self.said())
+                                  "TAAS_SLURM_ADDRESS sets it); srun said: " + self._srun.said())
             ready, _, _ = select.select([hub.listener], [], [], min(left, 0.05))
             if ready:
                 hub._accept_one(deadline)
@@ -152,25 +217,6 @@ class SlurmStep:
             self.hellos.append(json.loads(_read_line(sock, deadline)))
         self.hellos.sort(key=lambda hello: hello["task"])
         self.step = self.hellos[0]["step"]
-
-    def _send_plans(self, plan: LaunchPlan, gpus: bool, command: tuple[str, ...] | None, dirs: tuple[str, ...]) -> None:
-        """Each task's rank plan, with torchrun's variables from Slurm's placement."""
-        first = self.hellos[0]
-        on_node: dict[str, list[dict]] = {}
-        for hello in self.hellos:
-            on_node.setdefault(hello["node"], []).append(hello)
-        for hello in self.hellos:
-            task, node_tasks = hello["task"], sorted(on_node[hello["node"]], key=lambda h: h["local"])
-            env = dict(plan.envs[task])
-            env.update(RANK=str(task), LOCAL_RANK=str(hello["local"]), WORLD_SIZE=str(hello["tasks"]),
-                       LOCAL_WORLD_SIZE=str(len(node_tasks)), GROUP_RANK=str(hello["node_index"]),
-                       ROLE_RANK=str(task), ROLE_WORLD_SIZE=str(hello["tasks"]),
-                       MASTER_ADDR=first["address"], MASTER_PORT=str(first["master_port"] or env.get("MASTER_PORT", "")))
-            visible = ",".join(h["gpus"] for h in node_tasks if h["gpus"]) if gpus else None
-            message = {"env": env, "cwd": plan.cwd, "handshake": plan.handshake, "place": plan.places[task].line(),
-                       "stack_file": plan.stack_files[task] if task < len(plan.stack_files) else None,
-                       "visible": visible, "command": list(command) if command else None, "dirs": list(dirs)}
-            self._commands[task].sendall(json.dumps(message).encode() + b"\n")
 
     # -- the supervisor's contract ------------------------------------------------------------
     def nodes(self) -> list[str]:
@@ -236,27 +282,9 @@ class SlurmStep:
         self._closed = True
         try:
             self._ask(list(self._commands), {"do": "end"}, COMMAND_PATIENCE)
-            assert self._srun.stdin is not None
-            try:
-                self._srun.stdin.close()  # every task's lifeline
-            except OSError:
-                pass
-            self._end_step()
+            self._srun.end(self.step)
         finally:
             self._hub.close()
-
-    def _end_step(self) -> None:
-        """srun ends once its tasks have; a step still there after a grace is killed, never left to KillWait."""
-        try:
-            self._srun.wait(END_GRACE)
-        except subprocess.TimeoutExpired:
-            if self.step:
-                slurmcli.cancel(self.step, signal="KILL")
-            try:
-                self._srun.wait(END_GRACE)
-            except subprocess.TimeoutExpired:
-                self._srun.kill()
-                self._srun.wait()
 
 
 def _read_line(sock: socket.socket, deadline: float) -> str:

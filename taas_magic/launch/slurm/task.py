@@ -27,33 +27,11 @@ import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 
 from taas_magic import wire
-from taas_magic.peers import STREAMS
+from taas_magic.peers import StepChannels
 
 COMMAND = (sys.executable, "-m", "taas_magic.launch.slurm.task")
-
-
-@dataclass(frozen=True)
-class StepChannels:
-    """The hub's channels for a step of ``tasks`` tasks: each rank's stdout and stderr, then each
-    task's exit channel (launch/agent.py's control channel), then each task's command channel."""
-
-    tasks: int
-
-    def __len__(self) -> int:
-        return (len(STREAMS) + 2) * self.tasks
-
-    @staticmethod
-    def stream(rank: int, stream: str) -> int:
-        return len(STREAMS) * rank + STREAMS.index(stream)
-
-    def exits(self, task: int) -> int:
-        return len(STREAMS) * self.tasks + task
-
-    def command(self, task: int) -> int:
-        return (len(STREAMS) + 1) * self.tasks + task
 
 
 def where_slurm_put_me(address: str, master_port: int | None) -> dict:
