@@ -43,6 +43,14 @@ def missing() -> str | None:
     return None
 
 
+def _die_with_parent() -> None:
+    """In the daemon, before exec: SIGTERM when the process that started it dies (a test run
+    killed mid-way leaves no Slurm running)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
@@ -162,7 +170,7 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
     def _start(self, name: str, command: list[str]) -> None:
         log = open(self.dir / "log" / f"{name}.out", "wb")  # noqa: SIM115 - the daemon holds it
         self.daemons[name] = subprocess.Popen(command, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True)
+                                              stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
 
     def _log(self, name: str) -> str:
@@ -260,6 +268,7 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
 
 
 if __name__ == "__main__":  # a Slurm to try things on: python -m tests.slurm.minislurm
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped as by Ctrl-C: the daemons go too
     with MiniSlurm() as slurm:
         print(f"export SLURM_CONF={slurm.conf}\n(Ctrl-C stops it)", flush=True)
         try:
