@@ -135,9 +135,9 @@ def _cluster(session: Session, given: str) -> None:
         _detach(session)
         print("taas: local mode (ranks are processes on this host)")
         return
+    previous = session.cluster
     if given.split()[0] == "slurm":
         attached: Attachment = hold_allocation(given[len("slurm"):].strip())  # the current one stays until this one holds
-        _detach(session)
     else:
         try:
             attached = Cluster.attach(given)  # an unreachable address fails before the current one is let go
@@ -145,9 +145,11 @@ def _cluster(session: Session, given: str) -> None:
             if isinstance(session.cluster, Cluster) and not session.cluster.ray.is_initialized():
                 session.cluster = None  # Ray let go of it before failing: the local mode now
             raise
-        if not isinstance(session.cluster, Cluster):
-            _detach(session)
-    session.cluster = attached
+        if isinstance(previous, Cluster):
+            previous = None  # ray.init let go of the previous Ray attachment itself
+    session.cluster = attached  # the session's now: an interrupt below cannot orphan it
+    if previous is not None:
+        previous.detach()
     session.spares.close()  # the cluster's nodes start fresh ranks; local spares only hold memory
     print("taas: attached; " + "\n".join(attached.status_lines()))
 

@@ -66,7 +66,7 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
     def start_ranks(attempt: int) -> ProcessGroup:
         if attempt:
             run.backend.recover(log.say)  # a host that went away: its ranks are placed elsewhere
-        return run.backend.start_ranks(run.launch_plan(handshake, attempt), server.key)
+        return run.backend.start_ranks(run.launch_plan(handshake, attempt), server.key, stop_asked)
 
     def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
         kill_tagged(owner)

@@ -76,10 +76,14 @@ class TaasMagics(Magics):
         self.frontend = Frontend(shell)  # whether a page that restores widgets shows this kernel
 
     def close(self) -> None:
-        """Unloading: every run stopped, the spares and the widget probe gone."""
+        """Unloading: every run stopped, the spares, the widget probe and the cluster (a Slurm
+        allocation this session made is given back) gone."""
         self.session.runs.close()
-        self.spares.close()
+        self.spares.close(wait=5.0)
         self.frontend.close()
+        if self.session.cluster is not None:
+            cluster, self.session.cluster = self.session.cluster, None
+            cluster.detach()
 
     @property
     def spares(self) -> SparePool:

@@ -91,9 +91,9 @@ class HostAgent:
         self._owners = {env[OWNER_VARIABLE] for env in plan.envs if env.get(OWNER_VARIABLE)}
         self._first_rank = first_rank
         for path in [*layers, *stacks, *dirs]:
-            if not os.path.isdir(path):  # another host: its scratch layer or cache lives here
-                os.makedirs(path, mode=0o700)
-                self._made_dirs.append(path)
+            made = _make_owner_only(path)  # another host: its scratch layer or cache lives here
+            if made is not None:
+                self._made_dirs.append(made)
         local_plan = dataclasses.replace(plan, cwd=cwd)
         if command:
             self.group = LocalProcessGroup.start(local_plan, command, "data worker")
@@ -187,6 +187,29 @@ class HostAgent:
             self._mirror[0].remove()
         for path in self._made_dirs:
             remove_tree(path)
+
+
+def _make_owner_only(path: str) -> str | None:
+    """Make ``path`` and its missing parents, each owner-only; return the topmost one this call
+    made (to remove it, and all below, at the end), or None where it was there already. Another
+    process of the same run on this host (a Slurm task beside this one) may make them at the same
+    moment: what it made first is its own to remove."""
+    missing = []
+    current = os.path.abspath(path)
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    made = None
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            continue
+        made = made or folder
+    return made
 
 
 def _pump(fd: int, sock: socket.socket) -> None:

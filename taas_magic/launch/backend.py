@@ -79,8 +79,8 @@ class Backend(Protocol):
     def rank_extra_env(self, rank: int) -> dict[str, str]:
         """Environment rank ``rank`` needs beyond torchrun's."""
 
-    def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
-        """Start the ranks of ``plan``."""
+    def start_ranks(self, plan: LaunchPlan, key: bytes, stop_asked: Callable[[], bool] = lambda: False) -> ProcessGroup:
+        """Start the ranks of ``plan`` (``stop_asked``: an interrupt while they start, for a start that waits)."""
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
         """Start the data workers through ``start`` (DataRun.start with their plan bound);
@@ -152,7 +152,7 @@ class LocalBackend:
         # --device cpu on a GPU host: the ranks (and what the cell starts) see no GPU at all
         return {"CUDA_VISIBLE_DEVICES": ""} if self.devices.hides_gpus else {}
 
-    def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
+    def start_ranks(self, plan: LaunchPlan, key: bytes, stop_asked: Callable[[], bool] = lambda: False) -> ProcessGroup:
         self._standby.settle()  # a restart takes the spares standby made for it
         return LocalProcessGroup.start(plan, spares=self._spares, wanted=self._own())
 
@@ -254,7 +254,7 @@ class ClusterBackend:
             return {}
         return {"CUDA_VISIBLE_DEVICES": self._launch.host_gpu_ids(rank)}  # LOCAL_RANK indexes the host's GPUs
 
-    def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
+    def start_ranks(self, plan: LaunchPlan, key: bytes, stop_asked: Callable[[], bool] = lambda: False) -> ProcessGroup:
         return self._launch.start(plan, key)
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:

@@ -256,13 +256,15 @@ class SparePool:
     def gpu_bound(self) -> list[Spare]:
         return [spare for spare in self.spares if spare.gpu is not None]
 
-    def close(self) -> None:
-        """Stop the waiting spares; the factory retires (it leaves once what it forked has ended)."""
+    def close(self, wait: float = 1.0) -> None:
+        """Stop the waiting spares; the factory retires (it leaves once what it forked has ended),
+        and the retired factories that leave within ``wait`` seconds are reaped (a later fill or
+        close reaps the others: a factory still importing, or whose fork is a cell's running rank)."""
         with self._lock:
             _stop([spare.process for spare in self.spares])
             self.spares = []
             self._retire_factory()
-            self._release_retired(wait=1.0)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
+            self._release_retired(wait=wait)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
 
     def _retire_factory(self) -> None:
         """The factory forks no more; it is kept until it has left (the spares it forked have ended)."""

@@ -98,7 +98,7 @@ def test_a_lost_node_is_named_and_the_restart_runs_on_the_nodes_left(slurm, tmp_
         ran = kernel.collect(msg_id, started, timeout=180)
         assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
         err = ran.stream()
-        assert "attempt 1 of 2 failed: rank 3 was killed by SIGKILL" in err, err
+        assert re.search(r"attempt 1 of 2 failed: rank [23] was killed by SIGKILL", err), err  # rank 3's node held 2 and 3
         assert f"node {lost} of Slurm job" in err and "went away; the next attempt runs on the nodes left" in err, err
         result = kernel.execute("resumed, seen_attempt, attempt_nodes").result["text/plain"]
         assert result.startswith("(5, 1, [") and lost not in result, result

@@ -80,12 +80,12 @@ def test_while_the_factory_imports_the_pool_starts_fresh_spares_then_forks_them(
         assert isinstance(pool.spares[0].process, subprocess.Popen)  # the factory is still importing
         assert not pool.forks_ready()
         assert _until(pool.forks_ready, timeout=60)  # it hears the factory say "ready" by itself
-        pool.close()
+        pool.close(wait=30)  # every factory reaped: none is left to the garbage collector's warnings
         pool.factory = _ready_factory()
         pool.fill([CPU, CPU])
         assert [type(spare.process) for spare in pool.spares] == [ForkedSpare, ForkedSpare]
     finally:
-        pool.close()
+        pool.close(wait=30)  # every factory reaped: none is left to the garbage collector's warnings
 
 
 def _end(spare) -> None:
@@ -115,7 +115,7 @@ def test_a_cells_ranks_with_no_spare_wait_for_the_importing_factory_and_are_its_
         for process in taken:
             if process is not None:
                 _end(process)
-        pool.close()
+        pool.close(wait=30)  # every factory reaped: none is left to the garbage collector's warnings
 
 
 def test_a_cells_wait_for_an_importing_factory_interrupted_leaves_no_spare_behind():
@@ -154,7 +154,7 @@ def test_a_factory_that_dies_while_importing_leaves_the_cells_ranks_to_start_fre
         assert pool.take([CPU]) == [None]  # the launcher starts rank 0 as a fresh interpreter
         assert pool.factory is None or pool.factory.broken
     finally:
-        pool.close()
+        pool.close(wait=30)  # every factory reaped: none is left to the garbage collector's warnings
 
 
 def test_a_retired_factory_leaves_after_its_last_spare_and_a_closed_one_at_once(factory):

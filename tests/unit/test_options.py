@@ -74,7 +74,7 @@ def test_a_setting_with_an_invalid_value_is_refused_naming_what_is_accepted(sett
         with pytest.raises(TraitError, match=accepted):
             setattr(magics, setting, value)
     finally:
-        magics.spares.close()
+        magics.spares.close(wait=30)  # the factory it started at load, reaped (not left to the garbage collector)
 
 
 SESSION = {"cache_ram": "2G", "ahead": 8, "timeout": 30.0, "restarts": 1, "place_timeout": 5.0, "output": "all"}
@@ -103,7 +103,7 @@ def test_every_session_default_is_a_setting_made_from_its_options_row():
             assert trait.default_value == ("" if option.default is None and option.field == "cache_ram" else option.default)
             assert f"Default for {option.flag}" in trait.help
     finally:
-        magics.spares.close()
+        magics.spares.close(wait=30)  # the factory it started at load, reaped (not left to the garbage collector)
 
 
 def test_status_shows_every_options_session_default_from_the_table():

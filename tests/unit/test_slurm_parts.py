@@ -4,7 +4,9 @@ step's channel numbering, a rank's environment from its task's, and how a lost n
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 
 import pytest
 
@@ -13,7 +15,8 @@ from taas_magic.launch.ray import HostControl
 from taas_magic.launch.slurm import slurmcli
 from taas_magic.launch.slurm.allocation import AllocationRequest
 from taas_magic.launch.slurm.backend import _spans
-from taas_magic.launch.slurm.step import SlurmChild
+from taas_magic.launch.slurm.commands import TaskCommands
+from taas_magic.launch.slurm.step import SlurmChild, StepTarget, fewest_nodes
 from taas_magic.launch.slurm.task import rank_env
 from taas_magic.peers import StepChannels
 
@@ -72,25 +75,67 @@ def test_a_rank_sees_its_tasks_slurm_variables_not_the_kernels(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURMD_NODENAME", "gpu2")
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
-    env = rank_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "3", "HOME": "/home/ada"}, "2,3")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    planned = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "3", "HOME": "/home/ada", "OMP_NUM_THREADS": "64"}
+    env = rank_env(planned, "2,3", None)
     assert env["SLURM_PROCID"] == "3" and env["SLURMD_NODENAME"] == "gpu2" and env["RANK"] == "3"
     assert "SLURM_NTASKS" not in env  # the kernel's own job's value never leaks in
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["HOME"] == "/home/ada"
+    assert env["OMP_NUM_THREADS"] == "1"  # the CPUs Slurm gave the task, not the kernel host's
+    assert rank_env(planned, None, "8")["OMP_NUM_THREADS"] == "8"  # the person's own setting wins
+    assert "CUDA_VISIBLE_DEVICES" not in rank_env({}, None, None) or os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def test_a_rank_whose_task_vanished_names_its_node_as_lost():
     ours, theirs = socket.socketpair()
-    child = SlurmChild(3, "gpu2", -1, -1, HostControl(ours, "gpu2"))
+    child = SlurmChild(3, "gpu2", -1, -1, HostControl(ours, "gpu2"), lambda: None)
     assert child.poll() is None and child.host == "gpu2"
     theirs.close()  # the node went away: no exit code came
     assert child.poll() == -9
-    assert child.host.startswith("gpu2 (lost: its task vanished")
+    assert child.host.startswith("gpu2 (its task vanished without a word")
     ours.close()
     ours, theirs = socket.socketpair()
-    killed = SlurmChild(1, "gpu1", -1, -1, HostControl(ours, "gpu1"))
+    killed = SlurmChild(1, "gpu1", -1, -1, HostControl(ours, "gpu1"), lambda: None)
     theirs.sendall(b"0 -9\n")  # the task reported its rank killed (out of memory, say): the node is fine
     theirs.close()
     assert killed.poll() == -9 and killed.host == "gpu1"
+    ours.close()
+
+
+def test_a_rank_whose_step_ended_without_its_exit_counts_as_killed():
+    ours, theirs = socket.socketpair()  # a node that lost power: its channel never closes
+    ended = [None]
+    child = SlurmChild(0, "gpu1", -1, -1, HostControl(ours, "gpu1"), lambda: ended[0])
+    assert child.poll() is None
+    ended[0] = 0.5  # srun just ended: its last exit reports may still be on the way
+    assert child.poll() is None
+    ended[0] = 5.0
+    assert child.poll() == -9
+    ours.close()
+    theirs.close()
+
+
+def test_the_ranks_step_packs_its_tasks_on_the_fewest_nodes():
+    assert fewest_nodes([2, 2, 2], 4) == 2 and fewest_nodes([4, 4], 2) == 1 and fewest_nodes([1, 4, 2], 5) == 2
+    assert fewest_nodes([2, 2], 5) is None
+    target = StepTarget("7", "10.0.0.1", True, 2, 8, ("gpu3",))
+    command = target.srun(4)
+    assert "--nodes=2" in command and "--gpus-per-task=1" in command and "--cpus-per-task=8" in command
+    assert "--exclude=gpu3" in command and "--overlap" not in command  # ranks' steps never share GPUs
+    workers = StepTarget("7", "10.0.0.1", False).srun(2)
+    assert "--overlap" in workers and "--gres=none" in workers
+
+
+def test_a_late_answer_is_not_read_as_the_next_commands():
+    ours, theirs = socket.socketpair()
+    commands = TaskCommands()
+    commands.add(0, ours)
+    assert commands.ask([0], {"do": "stacks"}, patience=0.05) == {}  # it answers too late
+    theirs.sendall(b'{"number": 1, "stacks": {}}\n{"number": 2, "sig')  # the late answer, and half of the next
+    threading.Timer(0.1, lambda: theirs.sendall(b'nals": ["SIGINT"]}\n')).start()
+    assert commands.ask([0], {"do": "stop"}, patience=5) == {0: {"number": 2, "signals": ["SIGINT"]}}
+    theirs.close()
+    assert commands.ask([0], {"do": "end"}, patience=5) == {} and commands.silent == {0}
     ours.close()
 
 

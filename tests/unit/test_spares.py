@@ -82,7 +82,7 @@ def test_a_cpu_spare_on_a_gpu_host_sees_no_gpu_and_a_gpu_spare_does(monkeypatch)
         finally:
             pool = SparePool()
             pool.spares = [spare]
-            pool.close()
+            pool.close(wait=30)  # every factory reaped: none is left to the garbage collector's warnings
             spare.process.stdout.close()
             spare.process.stderr.close()
             spare.process.stdin.close()
@@ -137,6 +137,6 @@ def test_a_trial_on_its_slice_keeps_every_slices_spares_warm(sleepers, monkeypat
         assert pool.take([Binding(0, "6,7"), Binding(1, "6,7")]) == [waiting[Binding(0, "6,7")], waiting[Binding(1, "6,7")]]
     finally:
         second.release()
-        pool.close()
+        pool.close(wait=30)  # every factory reaped: none is left to the garbage collector's warnings
     with pytest.raises(LaunchError, match="need 6 GPUs; this host shows the kernel 4"):
         LocalBackend(2, None, None, "auto", GpuSlice(0, 3))

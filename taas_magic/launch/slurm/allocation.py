@@ -40,6 +40,8 @@ QUEUE_REFRESH = 1.0  # seconds between two looks at a queued job
 # What the probe step prints on each node: its name, and how many NVIDIA devices it has.
 PROBE = ("import glob, os; import taas_magic; "
          "print(os.environ.get('SLURMD_NODENAME', '?'), len(glob.glob('/proc/driver/nvidia/gpus/*')))")
+ENDED = ("COMPLETED", "COMPLETING", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE", "OUT_OF_MEMORY")  # a job in one of these holds nothing more
 SHOWN_OPTIONS = ("partition", "account", "qos", "time", "constraint", "nodes", "gpus_per_node", "cpus_per_gpu")
 
 
@@ -82,7 +84,8 @@ class AllocationRequest:
             index = words.index("--")
             words, passed = words[:index], words[index + 1:]
         known, unknown = _parser().parse_known_args(words)
-        return cls(**vars(known), extra=tuple(unknown + passed))
+        quiet = ("-Q", "--quiet")  # salloc would not say "Granted job allocation N", which is how taas learns it
+        return cls(**vars(known), extra=tuple(word for word in unknown + passed if word not in quiet))
 
     @property
     def empty(self) -> bool:
@@ -125,13 +128,15 @@ class Allocation:
     def request(cls: type[AllocationT], request: AllocationRequest, show: Callable[[str], None]) -> AllocationT:
         """Ask Slurm for the allocation and wait while it is queued, showing the queue's state;
         an interrupt (or any error) cancels it and leaves nothing in the queue."""
-        keeper = subprocess.Popen(
-            [*KEEPER, *request.salloc_args()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, env=slurmcli.command_env(), start_new_session=True, close_fds=True,
-        )
-        said = _SallocLines(keeper)
+        keeper: subprocess.Popen | None = None
+        said: _SallocLines | None = None
         started = time.monotonic()
         try:
+            keeper = subprocess.Popen(
+                [*KEEPER, *request.salloc_args()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, env=slurmcli.command_env(), start_new_session=True, close_fds=True,
+            )
+            said = _SallocLines(keeper)
             while not said.granted.wait(QUEUE_REFRESH if said.job_id else 0.05):
                 if keeper.poll() is not None and not said.granted.is_set():
                     said.done.wait(2)
@@ -139,10 +144,12 @@ class Allocation:
                 if said.job_id:
                     show(_queue_line(said.job_id, time.monotonic() - started))
             assert said.job_id is not None  # "Granted job allocation N" names it
+            _wait_running(said.job_id, show, started)
             return cls(said.job_id, made=True, keeper=keeper)
         except BaseException:
-            _end_keeper(keeper)
-            if said.job_id:
+            if keeper is not None:
+                _end_keeper(keeper)
+            if said is not None and said.job_id:
                 slurmcli.cancel(said.job_id)
             raise
 
@@ -150,7 +157,8 @@ class Allocation:
         info = slurmcli.show_job(self.job_id)
         if info is None or info.state not in ("RUNNING", "CONFIGURING"):
             state = info.state if info is not None else "gone"
-            raise ClusterError(f"taas: Slurm job {self.job_id} is not running ({state}); its nodes cannot run cells")
+            raise ClusterError(f"taas: Slurm job {self.job_id} is not running ({state}); its nodes cannot run cells. "
+                               "%taas cluster off, then %taas cluster slurm ... for a new allocation")
         return info
 
     def _probe(self) -> bool:
@@ -158,14 +166,18 @@ class Allocation:
         filesystem), and whether each node has the CUDA devices its GPUs name (a GPU GRES
         may be a label only, as on a test cluster)."""
         nodes = len(self.info.nodes)
-        out = slurmcli.run("srun", f"--jobid={self.job_id}", f"--nodes={nodes}", f"--ntasks={nodes}",
-                           "--ntasks-per-node=1", "--overlap", "--gres=none", "--quiet", sys.executable, "-c", PROBE,
-                           timeout=120, check=False)
-        found = dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+        try:
+            done = subprocess.run(["srun", f"--jobid={self.job_id}", f"--nodes={nodes}", f"--ntasks={nodes}",
+                                   "--ntasks-per-node=1", "--overlap", "--gres=none", "--quiet", sys.executable, "-c", PROBE],
+                                  env=slurmcli.command_env(), capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"taas: a probe step on the nodes of Slurm job {self.job_id} did not end within 300 s") from None
+        found = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
         if len(found) < nodes:
+            said = (done.stderr.strip().splitlines() or ["nothing"])[-1]
             raise ClusterError(f"taas: the kernel's Python ({sys.executable}) with taas_magic did not run on every node "
-                               f"of Slurm job {self.job_id} (answered: {', '.join(found) or 'none'}); the nodes need the "
-                               "same environment at the same path (a shared filesystem)")
+                               f"of Slurm job {self.job_id} (answered: {', '.join(found) or 'none'}; srun said: {said}); "
+                               "the nodes need the same environment at the same path (a shared filesystem)")
         return self.info.gpus_total > 0 and all(int(found.get(node, 0)) >= self.info.gpus[node] for node in self.info.nodes)
 
     # -- what it has ----------------------------------------------------------------------------
@@ -211,14 +223,16 @@ class Allocation:
         deadline = time.monotonic() + RELEASE_PATIENCE
         while time.monotonic() < deadline:
             info = slurmcli.show_job(self.job_id)
-            if info is None or info.state not in ("RUNNING", "PENDING", "CONFIGURING"):
+            if info is None or info.state in ENDED:
                 return
             time.sleep(0.1)
         slurmcli.cancel(self.job_id)  # salloc did not let go: the controller is told directly
 
 
 def _unusable(state: str) -> bool:
-    return any(word in state for word in ("down", "drain", "fail", "not_responding")) or state.endswith("*")
+    """A node state in which a step cannot run there: down, failing, not responding (``*``). A
+    draining node still runs the steps of the jobs it holds."""
+    return any(word in state for word in ("down", "fail", "not_responding")) or state.endswith("*")
 
 
 def _queue_line(job_id: str, waited: float) -> str:
@@ -245,7 +259,7 @@ class _SallocLines:
     def _read(self, keeper: subprocess.Popen) -> None:
         assert keeper.stderr is not None
         try:
-            for raw in keeper.stderr:
+            for raw in iter(keeper.stderr.readline, b""):
                 line = raw.decode(errors="replace").strip()
                 self.lines.append(line)
                 words = line.split()
@@ -253,12 +267,25 @@ class _SallocLines:
                     self.job_id = words[-1]
                     if "Granted" in line:
                         self.granted.set()
+        except (OSError, ValueError):
+            pass  # closed by _end_keeper after the keeper ended
         finally:
             self.done.set()
 
     def last_error(self) -> str:
         errors = [line.removeprefix("salloc: ") for line in self.lines if "error" in line.lower()]
         return (errors or self.lines or ["salloc exited without a word"])[-1]
+
+
+def _wait_running(job_id: str, show: Callable[[str], None], started: float) -> None:
+    """salloc says "Granted" before the nodes are ready (nodes booting, or powered up from saving):
+    wait, shown and interruptible, for the job to run before anything is started on them."""
+    while True:
+        info = slurmcli.show_job(job_id)
+        if info is None or info.state != "CONFIGURING":
+            return
+        show(_queue_line(job_id, time.monotonic() - started))
+        time.sleep(QUEUE_REFRESH)
 
 
 def _end_keeper(keeper: subprocess.Popen) -> None:
@@ -272,6 +299,8 @@ def _end_keeper(keeper: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         keeper.kill()
         keeper.wait()
+    if keeper.stderr is not None:
+        keeper.stderr.close()  # its reader thread has seen the end of it (or meets a closed file and stops)
 
 
 def keep(salloc_args: list[str]) -> int:

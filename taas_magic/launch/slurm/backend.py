@@ -2,11 +2,12 @@
 
 The allocation is the session's (launch/slurm/allocation.py): a run holds nothing of its own
 beyond its steps, so a cell pays Slurm's queue never, only a step's start. ``--gpus N`` asks
-for N tasks with one GPU each (``--gpus-per-task=1``) anywhere in the allocation: Slurm places
-them, over more nodes when one node has too few. An allocation without GPUs runs its ranks
-as CPU tasks with gloo. A node a run found lost (its tasks vanished without a word, or the
-controller says it is down) is left out of every later step (``--exclude``); ``--restarts``
-continues on the nodes left while they have the GPUs.
+for N tasks with one GPU each (``--gpus-per-task=1``) on the fewest of the allocation's nodes
+that hold them (``--nodes``: Slurm would otherwise spread them one per node), and Slurm
+places them. An allocation without GPUs runs its ranks as CPU tasks with gloo. A node a run
+found lost (its tasks vanished without a word, or the controller says it is down) is left out
+of every later step (``--exclude``); ``--restarts`` continues on the nodes left while they
+have the GPUs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 from types import TracebackType
+from typing import Callable
 
 from taas_magic.errors import LaunchError
 from taas_magic.launch.backend import CLUSTER_CPU, PlaneT, Say, StartData
@@ -21,7 +23,7 @@ from taas_magic.launch.base import LaunchPlan, ProcessGroup
 from taas_magic.launch.placement import RankSlot
 from taas_magic.launch.rankenv import DevicePlan
 from taas_magic.launch.slurm.allocation import Allocation
-from taas_magic.launch.slurm.step import SlurmStep, StepTarget
+from taas_magic.launch.slurm.step import SlurmStep, StepTarget, fewest_nodes
 
 ADDRESS_VARIABLE = "TAAS_SLURM_ADDRESS"  # where the nodes reach this kernel, when the route to them does not say
 
@@ -79,19 +81,30 @@ class SlurmBackend:
     def rank_extra_env(self, rank: int) -> dict[str, str]:
         return {}  # CUDA_VISIBLE_DEVICES: Slurm's binding, in the step
 
-    def _target(self, gpus: bool) -> StepTarget:
-        left_out = tuple(node for node in self._allocation.info.nodes if node not in self._usable)
-        return StepTarget(self._allocation.job_id, self.listen_host, gpus, left_out)
+    def _target(self, ranks: bool) -> StepTarget:
+        """The ranks' step (packed on the fewest usable nodes, each task its GPU and its share of the
+        node's CPUs), or the data workers' (a CPU each, anywhere in the allocation)."""
+        info = self._allocation.info
+        left_out = tuple(node for node in info.nodes if node not in self._usable)
+        if not ranks:
+            return StepTarget(self._allocation.job_id, self.listen_host, False, exclude=left_out)
+        if self._gpus:
+            capacity = [info.gpus[node] for node in self._usable]
+            cpus = min((info.cpus[node] // info.gpus[node] for node in self._usable if info.gpus[node]), default=1)
+        else:
+            capacity, cpus = [info.cpus[node] for node in self._usable], 1
+        return StepTarget(self._allocation.job_id, self.listen_host, self._gpus, fewest_nodes(capacity, len(self.slots)),
+                          max(1, cpus), left_out)
 
-    def start_ranks(self, plan: LaunchPlan, key: bytes) -> ProcessGroup:
-        self._step = SlurmStep.start(self._target(self._gpus), plan, key)
+    def start_ranks(self, plan: LaunchPlan, key: bytes, stop_asked: Callable[[], bool] = lambda: False) -> ProcessGroup:
+        self._step = SlurmStep.start(self._target(ranks=True), plan, key, stop_asked=stop_asked)
         return self._step
 
     def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
         from taas_magic.launch.local import WORKER_COMMAND
 
         def launch(plan: LaunchPlan, dirs: tuple[str, ...]) -> ProcessGroup:
-            self._workers = SlurmStep.start(self._target(False), plan, key, WORKER_COMMAND, dirs)
+            self._workers = SlurmStep.start(self._target(ranks=False), plan, key, WORKER_COMMAND, dirs)
             return self._workers
 
         plane = start(launch, None)
@@ -119,7 +132,9 @@ class SlurmBackend:
             f"nodes left ({', '.join(usable) or 'none'})")
         if have < len(self.slots):
             raise LaunchError(f"taas: node {', '.join(gone)} went away and the nodes left of Slurm job {allocation.job_id} "
-                              f"have {have} of the {len(self.slots)} GPU(s) the run needs; nothing was restarted")
+                              f"have {have} of the {len(self.slots)} GPU(s) the run needs; nothing was restarted. A node "
+                              "found lost stays left out of this allocation: %taas cluster off, then %taas cluster slurm "
+                              "... for a new one")
 
     def release(self) -> None:
         pass  # the session holds the allocation; each step is closed by the run

@@ -42,6 +42,8 @@ def run(*command: str, timeout: float = 30, check: bool = True) -> str:
     try:
         done = subprocess.run(command, env=command_env(), capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
+        if not check:
+            return ""  # a look that can wait for the next one (the queue display, node states)
         raise ClusterError(f"taas: {command[0]} did not answer ({exc})") from None
     if check and done.returncode != 0:
         said = done.stderr.strip().splitlines()

@@ -20,27 +20,30 @@ after a short grace, kills it (``scancel --signal=KILL``), so nothing waits on S
 from __future__ import annotations
 
 import json
+import os
 import select
-import socket
 import subprocess
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Sequence
+from typing import Callable, Sequence
 
 from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan
 from taas_magic.launch.ray import HostControl, OutputHub
 from taas_magic.launch.slurm import slurmcli
+from taas_magic.launch.slurm.commands import TaskCommands
 from taas_magic.launch.slurm.task import COMMAND
 from taas_magic.peers import StepChannels
 
 START_PATIENCE = 120.0  # seconds for Slurm to start the step's tasks and each to connect
-COMMAND_PATIENCE = 10.0  # seconds a task may take to answer a stop
+COMMAND_PATIENCE = 10.0  # seconds a task may take to answer a stop (its ladder takes at most 4.5 s)
+END_PATIENCE = 20.0  # seconds a task may take to end: the ladder, then its pumps' and reporter's joins
 AUTOPSY_PATIENCE = 1.5  # seconds for the tasks to return their ranks' stacks (each takes at most 1 s)
 END_GRACE = 2.0  # seconds the tasks have to end by themselves before the step is killed
+VANISHED_GRACE = 2.0  # seconds after srun ended that a rank with no exit code counts as killed
 
 
 @dataclass
@@ -52,31 +55,44 @@ class SlurmChild:
     stdout_fd: int
     stderr_fd: int
     control: HostControl  # its task's exit channel
+    srun_ended: Callable[[], float | None]  # how long ago the step's srun ended, or None
     exit_fd: int | None = None  # exit codes arrive on the exit channel, polled
 
     @property
     def host(self) -> str:
-        """Its node, and whether the node went away (its task vanished without reporting the rank's exit)."""
+        """Its node, and whether its task vanished without reporting the rank's exit (the node, its
+        slurmd or the step went away)."""
         if self.control.lost and 0 not in self.control.codes:
-            return f"{self.node} (lost: its task vanished without a word; the node or its slurmd went away)"
+            return f"{self.node} (its task vanished without a word: the node, its slurmd or the step went away)"
         return self.node
 
     def poll(self) -> int | None:
-        return self.control.poll(0)
+        code = self.control.poll(0)
+        if code is None:
+            ended = self.srun_ended()
+            if ended is not None and ended > VANISHED_GRACE:
+                return -9  # the step is over and this rank never said so: its node is unreachable
+        return code
 
 
 @dataclass(frozen=True)
 class StepTarget:
     """Where a step goes: the allocation's job, this kernel's address the tasks connect back to,
-    whether each task takes a GPU, and the nodes left out (found lost)."""
+    whether each task takes a GPU, the fewest nodes the tasks fit on (so Slurm packs them rather
+    than spreading one per node), each task's CPUs, and the nodes left out (found lost)."""
 
     job_id: str
     listen_host: str
     gpus: bool
+    nodes: int | None = None
+    cpus_per_task: int = 1
     exclude: tuple[str, ...] = ()
 
     def srun(self, count: int) -> list[str]:
-        command = ["srun", f"--jobid={self.job_id}", f"--ntasks={count}", "--input=all", "--kill-on-bad-exit=0", "--quiet"]
+        command = ["srun", f"--jobid={self.job_id}", f"--ntasks={count}", "--input=all", "--kill-on-bad-exit=0",
+                   f"--cpus-per-task={self.cpus_per_task}"]
+        if self.nodes is not None:
+            command.append(f"--nodes={self.nodes}")
         if self.gpus:
             command.append("--gpus-per-task=1")  # steps side by side (a search's trials) get GPUs of their own
         else:
@@ -86,14 +102,26 @@ class StepTarget:
         return [*command, *COMMAND]
 
 
+def fewest_nodes(capacity: Sequence[int], count: int) -> int | None:
+    """The fewest of nodes with these capacities (GPUs, or CPUs) that hold ``count`` tasks."""
+    held = 0
+    for used, have in enumerate(sorted(capacity, reverse=True), 1):
+        held += have
+        if held >= count:
+            return used
+    return None
+
+
 class Srun:
-    """The step's srun on this host: its stdin (every task's lifeline) and its last words."""
+    """The step's srun on this host: its stdin (every task's lifeline), its last words, when it ended."""
 
     def __init__(self, command: list[str], cwd: str):
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         env=slurmcli.command_env(), cwd=cwd, start_new_session=True, close_fds=True)
         self._said: deque[str] = deque(maxlen=20)
-        threading.Thread(target=self._read, name="taas-srun", daemon=True).start()
+        self._ended_at: float | None = None
+        self._reader = threading.Thread(target=self._read, name="taas-srun", daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -103,6 +131,12 @@ class Srun:
     def said(self) -> str:
         """What srun (and Slurm through it) said last, for an error."""
         return "; ".join(line.removeprefix("srun: ").strip() for line in list(self._said)[-3:]) or "nothing"
+
+    def ended(self) -> float | None:
+        """Seconds since srun was first seen ended (None: it runs)."""
+        if self._ended_at is None and self.process.poll() is not None:
+            self._ended_at = time.monotonic()
+        return None if self._ended_at is None else time.monotonic() - self._ended_at
 
     def tell_tasks(self, line: str) -> None:
         assert self.process.stdin is not None
@@ -127,6 +161,9 @@ class Srun:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._reader.join(timeout=1)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
 
 
 def rank_plans(hellos: list[dict], plan: LaunchPlan, gpus: bool, command: tuple[str, ...] | None,
@@ -147,74 +184,95 @@ def rank_plans(hellos: list[dict], plan: LaunchPlan, gpus: bool, command: tuple[
         visible = ",".join(h["gpus"] for h in node_tasks if h["gpus"]) if gpus else None
         plans.append({"env": env, "cwd": plan.cwd, "handshake": plan.handshake, "place": plan.places[task].line(),
                       "stack_file": plan.stack_files[task] if task < len(plan.stack_files) else None,
-                      "visible": visible, "command": list(command) if command else None, "dirs": list(dirs)})
+                      "visible": visible, "command": list(command) if command else None, "dirs": list(dirs),
+                      "threads": os.environ.get("OMP_NUM_THREADS")})  # the person's, else the task's CPUs
     return plans
 
 
 class SlurmStep:
     """The ranks (or data workers) of one attempt: one srun step, one task each."""
 
-    def __init__(self, srun: Srun, hub: OutputHub):
-        self._srun = srun
+    def __init__(self, hub: OutputHub):
         self._hub = hub
+        self._srun: Srun | None = None
         self.children: list[SlurmChild] = []
         self.hellos: list[dict] = []
         self.step = ""
-        self._commands: dict[int, socket.socket] = {}
-        self._silent: set[int] = set()  # tasks whose command channel closed before they were told to end
+        self._tasks = TaskCommands()
         self._closed = False
 
     @classmethod
     def start(cls, target: StepTarget, plan: LaunchPlan, key: bytes, command: tuple[str, ...] | None = None,
-              dirs: tuple[str, ...] = ()) -> "SlurmStep":
+              dirs: tuple[str, ...] = (), stop_asked: Callable[[], bool] = lambda: False) -> "SlurmStep":
         """Run ``plan``'s processes (``command``: data workers, not ranks) as the tasks of one step;
-        return once every one is started and connected."""
+        return once every one is started and connected (``stop_asked``: an interrupt meanwhile)."""
         count = plan.world_size
         channels = StepChannels(count)
-        hub = OutputHub(target.listen_host, key, len(channels))
-        step = cls(Srun(target.srun(count), plan.cwd), hub)
+        step = cls(OutputHub(target.listen_host, key, len(channels)))
         try:
-            step._srun.tell_tasks(hub.handshake.line())
+            step._srun = srun = Srun(target.srun(count), plan.cwd)
+            srun.tell_tasks(step._hub.handshake.line())
             deadline = time.monotonic() + START_PATIENCE
-            step._collect(deadline, [channels.command(task) for task in range(count)])
+            step._collect(deadline, [channels.command(task) for task in range(count)], stop_asked)
             step._hellos(count, deadline)
             for task, rank_plan in enumerate(rank_plans(step.hellos, plan, target.gpus, command, dirs)):
-                step._commands[task].sendall(json.dumps(rank_plan).encode() + b"\n")
-            step._collect(deadline, list(range(len(channels))))
+                step._tasks.sockets[task].sendall(json.dumps(rank_plan).encode() + b"\n")
+            step._collect(deadline, list(range(len(channels))), stop_asked)
+            hub = step._hub.connected
             for hello in step.hellos:
                 task = hello["task"]
-                control = HostControl(hub.connected[channels.exits(task)], hello["node"])
-                step.children.append(SlurmChild(task, hello["node"], hub.connected[channels.stream(task, "stdout")].fileno(),
-                                                hub.connected[channels.stream(task, "stderr")].fileno(), control))
+                step.children.append(SlurmChild(task, hello["node"], hub[channels.stream(task, "stdout")].fileno(),
+                                                hub[channels.stream(task, "stderr")].fileno(),
+                                                HostControl(hub[channels.exits(task)], hello["node"]), srun.ended))
         except BaseException:
             step.close()
             raise
         return step
 
     # -- starting ---------------------------------------------------------------------------
-    def _collect(self, deadline: float, wanted: list[int]) -> None:
-        """Accept connections until the channels ``wanted`` are connected (each proves the run's key)."""
-        hub = self._hub
+    def _collect(self, deadline: float, wanted: list[int], stop_asked: Callable[[], bool]) -> None:
+        """Accept connections until the channels ``wanted`` are connected (each proves the run's key);
+        a task that fails to start its rank, or srun ending, fails the start at once."""
+        hub, srun = self._hub, self._srun
+        assert srun is not None
         while any(channel not in hub.connected for channel in wanted):
-            if self._srun.process.poll() is not None:
+            if stop_asked():
+                raise KeyboardInterrupt  # as the person's interrupt, while Slurm starts the step
+            if srun.process.poll() is not None:
                 time.sleep(0.1)  # its last words
                 raise LaunchError(f"taas: the srun step ended before its tasks connected "
-                                  f"(exit {self._srun.process.returncode}): {self._srun.said()}")
+                                  f"(exit {srun.process.returncode}): {srun.said()}")
+            self._check_tasks()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LaunchError(f"taas: the step's tasks did not connect to the kernel within {START_PATIENCE:g} s "
                                   f"(is this host's address {hub.address[0]} reachable from the nodes? "
-                                  "TAAS_SLURM_ADDRESS sets it); srun said: " + self._srun.said())
+                                  "TAAS_SLURM_ADDRESS sets it); srun said: " + srun.said())
             ready, _, _ = select.select([hub.listener], [], [], min(left, 0.05))
             if ready:
                 hub._accept_one(deadline)
 
+    def _check_tasks(self) -> None:
+        """A task that said something unasked while starting: its rank could not be started."""
+        for hello in self.hellos:
+            task = hello["task"]
+            if self._tasks.pending(task):
+                try:
+                    said = self._tasks.read(task, time.monotonic() + 1.0).get("error", "it said nothing more")
+                except (ConnectionError, TimeoutError, ValueError, OSError):
+                    said = "it exited"
+                raise LaunchError(f"taas: the Slurm task of rank {task} on {hello['node']} could not start the rank: {said}")
+
     def _hellos(self, count: int, deadline: float) -> None:
         channels = StepChannels(count)
         for task in range(count):
-            sock = self._hub.connected[channels.command(task)]
-            self._commands[task] = sock
-            self.hellos.append(json.loads(_read_line(sock, deadline)))
+            self._tasks.add(task, self._hub.connected[channels.command(task)])
+            try:
+                self.hellos.append(self._tasks.read(task, deadline))
+            except (ConnectionError, TimeoutError, ValueError) as exc:
+                assert self._srun is not None
+                raise LaunchError(f"taas: a task of the srun step did not say where it runs ({exc}); "
+                                  f"srun said: {self._srun.said()}") from None
         self.hellos.sort(key=lambda hello: hello["task"])
         self.step = self.hellos[0]["step"]
 
@@ -224,47 +282,25 @@ class SlurmStep:
         return [hello["node"] for hello in self.hellos]
 
     def vanished_nodes(self) -> list[str]:
-        """Nodes whose every task went away unasked (its command channel closed without ``end``):
-        a task outlives its rank and answers for it, so a silent task means its node is gone."""
+        """Nodes whose every task went away unasked while tasks elsewhere still answered: a task
+        outlives its rank and answers for it, so that node is gone. (When every task went silent,
+        the step as a whole ended: no node is blamed; the controller's view decides.)"""
         silent: dict[str, bool] = {}
         for hello in self.hellos:
-            silent[hello["node"]] = silent.get(hello["node"], True) and hello["task"] in self._silent
-        return [node for node, gone in silent.items() if gone]
-
-    def _ask(self, tasks: Sequence[int], message: dict, patience: float) -> dict[int, dict]:
-        """Send ``message`` to those tasks, then read their answers until ``patience`` passes."""
-        asked: dict[int, socket.socket] = {}
-        for task in tasks:
-            sock = self._commands.get(task)
-            if sock is None:
-                continue
-            try:
-                sock.sendall(json.dumps(message).encode() + b"\n")
-                asked[task] = sock
-            except OSError:
-                self._silent.add(task)
-                continue
-        deadline = time.monotonic() + patience
-        answers: dict[int, dict] = {}
-        for task, sock in asked.items():
-            try:
-                answers[task] = json.loads(_read_line(sock, deadline))
-            except (ConnectionError, ValueError):
-                self._silent.add(task)  # it died (its node, most likely): close() kills what is left of the step
-            except (OSError, TimeoutError):
-                continue  # it hangs: close() kills the step
-        return answers
+            silent[hello["node"]] = silent.get(hello["node"], True) and hello["task"] in self._tasks.silent
+        gone = [node for node, quiet in silent.items() if quiet]
+        return gone if len(gone) < len(silent) else []
 
     def stop(self, graceful: bool = True) -> list[str]:
         signals: list[str] = []
-        for answer in self._ask(list(self._commands), {"do": "stop", "graceful": graceful}, COMMAND_PATIENCE).values():
+        for answer in self._tasks.ask(list(self._tasks.sockets), {"do": "stop", "graceful": graceful},
+                                      COMMAND_PATIENCE).values():
             signals += [name for name in answer.get("signals", []) if name not in signals]
         return signals
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         found: dict[int, str] = {}
-        for answer in self._ask([rank for rank in ranks if rank in self._commands], {"do": "stacks", "ranks": list(ranks)},
-                                AUTOPSY_PATIENCE).values():
+        for answer in self._tasks.ask(list(ranks), {"do": "stacks", "ranks": list(ranks)}, AUTOPSY_PATIENCE).values():
             found.update({int(rank): text for rank, text in answer.get("stacks", {}).items()})
         return found
 
@@ -281,26 +317,8 @@ class SlurmStep:
             return
         self._closed = True
         try:
-            self._ask(list(self._commands), {"do": "end"}, COMMAND_PATIENCE)
-            self._srun.end(self.step)
+            self._tasks.ask(list(self._tasks.sockets), {"do": "end"}, END_PATIENCE)
+            if self._srun is not None:
+                self._srun.end(self.step)
         finally:
             self._hub.close()
-
-
-def _read_line(sock: socket.socket, deadline: float) -> str:
-    """One line from a task's command channel (a line is all a task sends before it waits for
-    the next command), waiting no later than ``deadline``."""
-    data = bytearray()
-    while not data.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no answer")
-        ready, _, _ = select.select([sock], [], [], left)
-        if not ready:
-            continue
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data.decode()
-

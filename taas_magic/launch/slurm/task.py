@@ -51,13 +51,16 @@ def where_slurm_put_me(address: str, master_port: int | None) -> dict:
     }
 
 
-def rank_env(planned: dict[str, str], visible: str | None) -> dict[str, str]:
+def rank_env(planned: dict[str, str], visible: str | None, threads: str | None) -> dict[str, str]:
     """The rank's environment: the kernel's plan, with this task's Slurm variables (not the
-    kernel's) and the node's GPUs in local-task order, so LOCAL_RANK indexes this task's own."""
+    kernel's) and the node's GPUs in local-task order, so LOCAL_RANK indexes this task's own;
+    ``OMP_NUM_THREADS`` the person's (``threads``), else the CPUs Slurm gave this task."""
     env = {name: value for name, value in planned.items() if not name.startswith("SLURM")}
     env.update({name: value for name, value in os.environ.items() if name.startswith("SLURM")})
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env["OMP_NUM_THREADS"] = threads or str(max(1, min(cpus, int(os.environ.get("SLURM_CPUS_PER_TASK") or cpus))))
     return env
 
 
@@ -74,6 +77,7 @@ class Task:
         self.reader = self.sock.makefile("rb")
         self.agent = HostAgent()
         self.port: socket.socket | None = None
+        self.closing = threading.Lock()  # the end command and the lifeline both close the agent: once
 
     def send(self, message: dict) -> None:
         self.sock.sendall(json.dumps(message).encode() + b"\n")
@@ -93,7 +97,7 @@ class Task:
         if not line:
             raise ConnectionError("the kernel closed the command channel before sending the plan")
         plan = json.loads(line)
-        env = rank_env(plan["env"], plan.get("visible"))
+        env = rank_env(plan["env"], plan.get("visible"), plan.get("threads"))
         launch = LaunchPlan(1, [env], plan["cwd"], plan["handshake"], [wire.Placement.parse(plan["place"])],
                             [plan["stack_file"]] if plan.get("stack_file") else [])
         self.agent.start(launch, self.task, self.hub, self.channels.exits(self.task),
@@ -102,31 +106,36 @@ class Task:
             self.port.close()
 
     def serve(self) -> None:
-        """The kernel's commands, one JSON line each, answered in order, until ``end`` (or the channel ends)."""
+        """The kernel's commands, one JSON line each, each answered with its number, until ``end``
+        (or the channel ends)."""
         for line in self.reader:
             command = json.loads(line)
-            what = command["do"]
+            what, number = command["do"], command.get("number")
             if what == "stop":
-                self.send({"signals": self.agent.stop(command.get("graceful", True))})
+                self.send({"number": number, "signals": self.agent.stop(command.get("graceful", True))})
             elif what == "stacks":
-                self.send({"stacks": {str(k): v for k, v in self.agent.stacks(command["ranks"]).items()}})
+                stacks = self.agent.stacks(command["ranks"])
+                self.send({"number": number, "stacks": {str(k): v for k, v in stacks.items()}})
             elif what == "end":
-                break
-        self.agent.close()
-        try:
-            self.send({"ended": True})
-        except OSError:
-            pass
+                self.close()
+                self.send({"number": number, "ended": True})
+                return
+        self.close()
+
+    def close(self) -> None:
+        with self.closing:
+            self.agent.close()
 
 
 def _watch_stdin(task: Task) -> None:
-    """srun's stdin is the lifeline: once it ends (the kernel's srun is gone), the rank is stopped."""
+    """srun's stdin is the lifeline: once it ends (the kernel's srun is gone), the rank is stopped
+    (after an end already under way, if one is) and the task leaves."""
     try:
         while os.read(0, 1 << 16):  # fd 0 itself: a daemon thread blocked in sys.stdin would hold its lock,
             pass  # and the interpreter's exit would wait a second for it
     except OSError:
         pass
-    task.agent.close()
+    task.close()
     os._exit(0)
 
 
@@ -138,11 +147,16 @@ def main() -> int:
     threading.Thread(target=_watch_stdin, args=(task,), name="taas-lifeline", daemon=True).start()
     try:
         task.hello()
-        task.start()
+        try:
+            task.start()
+        except Exception as exc:  # noqa: BLE001 - whatever stopped the rank's start, the kernel says it in one line
+            task.send({"error": f"{type(exc).__name__}: {exc}"})
+            task.close()
+            return 1
         task.serve()
     except (ConnectionError, OSError) as exc:
         print(f"taas: slurm task {task.task}: {exc}", file=sys.stderr)
-        task.agent.close()
+        task.close()
         return 1
     return 0
 

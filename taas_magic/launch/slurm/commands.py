@@ -1,0 +1,79 @@
+"""The kernel's end of each Slurm task's command channel: JSON lines, each command numbered.
+
+A task sends one line when it connects (where Slurm put it), then one answer per command,
+echoing the command's number; an answer that comes after its command's patience ran out is
+recognised by its number and dropped, never read as the next command's. Bytes are buffered
+per task, so two lines in one read, or a line split over two, are read as lines.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from typing import Sequence
+
+
+class TaskCommands:
+    """Every task's command channel of one step."""
+
+    def __init__(self) -> None:
+        self.sockets: dict[int, socket.socket] = {}
+        self._buffers: dict[int, bytearray] = {}
+        self.silent: set[int] = set()  # tasks whose channel closed before they were told to end
+        self._number = 0
+
+    def add(self, task: int, sock: socket.socket) -> None:
+        self.sockets[task] = sock
+        self._buffers[task] = bytearray()
+
+    def read(self, task: int, deadline: float) -> dict:
+        """The task's next line; ConnectionError once its channel closed, TimeoutError at ``deadline``."""
+        buffer, sock = self._buffers[task], self.sockets[task]
+        while b"\n" not in buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"task {task} did not answer")
+            ready, _, _ = select.select([sock], [], [], left)
+            if not ready:
+                continue
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError(f"task {task} closed its channel")
+            buffer += chunk
+        line, _, rest = bytes(buffer).partition(b"\n")
+        buffer[:] = rest
+        return json.loads(line)
+
+    def pending(self, task: int) -> bool:
+        """Whether the task said something (or closed its channel) that was not asked for."""
+        if self._buffers[task]:
+            return True
+        ready, _, _ = select.select([self.sockets[task]], [], [], 0)
+        return bool(ready)
+
+    def ask(self, tasks: Sequence[int], message: dict, patience: float) -> dict[int, dict]:
+        """Send ``message`` to those tasks, then read their answers to it until ``patience`` passes."""
+        self._number += 1
+        asked = []
+        for task in tasks:
+            if task not in self.sockets or task in self.silent:
+                continue
+            try:
+                self.sockets[task].sendall(json.dumps({**message, "number": self._number}).encode() + b"\n")
+                asked.append(task)
+            except OSError:
+                self.silent.add(task)
+        deadline = time.monotonic() + patience
+        answers: dict[int, dict] = {}
+        for task in asked:
+            try:
+                while (answer := self.read(task, deadline)).get("number") != self._number:
+                    pass  # a late answer to a command whose patience ran out
+                answers[task] = answer
+            except TimeoutError:  # (an OSError too: first)
+                continue  # it hangs: close() kills the step
+            except (ConnectionError, OSError, ValueError):
+                self.silent.add(task)  # it died, or its node did: close() kills what is left of the step
+        return answers
