@@ -139,6 +139,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
 GresTypes=gpu
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

@@ -18,6 +18,13 @@ from tests.slurm.test_slurm import cell_processes, job_of
 pytestmark = pytest.mark.slurm
 
 
+@pytest.fixture(autouse=True)
+def every_node_idle_first(slurm):
+    """Each test asks for an allocation of its own: the last test's nodes have finished with its job first
+    (a node still completing one would leave the request pending until the scheduler's next pass)."""
+    slurm.wait_idle(slurm.names, timeout=60)
+
+
 def job_known(slurm, job: str) -> bool:
     return any(line.split()[0] == job for line in slurm.jobs())
 
