@@ -63,10 +63,12 @@ def _free_ports(count: int) -> list[int]:
 
 
 class MiniSlurm:
-    """One controller and ``nodes`` nodes named node1..nodeN, each with 2 fake GPUs and 4 CPUs."""
+    """One controller, ``nodes`` nodes named node1..nodeN with 2 fake GPUs and 4 CPUs each, and
+    ``cpu_nodes`` CPU-only nodes cpu1..cpuM with 4 CPUs each."""
 
-    def __init__(self, nodes: int = 3, slurmd_timeout: int = 10):
-        self.names = [f"node{k}" for k in range(1, nodes + 1)]
+    def __init__(self, nodes: int = 3, cpu_nodes: int = 0, slurmd_timeout: int = 10):
+        self.gpu_names = [f"node{k}" for k in range(1, nodes + 1)]
+        self.names = self.gpu_names + [f"cpu{k}" for k in range(1, cpu_nodes + 1)]
         self.dir = Path(tempfile.mkdtemp(prefix="taas-slurm-"))
         self.conf = self.dir / "slurm.conf"
         self.slurmd_timeout = slurmd_timeout
@@ -111,8 +113,8 @@ class MiniSlurm:
             os.mknod(self.dir / "dev" / f"gpu{index}", 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
         ctld_port, *node_ports = _free_ports(1 + len(self.names))
         nodes = "\n".join(
-            f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} "
-            f"RealMemory=2000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+            f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} RealMemory=2000 "
+            + (f"Gres=gpu:{GPUS_PER_NODE} " if name in self.gpu_names else "") + "State=UNKNOWN"
             for name, port in zip(self.names, node_ports)
         )
         node_list = ",".join(self.names)
@@ -155,7 +157,7 @@ MessageTimeout=5
 PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
         (self.dir / "gres.conf").write_text(
-            f"AutoDetect=off\nNodeName={node_list} Name=gpu File={d}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n"
+            f"AutoDetect=off\nNodeName={','.join(self.gpu_names)} Name=gpu File={d}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n"
         )
 
     def _start_munge(self) -> None:
@@ -169,7 +171,7 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
             time.sleep(0.05)
 
     def _start(self, name: str, command: list[str]) -> None:
-        log = open(self.dir / "log" / f"{name}.out", "wb")  # noqa: SIM115 - the daemon holds it
+        log = open(self.dir / "log" / f"{name}.out", "wb")
         self.daemons[name] = subprocess.Popen(command, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()

@@ -10,14 +10,17 @@ shared allocation has no step running.
 
 from __future__ import annotations
 
+import json
+import os
 import re
-import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+from taas_magic.output.budget import log_dir
 from tests.kernel_client import Kernel, started_here, wait_until_gone
 
 pytestmark = pytest.mark.slurm
@@ -209,16 +212,30 @@ def test_data_workers_run_as_slurm_tasks(attached):
         attached.execute("taas.unregister(loader)")
     assert ran.reply["status"] == "ok", ran.error_text()
     out = ran.stream()
-    assert re.search(r"data workers as Slurm tasks on (workers 0-1 on node\d|worker 0 on node\d, worker 1 on node\d)", out), out
+    placed = re.search(r"data workers as Slurm tasks on worker 0 on (node\d), worker 1 on (node\d)", out)
+    assert placed and placed.group(1) != placed.group(2), out  # Slurm spreads the workers' step over both nodes,
+    assert "prepared elements travel from the workers' nodes to" in out, out  # so one worker's reach the ranks' node
+    # through the kernel (the ranks' step is packed on one node)
     assert "[rank 0] seen 0 20" in out and "[rank 1] seen 1 20" in out, out
 
 
-def test_detach_and_wait(attached):
-    ran = attached.execute("#pragma taas --gpus 2 --detach\nimport time\ntime.sleep(2)\nanswer = 41 + 1", timeout=120)
+def test_a_detached_run_is_attached_to_waited_for_and_logged_as_locally(attached):
+    ran = attached.execute("#pragma taas --gpus 2 --detach\nimport time\n"
+                           "for i in range(30):\n    print('tick', i, flush=True)\n    time.sleep(0.05)\n"
+                           "answer = 41 + 1", timeout=120)
     assert ran.reply["status"] == "ok", ran.error_text()
+    run_id = re.search(r"run ([0-9a-f]{12})", json.dumps([m.content for m in ran.messages])).group(1)
+    time.sleep(0.5)  # lines printed before anyone attaches
+    shown = attached.execute(f"%taas attach {run_id}", timeout=120).stream("stdout")
+    ticks = [int(n) for n in re.findall(r"^tick (\d+)$", shown, flags=re.MULTILINE)]
+    assert ticks == list(range(30)), shown  # the backlog, then the live tail, nothing missing
     waited = attached.execute("%taas wait", timeout=120)
     assert waited.reply["status"] == "ok", waited.error_text()
     assert attached.execute("answer").result["text/plain"] == "42"
+    path = os.path.join(log_dir(), f"{run_id}.run.jsonl")
+    entries = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    assert "Slurm job" in entries[0]["text"] and entries[-1]["kind"] == "end" and entries[-1]["text"] == "ok"
+    assert "".join(entry["text"] for entry in entries if entry["kind"] == "out") == "".join(f"tick {i}\n" for i in range(30))
 
 
 def test_interrupt_while_queued_cancels_the_request(attached, slurm, new_kernel):

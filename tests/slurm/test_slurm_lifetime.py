@@ -59,7 +59,8 @@ def test_cluster_shows_the_allocation_and_off_releases_it(slurm):
         assert ran.reply["status"] == "ok", ran.error_text()
         job = job_of(kernel)
         shown = kernel.execute("%taas cluster").stream()
-        assert re.search(rf"Slurm job {job} \(made by this session\), partition gpu, 1 node\(s\), 1 GPU, time left 0?:?[0-9]", shown), shown
+        made = rf"Slurm job {job} \(made by this session\), partition gpu, 1 node\(s\), 1 GPU, time left 0?:?[0-9]"
+        assert re.search(made, shown), shown
         assert re.search(r"  node\d: 1 GPU, 1 CPU, (mixed|allocated)", shown), shown
         keepers = [proc for proc in psutil.Process(kernel.pid).children(recursive=True) if proc.name() == "salloc"]
         assert len(keepers) == 1

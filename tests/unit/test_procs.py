@@ -32,13 +32,17 @@ def test_ladder_escalates_to_kill_and_takes_the_group_down():
         "time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
-    child_pid = int(proc.stdout.readline())
-    started = time.monotonic()
-    report = stop_groups([proc])
-    assert report.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
-    assert time.monotonic() - started < 5
-    assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
-    proc.stdout.close()
+    try:
+        child = psutil.Process(int(proc.stdout.readline()))
+        started = time.monotonic()
+        report = stop_groups([proc])
+        assert report.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
+        assert time.monotonic() - started < 5
+        # the group's SIGKILL reached the child too; on a loaded machine it may take a moment to be scheduled and die
+        _, alive = psutil.wait_procs([child], timeout=5)
+        assert not alive or alive[0].status() == psutil.STATUS_ZOMBIE
+    finally:
+        proc.stdout.close()
 
 
 def test_already_exited_processes_need_no_signal():

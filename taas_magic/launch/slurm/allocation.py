@@ -303,13 +303,23 @@ def _end_keeper(keeper: subprocess.Popen) -> None:
         keeper.stderr.close()  # its reader thread has seen the end of it (or meets a closed file and stops)
 
 
+def _until_end_of_stdin() -> None:
+    """Block until the kernel's end of the pipe closes. fd 0 itself, not sys.stdin: a daemon thread
+    blocked in sys.stdin's reader holds its lock, and the interpreter's exit would fail on it."""
+    try:
+        while os.read(0, 1 << 16):
+            pass
+    except OSError:
+        pass
+
+
 def keep(salloc_args: list[str]) -> int:
     """The keeper: ``salloc ARGS --no-kill cat`` with ``cat`` on a pipe this process holds, until
     this process's stdin (the kernel's lifeline) ends; then the allocation is given back."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is not for the allocation
     salloc = subprocess.Popen(["salloc", *salloc_args, "--no-kill", "cat"], stdin=subprocess.PIPE,
                               stdout=subprocess.DEVNULL, close_fds=True)
-    waiter = threading.Thread(target=lambda: (sys.stdin.buffer.read(), None), daemon=True)
+    waiter = threading.Thread(target=_until_end_of_stdin, daemon=True)
     waiter.start()
     while waiter.is_alive() and salloc.poll() is None:
         waiter.join(0.2)

@@ -23,6 +23,7 @@ from taas_magic.launch.base import LaunchPlan, ProcessGroup
 from taas_magic.launch.placement import RankSlot
 from taas_magic.launch.rankenv import DevicePlan
 from taas_magic.launch.slurm.allocation import Allocation
+from taas_magic.launch.slurm.courier import SlurmCourier
 from taas_magic.launch.slurm.step import SlurmStep, StepTarget, fewest_nodes
 
 ADDRESS_VARIABLE = "TAAS_SLURM_ADDRESS"  # where the nodes reach this kernel, when the route to them does not say
@@ -82,8 +83,9 @@ class SlurmBackend:
         return {}  # CUDA_VISIBLE_DEVICES: Slurm's binding, in the step
 
     def _target(self, ranks: bool) -> StepTarget:
-        """The ranks' step (packed on the fewest usable nodes, each task its GPU and its share of the
-        node's CPUs), or the data workers' (a CPU each, anywhere in the allocation)."""
+        """The ranks' step: packed on the fewest usable nodes that hold them, each task its GPU and its
+        share of the node's CPUs. The data workers': a CPU each, anywhere in the allocation (a Slurm
+        job that holds GPUs holds no CPU-only node: mixing them takes a heterogeneous job)."""
         info = self._allocation.info
         left_out = tuple(node for node in info.nodes if node not in self._usable)
         if not ranks:
@@ -107,7 +109,11 @@ class SlurmBackend:
             self._workers = SlurmStep.start(self._target(ranks=False), plan, key, WORKER_COMMAND, dirs)
             return self._workers
 
-        plane = start(launch, None)
+        def courier() -> SlurmCourier:
+            assert self._workers is not None  # made once the workers run
+            return SlurmCourier(lambda: self._step, self._workers, cache_ram, say)
+
+        plane = start(launch, courier)
         if self._workers is not None:
             say("taas: data workers as Slurm tasks on " + _spans(self._workers.nodes(), "worker"))
         return plane

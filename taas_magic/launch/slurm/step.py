@@ -291,6 +291,10 @@ class SlurmStep:
         gone = [node for node, quiet in silent.items() if quiet]
         return gone if len(gone) < len(silent) else []
 
+    def ask(self, task: int, message: dict, patience: float) -> dict | None:
+        """One task's answer to ``message`` (None: it did not answer in time, or is gone)."""
+        return self._tasks.ask([task], message, patience).get(task)
+
     def stop(self, graceful: bool = True) -> list[str]:
         signals: list[str] = []
         for answer in self._tasks.ask(list(self._tasks.sockets), {"do": "stop", "graceful": graceful},

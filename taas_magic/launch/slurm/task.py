@@ -22,6 +22,7 @@ ends with it.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -32,6 +33,15 @@ from taas_magic import wire
 from taas_magic.peers import StepChannels
 
 COMMAND = (sys.executable, "-m", "taas_magic.launch.slurm.task")
+
+
+def encode(record: bytes) -> str:
+    """A prepared element's record on the command channel (launch/slurm/courier.py)."""
+    return base64.b64encode(record).decode("ascii")
+
+
+def decode(text: str) -> bytes:
+    return base64.b64decode(text)
 
 
 def where_slurm_put_me(address: str, master_port: int | None) -> dict:
@@ -78,6 +88,7 @@ class Task:
         self.agent = HostAgent()
         self.port: socket.socket | None = None
         self.closing = threading.Lock()  # the end command and the lifeline both close the agent: once
+        self.closed = False
 
     def send(self, message: dict) -> None:
         self.sock.sendall(json.dumps(message).encode() + b"\n")
@@ -116,6 +127,12 @@ class Task:
             elif what == "stacks":
                 stacks = self.agent.stacks(command["ranks"])
                 self.send({"number": number, "stacks": {str(k): v for k, v in stacks.items()}})
+            elif what == "publish":  # records a data worker of this task prepared, for another node's ranks
+                records = [encode(self.agent.publish(path, offset)) for path, offset in command["places"]]
+                self.send({"number": number, "records": records})
+            elif what == "mirror":  # records from another node, into this node's cache for its ranks
+                places = self.agent.mirror(command["ram"], *(decode(text) for text in command["records"]))
+                self.send({"number": number, "places": [list(place) for place in places]})
             elif what == "end":
                 self.close()
                 self.send({"number": number, "ended": True})
@@ -124,7 +141,9 @@ class Task:
 
     def close(self) -> None:
         with self.closing:
-            self.agent.close()
+            if not self.closed:
+                self.closed = True
+                self.agent.close()
 
 
 def _watch_stdin(task: Task) -> None:
