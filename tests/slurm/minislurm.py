@@ -254,9 +254,11 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        for proc in psutil.process_iter(["name"]):  # a slurmstepd left by a killed node
-            try:
+        for proc in psutil.process_iter(["name"]):  # a slurmstepd left by a killed node; a client (salloc, srun) a
+            try:  # failed test left, which would retry the vanished controller for ever, spinning a core
                 if proc.info["name"] == "slurmstepd" and any(str(self.dir) in (f.path or "") for f in proc.open_files()):
+                    proc.kill()
+                elif proc.info["name"] in ("salloc", "srun") and proc.environ().get("SLURM_CONF") == str(self.conf):
                     proc.kill()
             except psutil.Error:
                 pass

@@ -259,7 +259,7 @@ class _SallocLines:
     def _read(self, keeper: subprocess.Popen) -> None:
         assert keeper.stderr is not None
         try:
-            for raw in iter(keeper.stderr.readline, b""):
+            for raw in keeper.stderr:
                 line = raw.decode(errors="replace").strip()
                 self.lines.append(line)
                 words = line.split()
@@ -267,9 +267,8 @@ class _SallocLines:
                     self.job_id = words[-1]
                     if "Granted" in line:
                         self.granted.set()
-        except (OSError, ValueError):
-            pass  # closed by _end_keeper after the keeper ended
         finally:
+            keeper.stderr.close()  # here, at its end: closing it from another thread would wait for this read
             self.done.set()
 
     def last_error(self) -> str:
@@ -295,12 +294,20 @@ def _end_keeper(keeper: subprocess.Popen) -> None:
     except OSError:
         pass
     try:
-        keeper.wait(RELEASE_PATIENCE)
+        keeper.wait(RELEASE_PATIENCE + 5)  # the keeper's own patience with salloc, and then some
     except subprocess.TimeoutExpired:
-        keeper.kill()
+        os.killpg(keeper.pid, signal.SIGKILL)  # the keeper leads its session: its salloc goes with it, never orphaned
         keeper.wait()
-    if keeper.stderr is not None:
-        keeper.stderr.close()  # its reader thread has seen the end of it (or meets a closed file and stops)
+
+
+
+def _term_with_keeper() -> None:
+    """In salloc, before exec: SIGTERM when the keeper dies however it dies (the keeper is one
+    thread here, so the signal follows the process), which revokes a queued request; a granted
+    one ends as ``cat`` meets the end of the keeper's pipe."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _until_end_of_stdin() -> None:
@@ -318,20 +325,29 @@ def keep(salloc_args: list[str]) -> int:
     this process's stdin (the kernel's lifeline) ends; then the allocation is given back."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is not for the allocation
     salloc = subprocess.Popen(["salloc", *salloc_args, "--no-kill", "cat"], stdin=subprocess.PIPE,
-                              stdout=subprocess.DEVNULL, close_fds=True)
+                              stdout=subprocess.DEVNULL, close_fds=True, preexec_fn=_term_with_keeper)
     waiter = threading.Thread(target=_until_end_of_stdin, daemon=True)
     waiter.start()
     while waiter.is_alive() and salloc.poll() is None:
         waiter.join(0.2)
     assert salloc.stdin is not None
-    salloc.stdin.close()  # cat ends: a granted allocation is relinquished
-    if salloc.poll() is None:
+    queued = not _has_children(salloc.pid)  # granted, salloc runs cat; queued, it has no child yet
+    salloc.stdin.close()  # cat ends: a granted allocation is relinquished (a SIGTERM now could leave salloc stuck)
+    if queued and salloc.poll() is None:
         salloc.send_signal(signal.SIGTERM)  # a queued one is revoked
     try:
         return salloc.wait(RELEASE_PATIENCE)
     except subprocess.TimeoutExpired:
-        salloc.kill()
+        salloc.kill()  # the kernel then cancels the job itself (Allocation.release)
         return salloc.wait()
+
+
+def _has_children(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listed:
+            return bool(listed.read().split())
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":
