@@ -15,11 +15,15 @@ def _start(code):
 def test_sigint_is_enough_for_a_cooperative_process():
     proc = subprocess.Popen([sys.executable, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(60)"],
                             start_new_session=True, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "ready\n"  # Python's own SIGINT handler is in place now
-    report = stop_groups([proc])
-    assert report.signals == ["SIGINT"]
-    proc.stdout.close()
-    assert proc.returncode == -signal.SIGINT and not report.still_running
+    try:
+        assert proc.stdout.readline() == "ready\n"  # Python's own SIGINT handler is in place now
+        report = stop_groups([proc])
+    finally:
+        proc.stdout.close()
+    assert report.signals[0] == "SIGINT" and not report.still_running
+    # SIGINT is what ended it (on a loaded machine its exit may come after the ladder's 1.5 s, and a
+    # SIGTERM then meets a process already leaving on SIGINT)
+    assert proc.returncode == -signal.SIGINT
 
 
 def test_ladder_escalates_to_kill_and_takes_the_group_down():

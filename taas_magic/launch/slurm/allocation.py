@@ -305,9 +305,9 @@ def _term_with_keeper() -> None:
     """In salloc, before exec: SIGTERM when the keeper dies however it dies (the keeper is one
     thread here, so the signal follows the process), which revokes a queued request; a granted
     one ends as ``cat`` meets the end of the keeper's pipe."""
-    import ctypes
+    from taas_magic.rank.lifeline import PR_SET_PDEATHSIG, prctl
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _until_end_of_stdin() -> None:
