@@ -235,8 +235,8 @@ def _unusable(state: str) -> bool:
     return any(word in state for word in ("down", "fail", "not_responding")) or state.endswith("*")
 
 
-def _queue_line(job_id: str, waited: float) -> str:
-    info = slurmcli.show_job(job_id)
+def _queue_line(job_id: str, waited: float, info: slurmcli.JobInfo | None = None) -> str:
+    info = info or slurmcli.show_job(job_id)
     if info is None:
         return f"taas: Slurm job {job_id}: not in the queue ({waited:.0f} s)"
     place = slurmcli.queue_position(job_id, info.partition) if info.state == "PENDING" else None
@@ -283,7 +283,7 @@ def _wait_running(job_id: str, show: Callable[[str], None], started: float) -> N
         info = slurmcli.show_job(job_id)
         if info is None or info.state != "CONFIGURING":
             return
-        show(_queue_line(job_id, time.monotonic() - started))
+        show(_queue_line(job_id, time.monotonic() - started, info))  # the look just taken, not a second one
         time.sleep(QUEUE_REFRESH)
 
 

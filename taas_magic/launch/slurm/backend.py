@@ -55,8 +55,7 @@ class SlurmBackend:
         allocation.refresh()
         usable = allocation.usable_nodes()
         self._gpus = allocation.info.gpus_total > 0
-        have = sum(allocation.info.gpus[node] for node in usable) if self._gpus else \
-            sum(allocation.info.cpus[node] for node in usable)
+        have = self._capacity(usable)
         unit = "GPU" if self._gpus else "CPU"
         if gpus > have:
             left_out = sorted(set(allocation.info.nodes) - set(usable))
@@ -70,6 +69,11 @@ class SlurmBackend:
         self._usable = usable
         self._step: SlurmStep | None = None
         self._workers: SlurmStep | None = None
+
+    def _capacity(self, nodes: list[str]) -> int:
+        """How many ranks ``nodes`` hold: their GPUs, or their CPUs in an allocation without GPUs."""
+        info = self._allocation.info
+        return sum((info.gpus if self._gpus else info.cpus)[node] for node in nodes)
 
     def layout(self) -> str:
         nodes = ", ".join(self._usable)
@@ -132,8 +136,7 @@ class SlurmBackend:
         if not gone:
             return
         self._usable = usable
-        have = sum(allocation.info.gpus[node] for node in usable) if self._gpus else \
-            sum(allocation.info.cpus[node] for node in usable)
+        have = self._capacity(usable)
         say(f"taas: node {', '.join(gone)} of Slurm job {allocation.job_id} went away; the next attempt runs on the "
             f"nodes left ({', '.join(usable) or 'none'})")
         if have < len(self.slots):
