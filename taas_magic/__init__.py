@@ -19,6 +19,7 @@ _loaded: dict[str, Any] = {}
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     from taas_magic.cell.transformer import taas_cells
+    from taas_magic.kernel.debug import wrap_ipython_debug
     from taas_magic.kernel.magics import TaasMagics
 
     if _loaded.get("shell") is ipython:
@@ -26,7 +27,7 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     magics = TaasMagics(shell=ipython)
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.insert(0, taas_cells(lambda: _runs_coroutines(ipython)))
-    _loaded.update(shell=ipython, magics=magics)
+    _loaded.update(shell=ipython, magics=magics, put_back_debug=wrap_ipython_debug(ipython))
 
 
 def _runs_coroutines(ipython: InteractiveShell) -> bool:
@@ -48,6 +49,9 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
     magics = _loaded.get("magics")
     if magics is not None:
         magics.close()
+    put_back_debug = _loaded.get("put_back_debug")
+    if put_back_debug is not None:
+        put_back_debug()
     # IPython has no API to unregister magics: remove our entries, as alias.py does (private API: see taas_magic/private.py).
     manager = ipython.magics_manager
     for kind in ("line", "cell"):

@@ -140,6 +140,7 @@ class Failure:
     summary: str
     traceback_text: str = ""
     signature: tuple[str, str, int] | None = None
+    frames: tuple = ()  # (place, line, function, {local: repr}) per frame from the cell's down: %debug (kernel/debug.py)
 
 
 class PeerFailed(RunError):

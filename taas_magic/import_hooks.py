@@ -71,7 +71,16 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
         return
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
-    _finder.callbacks[name] = callback
+    earlier = _finder.callbacks.get(name)
+    _finder.callbacks[name] = callback if earlier is None else _both(earlier, callback)
+
+
+def _both(first: Callable[[ModuleType], None], then: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
+    def both(module: ModuleType) -> None:
+        first(module)
+        then(module)
+
+    return both
 
 
 def import_on_own_stack(name: str) -> ModuleType:

@@ -123,7 +123,8 @@ PRIVATE: tuple[Private, ...] = (
             "shows an exception through its _render_traceback_ (our errors' one-line renderings)",
             "errors.py, kernel/run.py, kernel/search.py", mentions=("_render_traceback_",)),
     Private("IPython.core.magic.MagicsManager", "ipython", IPYTHON,
-            "unloading removes our magics from these tables (IPython has no API to unregister one)", "__init__.py",
+            "unloading removes our magics from these tables (IPython has no API to unregister one), and puts "
+            "IPython's %debug back", "__init__.py, kernel/debug.py",
             attributes=("magics", "registry")),
     Private("IPython.core.displayhook.DisplayHook.semicolon_at_end_of_expression", "ipython", IPYTHON,
             "a cell ending in ';' shows no result, as IPython decides it", "cell/cellcode.py",
@@ -189,6 +190,18 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.distributed.distributed_c10d.new_group", "torch", TORCH,
             "replaced likewise; spares import distributed_c10d to warm (rank/spare.py)", "rank/devices.py",
             params=("backend",)),
+    # -- torch.distributed: the other ranks held while one is at a pdb prompt (what torch.distributed.breakpoint does)
+    Private("torch.distributed.distributed_c10d._pg_map", "torch", TORCH,
+            "every process group of the rank, whose timeouts are raised while a rank is in pdb", "rank/debugger.py"),
+    Private("torch.distributed.distributed_c10d._set_pg_timeout", "torch", TORCH,
+            "raises a group's timeout while a rank is in pdb, and puts the cell's back after", "rank/debugger.py",
+            params=("timeout", "group")),
+    Private("torch.distributed.ProcessGroup", "torch", TORCH,
+            "a group's device types and each one's backend, whose options hold the timeout to put back",
+            "rank/debugger.py", attributes=("_get_backend", "_device_types")),
+    Private("torch._C._distributed_c10d.Backend.Options", "torch", TORCH,
+            "a backend's timeout now (gloo's and NCCL's options): put back once no rank is in pdb; "
+            "without it the raised timeout stays", "rank/debugger.py", attributes=("_timeout",)),
     # -- Ray (the [ray] extra)
     Private("ray._private.state.state.available_resources_per_node", "ray", RAY,
             "each node's free GPUs and CPUs, for %taas status and placement", "kernel/cluster.py"),

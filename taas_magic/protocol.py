@@ -17,6 +17,8 @@ Kernel -> peer::
     Horizon         how far a worker may extract                                     workers
     NextPass, Stop  an iterable feed's next pass may start; a feed has its elements  workers
     Suggested       answer to Suggest: the trial's value for that name, or why not     a rank
+    Answer          the person's line at a rank's pdb prompt, or None: nobody can be prompted   a rank
+    Hold            a rank is in pdb: raise every group's timeout (or put them back)  the other ranks
 
 Peer -> kernel::
 
@@ -29,6 +31,8 @@ Peer -> kernel::
     Ready, Exhausted, Done   a worker stored an element; its pass ended; it is done  a worker
     WorkerFailure   a worker's traceback and the element it was preparing           a worker
     Suggest         a trial's taas.trial().suggest_*: asked once per trial, the same value to every rank  a rank
+    Prompt          pdb's output since its last command, and its prompt: a line is wanted    a rank
+    Resumed         the rank left pdb (continue, or nobody to prompt)                          a rank
 
 IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a
 body whose MAC wire.py verified; it refuses a kind it does not know or that travels the
@@ -185,10 +189,41 @@ class Suggested(ToPeer, kind="suggested"):
 
 
 @dataclass(frozen=True)
+class Answer(ToPeer, kind="answer"):
+    """The person's line at the rank's pdb prompt; None: nobody can be prompted, go on (rank/debugger.py)."""
+
+    line: str | None
+
+
+@dataclass(frozen=True)
+class Hold(ToPeer, kind="hold"):
+    """``on``: a rank is in pdb, raise every process group's timeout; off: put the cell's timeouts back."""
+
+    on: bool
+
+
+@dataclass(frozen=True)
 class RankError(ToKernel, kind="error"):
     summary: str
     traceback: str
     signature: tuple[str, str, int] | None = None  # a Python exception's (type, file, line): kernel/restarts.py
+    frames: tuple = ()  # (place, line, function, {local: repr}) from the cell's frame down: %debug (rank/debugger.py)
+
+
+@dataclass(frozen=True)
+class Prompt(ToKernel, kind="prompt"):
+    """A rank's pdb wants a command (rank/debugger.py, kernel/prompts.py)."""
+
+    text: str  # what pdb wrote since its last command (where it stopped, a command's answer)
+    prompt: str  # "(Pdb rank 1) "
+    where: tuple[str, int, str]  # (place, line, function): "Cell In[5]", 3, "<module>"
+    first: bool  # the first prompt of this stop
+    post_mortem: str = ""  # the exception, in words, when this is a post-mortem
+
+
+@dataclass(frozen=True)
+class Resumed(ToKernel, kind="resumed"):
+    """The rank left pdb: it runs again."""
 
 
 @dataclass(frozen=True)

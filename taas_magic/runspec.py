@@ -95,4 +95,5 @@ class RunSpec:
     checkpoints: str = ""  # this run's checkpoint folder (checkpoints.py; empty: taas.save_checkpoint has none)
     keep_checkpoints: int = 2  # the newest kept in it
     trial: int | None = None  # the search's trial number this run is (kernel/search.py); None: not a trial
+    post_mortem: bool = False  # IPython's %pdb on: a rank that raises opens a prompt at its failing frame first
     seed: int = 0  # the run's seed: the data workers' (kernel/dataplane.py), rank k's WorkerInfo seed + k

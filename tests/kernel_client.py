@@ -274,3 +274,81 @@ def describe(processes: list[psutil.Process]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return lines
+
+
+@dataclass
+class Session:
+    prompts: list[str] = field(default_factory=list)  # each input_request's prompt, in order
+    texts: list[str] = field(default_factory=list)  # the cell's stream text when each prompt came
+    waits: list[float] = field(default_factory=list)  # seconds from each answer to the next prompt
+    asked_at: list[float] = field(default_factory=list)  # time.time() of each prompt's arrival here
+    text: str = ""  # all of the cell's stream text
+    execution: Execution | None = None
+
+    @property
+    def error(self) -> dict | None:
+        assert self.execution is not None
+        return self.execution.error
+
+
+Answer = Callable[[str, "Session"], "str | None"]  # (prompt, the session so far) -> a line, or None: interrupt
+
+
+def debug(kernel: Kernel, code: str, answer: Answer | list[str], allow_stdin: bool = True,
+          timeout: float = 120) -> Session:
+    """Run ``code`` in the kernel; each prompt is answered by ``answer`` (a list: in order)."""
+    if isinstance(answer, list):
+        lines = iter(answer)
+        answer = lambda prompt, session: next(lines)  # noqa: E731 - a list's answers, in turn
+    session = Session()
+    msg_id = kernel.client.execute(code, allow_stdin=allow_stdin)
+    started = time.monotonic()
+    answered_at: float | None = None
+    messages: list[Message] = []
+    idle = False
+    while not idle:
+        assert time.monotonic() - started < timeout, f"the cell did not end in {timeout} s: {session}"
+        try:
+            request = kernel.client.get_stdin_msg(timeout=0.01)
+        except queue.Empty:
+            request = None
+        if request is not None:
+            _drain_iopub(kernel, msg_id, messages, session)
+            now = time.monotonic()
+            session.asked_at.append(time.time())
+            if answered_at is not None:
+                session.waits.append(now - answered_at)
+            prompt = request["content"]["prompt"]
+            session.prompts.append(prompt)
+            session.texts.append(session.text)
+            line = answer(prompt, session)
+            if line is None:
+                kernel.manager.interrupt_kernel()
+            else:
+                kernel.client.input(line)
+            answered_at = time.monotonic()
+        idle = _drain_iopub(kernel, msg_id, messages, session)
+    while True:
+        reply = kernel.client.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    session.execution = Execution(reply["content"], time.monotonic() - started, messages)
+    kernel._last_status = reply["content"]["status"]
+    return session
+
+
+def _drain_iopub(kernel: Kernel, msg_id: str, messages: list[Message], session: Session) -> bool:
+    """Read what iopub has now; True once the cell is over (idle)."""
+    while True:
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=0.01)
+        except queue.Empty:
+            return False
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "status" and content["execution_state"] == "idle":
+            return True
+        messages.append(Message(0.0, kind, content))
+        if kind == "stream":
+            session.text += content["text"]

@@ -47,7 +47,7 @@ def translate(shell: InteractiveShell, display_source: str) -> CellCode:
     source = _transformer_manager(shell).transform_cell(display_source)
     for transform in shell.input_transformers_post:
         source = "".join(transform(source.splitlines(keepends=True)))
-    filename = f"<taas In[{shell.execution_count}]>"
+    filename = f"<taas In[{running_cell_number(shell)}]>"
     try:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as exc:
@@ -55,6 +55,16 @@ def translate(shell: InteractiveShell, display_source: str) -> CellCode:
         raise TaasError(f"taas: SyntaxError on line {exc.lineno} of the cell: {exc.msg}: {line!r}") from None
     # private API (DisplayHook.semicolon_at_end_of_expression): see taas_magic/private.py
     return CellCode(display_source, source, tree, filename, DisplayHook.semicolon_at_end_of_expression(source))
+
+
+def running_cell_number(shell: InteractiveShell) -> int:
+    """The number the frontend shows for the cell that runs now (``In [N]``). IPython stores a cell's
+    input under its number before running it; since IPython 8.x ``execution_count`` is already the
+    next cell's while one runs (9.18: one more than the reply's), so it is read from the history."""
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if history:
+        return len(history) - 1
+    return shell.execution_count
 
 
 def earlier_cells(shell: InteractiveShell, pickled: bytes) -> dict[str, tuple[int, list[str]]]:

@@ -41,6 +41,7 @@ from IPython.core.error import UsageError
 
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel.execute import execute
+from taas_magic.kernel.prompts import PromptDesk
 from taas_magic.kernel.run import Run, ending
 from taas_magic.kernel.status import RunSummary
 from taas_magic.kernel.supervisor import RunOutcome
@@ -65,6 +66,7 @@ class RunThread:
         self.taken = False  # its names were bound (or its error raised) in a cell
         self.widget: Any = None  # its live widget, once a cell showed one (kernel/views.py)
         self.views: list[Any] = []  # the pumps feeding its views
+        self.prompts: PromptDesk | None = None  # its ranks' pdb prompts (a run's; a search has none: kernel/prompts.py)
         self._let_go = False  # let_go() was called: nothing of it will be bound
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -169,6 +171,7 @@ class BackgroundRun(RunThread):
         super().__init__(run.log, run.spec.run_id, run.settings.gpus, on_gpus, detached)
         self.run: Run | None = run  # None once it let go
         self.record = run.record  # the session's record of it (kernel/status.py): small, kept
+        self.prompts = run.prompts
         self.outcome: RunOutcome | None = None
 
     def _work(self) -> RunOutcome:

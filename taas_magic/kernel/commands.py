@@ -21,7 +21,7 @@ from IPython.core.error import UsageError
 from taas_magic.cell.pragma import shown_defaults
 from taas_magic.errors import ClusterError
 from taas_magic.feed import registry
-from taas_magic.kernel import runcommands
+from taas_magic.kernel import debug, runcommands
 from taas_magic.kernel.cluster import Attachment, Cluster
 from taas_magic.kernel.dataplane import describe_registered
 from taas_magic.kernel.search import SearchRun, trials_table
@@ -50,7 +50,9 @@ def run(line: str, session: Session, settings: MagicSettings) -> object:
     command = line.strip() or "help"
     words = command.split(maxsplit=2)
     given = words[1] if len(words) == 2 else None
-    if words[:1] in (["attach"], ["wait"], ["stop"]) and len(words) <= 2:
+    if words[:1] == ["debug"] and len(words) <= 2:
+        debug.taas_debug(session.runs, given)
+    elif words[:1] in (["attach"], ["wait"], ["stop"]) and len(words) <= 2:
         if words[0] == "wait":
             return runcommands.wait(session.runs, given, settings.take)
         if words[0] == "attach":

@@ -16,24 +16,39 @@ What an interrupt of the waiting cell means is the caller's ``on_interrupt``: ``
 foreground cell: the stop ladder and the autopsy, then the error ``KeyboardInterrupt``,
 exactly as before), or ``LEAVE`` (``attach``, ``wait``: the run goes on, the cell stops
 waiting). While a stop is under way a second interrupt changes nothing.
+
+While it waits, the cell is the run's console (kernel/prompts.py): a rank's pdb prompt is
+shown and read here, through ``input()`` (ipykernel's ``input_request``, as IPython's own pdb).
+``q`` or an interrupt at a prompt stops the run, whichever cell waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import threading
+from typing import Callable, Iterator
+
+from IPython.core.error import StdinNotImplementedError
 
 from taas_magic.kernel.background import RunThread
+from taas_magic.kernel.prompts import QUIT_COMMANDS, Console
 from taas_magic.output.cellstream import CellStream
 
 POLL_SECONDS = 0.02  # the blocking wait's poll: the relay's own flush interval
 STOP, LEAVE = "stop", "leave"
 
 
-def wait_blocking(run: RunThread, shown: CellStream | None, on_interrupt: str = STOP) -> None:
-    """Show ``run``'s log in this cell until the run ends (see the module docstring)."""
+def wait_blocking(run: RunThread, shown: CellStream | None, on_interrupt: str = STOP,
+                  console: Console | None = None) -> None:
+    """Show ``run``'s log in this cell until the run ends (see the module docstring); ``console``:
+    the one opened for this cell before the run started (a foreground cell), else one is opened now."""
     try:
-        while not run.join(POLL_SECONDS):
-            _show(shown)
+        with consoling(run, console) as opened:
+            while not run.join(POLL_SECONDS):
+                _show(shown)
+                serve_prompts(run, shown, opened)
     except KeyboardInterrupt:
         if on_interrupt == LEAVE:
             _show(shown)
@@ -54,7 +69,8 @@ def _stop_and_show(run: RunThread, shown: CellStream | None) -> None:
             continue  # a second interrupt: the stop ladder is already running
 
 
-async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str = STOP) -> None:
+async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str = STOP,
+                     console: Console | None = None) -> None:
     """:func:`wait_blocking` as a coroutine: the kernel's event loop runs while it waits."""
     loop = asyncio.get_running_loop()
     woken = asyncio.Event()
@@ -64,9 +80,11 @@ async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str
 
     unlisten = run.log.listen(wake)
     run.when_done(wake)
+    opened = _open(run, console, wake)
     try:
         while not run.done:
             _show(shown)
+            serve_prompts(run, shown, opened)
             woken.clear()
             if run.done:
                 break
@@ -82,9 +100,81 @@ async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str
         _stop_and_show(run, shown)
     finally:
         unlisten()
+        _close(run, opened, wake)
     _show(shown)
     if shown is not None:
         shown.finish()
+
+
+def open_console(run: RunThread) -> Console | None:
+    """Before a foreground run starts: its cell is its console from the first moment (a breakpoint
+    reached before the cell begins to wait still prompts)."""
+    return run.prompts.open_console() if run.prompts is not None else None
+
+
+@contextlib.contextmanager
+def consoling(run: RunThread, console: Console | None = None) -> Iterator[Console | None]:
+    """This cell is ``run``'s console while it waits (``console``: one opened already)."""
+    opened = _open(run, console)
+    try:
+        yield opened
+    finally:
+        _close(run, opened)
+
+
+def _open(run: RunThread, console: Console | None, wake: Callable[[], None] | None = None) -> Console | None:
+    if run.prompts is None:
+        return None
+    if wake is not None:
+        run.prompts.wake_consoles.append(wake)
+    return console or run.prompts.open_console()
+
+
+def _close(run: RunThread, console: Console | None, wake: Callable[[], None] | None = None) -> None:
+    if run.prompts is None or console is None:
+        return
+    if wake is not None:
+        run.prompts.wake_consoles.remove(wake)
+    run.prompts.close_console(console)
+
+
+def serve_prompts(run: RunThread, shown: CellStream | None, console: Console | None) -> None:
+    """The ranks' prompts waiting for this cell, one after the other: pdb's text, then the person's line.
+    ``q`` or an interrupt at the prompt stops the run (the cell goes on waiting for it to end)."""
+    desk = run.prompts
+    if desk is None or console is None:
+        return
+    while console.stdin and not desk.quit_asked and (asked := desk.next_prompt()) is not None:
+        rank, prompt = asked
+        if shown is not None:
+            _show(shown)  # pdb's text is in the run's log
+        else:
+            print(prompt.text, end="", flush=True)
+        try:
+            line = _read_line(prompt.prompt)
+        except StdinNotImplementedError:
+            desk.refused(console, rank, prompt)
+            return
+        except (KeyboardInterrupt, EOFError):
+            line = "q"
+        if line.strip() in QUIT_COMMANDS and not prompt.post_mortem:  # after a post-mortem the rank reports its error
+            desk.quit()
+            run.stop()
+            return
+        desk.answer(rank, line)
+
+
+def _read_line(prompt: str) -> str:
+    """``input(prompt)``: ipykernel's ``input_request``. An interrupt meanwhile raises ``KeyboardInterrupt``
+    here: while a coroutine cell runs, ipykernel's own SIGINT handler only schedules a cancellation on
+    the event loop, which this blocking read holds, so Python's default handler is put back for the read."""
+    if threading.current_thread() is not threading.main_thread():
+        return input(prompt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return input(prompt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _show(shown: CellStream | None) -> None:

@@ -32,7 +32,8 @@ from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel import commands
 from taas_magic.kernel.background import BackgroundRun, RunThread, give_back_memory
-from taas_magic.kernel.foreground import STOP, wait_async, wait_blocking
+from taas_magic.kernel.debug import no_ipython_post_mortem
+from taas_magic.kernel.foreground import STOP, open_console, wait_async, wait_blocking
 from taas_magic.kernel.frontend import Frontend
 from taas_magic.kernel.plan import PlanContext, plan
 from taas_magic.kernel.searchplan import plan_search
@@ -108,7 +109,7 @@ class TaasMagics(Magics):
         started = self._start(line, cell)
         if started.run.detached:
             return None
-        wait_blocking(started.run, started.shown, STOP)
+        wait_blocking(started.run, started.shown, STOP, started.console)
         return self._take(started.run)
 
     async def taas_cell_async(self, line: str, cell: str) -> object:
@@ -116,14 +117,18 @@ class TaasMagics(Magics):
         started = self._start(line, cell)
         if started.run.detached:
             return None
-        await wait_async(started.run, started.shown, STOP)
+        await wait_async(started.run, started.shown, STOP, started.console)
         return self._take(started.run)
 
     def _take(self, run: RunThread) -> object:
         try:
             return run.take(self._shell.user_ns)
         except KeyboardInterrupt:  # every rank is stopped and the autopsy shown: one line, not our frames
+            no_ipython_post_mortem(self._shell)
             raise RunInterrupted() from None
+        except BaseException:
+            no_ipython_post_mortem(self._shell)
+            raise
 
     def _start(self, line: str, cell: str) -> Started:
         """Parse, plan (the header into the run's log), start the run's thread and its view."""
@@ -138,8 +143,9 @@ class TaasMagics(Magics):
             return Started(search, show_run(search, self._viewing(search, widget=False)))
         run = plan(settings, code, closure, why, self._context())  # holds everything it took; its thread releases it
         background = self.session.runs.add(BackgroundRun(run, settings.detach))
+        console = None if settings.detach else open_console(background)  # its prompts are this cell's from the start
         background.start()
-        return Started(background, show_run(background, self._viewing(background)))
+        return Started(background, show_run(background, self._viewing(background)), console)
 
     def _context(self, slot: int | None = None, slots: int = 1) -> PlanContext:
         """What planning a run reads; a search's trial on ``slot`` of ``slots`` is placed there."""

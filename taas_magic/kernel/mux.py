@@ -181,6 +181,15 @@ class Mux:
         self.pipes: dict[int, tuple[Peer, str]] = {}  # fd -> (peer, stream)
         self.exit_fds: dict[Peer, int] = {}  # the pidfds, registered until they fire or the rank is forgotten
         self.exited: set[Peer] = set()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector.register(self._wake_read, selectors.EVENT_READ, ("wake", None))
+
+    def wake(self) -> None:
+        """From another thread: the select under way returns now (a person's answer is waiting to be sent)."""
+        try:
+            os.write(self._wake_write, b"!")
+        except (BlockingIOError, OSError):
+            pass  # already woken (the pipe is full), or closed: the run is over
 
     def watch(self, peer: Peer, process: ChildProcess) -> None:
         self.processes[peer] = process
@@ -208,6 +217,9 @@ class Mux:
                 yield from self.channels.read(item)
             elif tag == "exit":  # a process ended: exits() reads its code
                 self.selector.unregister(item)
+            elif tag == "wake":
+                while _read_some(self._wake_read):
+                    pass
 
     def _still_watched(self, key: selectors.SelectorKey) -> bool:
         try:
@@ -291,3 +303,12 @@ class Mux:
     def close(self) -> None:
         self.channels.close_all()
         self.selector.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+
+def _read_some(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 4096))
+    except BlockingIOError:
+        return False

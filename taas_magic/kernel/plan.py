@@ -101,5 +101,6 @@ def _spec(run: Run, code: CellCode, rule: WriteRule, context: PlanContext) -> Ru
         cuda_ipc=backend.memory_files and backend.devices.device == "cuda" and cudaipc.kernel_ready(),
         checkpoints=os.path.join(os.path.realpath(os.path.expanduser(root)), run_id),
         trial=run.trial.number if run.trial is not None else None,
+        post_mortem=bool(getattr(context.shell, "call_pdb", False)) and run.trial is None,  # IPython's %pdb on
         keep_checkpoints=context.keep_checkpoints, seed=data.seed if data is not None else secrets.randbits(31),
     )

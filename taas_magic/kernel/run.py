@@ -37,6 +37,7 @@ from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.kernel.dataplane import DataRun
+from taas_magic.kernel.prompts import PromptDesk
 from taas_magic.kernel.server import PeerServer
 from taas_magic.kernel.status import LastRun
 from taas_magic.launch.backend import Backend, rank_environments
@@ -108,6 +109,7 @@ class Run:
         """The log, the folders, the scratch layers, the server and the closure handoff, in that order."""
         self.rule, self.record = rule, record
         self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
+        self.prompts = PromptDesk(self.log.say, self.log.out)  # the ranks' pdb prompts (kernel/prompts.py)
         stacks_dir = stacks.make_dir(spec.run_id)
         self._stack.callback(remove_tree, stacks_dir)
         self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)

@@ -19,7 +19,7 @@ from typing import Callable
 
 from taas_magic.kernel import views
 from taas_magic.kernel.background import Runs, RunThread
-from taas_magic.kernel.foreground import LEAVE, POLL_SECONDS, wait_blocking
+from taas_magic.kernel.foreground import LEAVE, POLL_SECONDS, consoling, serve_prompts, wait_blocking
 from taas_magic.kernel.status import runs_table
 from taas_magic.output.runlog import OUT, SAY
 
@@ -44,8 +44,9 @@ def attach(runs: Runs, given: str | None, viewing: Viewing) -> None:
 def wait(runs: Runs, given: str | None, take: Take) -> object:
     run = runs.find(given, "%taas wait")
     try:
-        while not run.join(POLL_SECONDS):
-            pass
+        with consoling(run) as console:  # a rank's pdb prompt, while this cell waits
+            while not run.join(POLL_SECONDS):
+                serve_prompts(run, None, console)
     except KeyboardInterrupt:
         print(f"taas: stopped waiting; run {run.id} goes on (%taas stop {run.id} stops it)")
         raise

@@ -42,7 +42,7 @@ from taas_magic.cell.pragma import RunSettings
 from taas_magic.errors import SearchError, TrialPruned
 from taas_magic.kernel.background import BackgroundRun, RunThread
 from taas_magic.kernel.plan import PlanContext, plan
-from taas_magic.kernel.run import ending, error_lines
+from taas_magic.kernel.run import Run, ending, error_lines
 from taas_magic.kernel.session import Session
 from taas_magic.output.runlog import OUT, RunLog
 from taas_magic.output.trials import MOST_POINTS, TrialRow, search_display, trials_frame
@@ -159,6 +159,7 @@ class SearchRun(RunThread):
             tell(self.study, self._lock, link.trial, FAILED, None)
             raise  # the search cannot go on (the closure, the cluster): that is the cell's error
         trial = Trial(link, slot, BackgroundRun(run, detached=True))
+        self._quiet_breakpoints(run, link.trial.number)
 
         def ranks_gone() -> None:  # from the trial's thread, while its run releases the rest
             trial.ranks_gone = True
@@ -173,6 +174,18 @@ class SearchRun(RunThread):
             tell(self.study, self._lock, link.trial, FAILED, None)
             raise
         self.trials.append(trial)  # only a started trial is waited for
+
+    def _quiet_breakpoints(self, run: Run, number: int) -> None:
+        """A trial's ranks never prompt (trials run side by side, and a search is for many runs): a breakpoint's
+        one line goes into the trial's log and the search's, which the cell shows."""
+        own = run.prompts.say
+        run.prompts.unwatched = "a search's trials never prompt"
+
+        def say(line: str, stream: str) -> None:
+            own(line, stream)
+            self.log.say(line.replace("taas: rank", f"taas: trial {number}, rank", 1), stream)
+
+        run.prompts.say = say
 
     def _freed_slots(self) -> list[int]:
         """The slots of the trials whose ranks are gone since the last look (their runs may still be releasing)."""

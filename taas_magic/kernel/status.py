@@ -21,6 +21,7 @@ LINE_COMMANDS = (
     ("%taas attach [RUN]", "show a run's live view here: what it showed so far, then live until it ends"),
     ("%taas wait [RUN]", "wait for a (detached) run, then bind rank 0's names and return its value"),
     ("%taas stop [RUN]", "stop a run: every rank, with the autopsy of where they were"),
+    ("%taas debug [RUN]", "the failing rank's traceback with each frame's locals (%debug too; %pdb on: a live prompt)"),
     ("%taas trials", "the last search's trials (a pandas DataFrame when pandas is installed); taas.trials()"),
     ("%taas study", "the last search's Optuna study; taas.study()"),
     ("%taas help", "this text"),

@@ -26,6 +26,7 @@ ranks end: workers still extracting then are stopped.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -36,6 +37,7 @@ from taas_magic.feed.coordinator import Send
 from taas_magic.kernel import attempts as attempt_loop
 from taas_magic.kernel.dataplane import DataPlane
 from taas_magic.kernel.mux import Event, FrameArrived, Greeting, Mux, Output, OutputEnded, PeerConnected
+from taas_magic.kernel.prompts import PromptDesk, RankPrompts
 from taas_magic.kernel.restarts import Attempts
 from taas_magic.kernel.server import PeerServer
 from taas_magic.kernel.verdict import TimedOut, Verdict
@@ -50,9 +52,11 @@ from taas_magic.protocol import (
     Display,
     Done,
     Exhausted,
+    Prompt,
     Ready,
     Report,
     Result,
+    Resumed,
     Suggest,
     Suggested,
     Want,
@@ -67,7 +71,7 @@ SETTLE_STEP_SECONDS = 0.01
 MarkerHook = Callable[[Peer, int], None]  # a rank's display ``n`` belongs here in its text
 Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps, running ranks -> the autopsy's lines
 HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
-Answer = Callable[[int, Suggest], Suggested]  # a search's trial answering a rank's suggestion (search/link.py)
+SuggestAnswer = Callable[[int, Suggest], Suggested]  # a search's trial answering a rank's suggestion (search/link.py)
 
 
 def _not_a_search(rank: int, frame: Suggest) -> Suggested:
@@ -88,8 +92,9 @@ class RunParts:
     timeout: float | None = None  # --timeout
     explain: Explain | None = None  # the hang autopsy (autopsy/stacks.py)
     stop_asked: Callable[[], bool] = lambda: False  # %taas stop, or an interrupt of the cell that waits for it
-    suggest: Answer = _not_a_search  # a search's trial: the value of each suggestion, the same for every rank
+    suggest: SuggestAnswer = _not_a_search  # a search's trial: the value of each suggestion, the same for every rank
     prune_asked: Callable[[], bool] = lambda: False  # a search's pruner stopped this trial: every rank, at once
+    prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/prompts.py)
 
 
 @dataclass
@@ -105,11 +110,13 @@ class Supervisor:
         self.parts, self.data = parts, data
         self.mux = Mux(parts.server, parts.ids, parts.greeting)
         self.relay = parts.relay(self._on_marker)
-        self.verdict = Verdict(parts.ids.ranks, self._host, data.coordinator.name_of if data is not None else _no_feed)
+        loader_name = data.coordinator.name_of if data is not None else _no_feed
+        self.verdict = Verdict(parts.ids.ranks, functools.partial(_host, self), loader_name)
         self.displays = HeldDisplays(self.relay, parts.publish, parts.ids)
         self.group: ProcessGroup | None = None  # the current attempt's ranks (attach / detach)
         self.result: Result | None = None
         self.running: Callable[[], None] | None = None  # once per attempt, when every rank has connected
+        self.debugging = RankPrompts(parts.prompts, parts.ids.ranks, self.mux)
         for worker in data.workers.children if data is not None else ():
             self.mux.watch(Peer(WORKER, worker.index), worker)
 
@@ -181,6 +188,8 @@ class Supervisor:
                 self.mux.send(rank, protocol.encode(self.parts.suggest(rank.index, frame)))
             case Want() if self.data is not None:
                 self._send_all(self.data.coordinator.on_rank(rank.index, frame))
+            case Prompt() | Resumed():
+                self.debugging.route(rank.index, frame)
 
     def _route_worker(self, worker: Peer, frame: protocol.ToKernel) -> None:
         if isinstance(frame, (Ready, Exhausted, Done)) and self.data is not None:
@@ -200,16 +209,10 @@ class Supervisor:
             self._handle_all(self.mux.drain_channel(peer))  # sent before the marker was written: it is buffered
         self.displays.show(peer, number)
 
-    def _host(self, peer: Peer) -> str:
-        if peer.is_rank:
-            assert self.group is not None  # a rank's frames and exits arrive only while its attempt is attached
-            return self.group.children[peer.index].host
-        assert self.data is not None
-        return self.data.workers.children[peer.index].host
-
     # -- one attempt ----------------------------------------------------------------------------
     def step(self, wait: float) -> None:
         self._handle_all(self.mux.events(wait))
+        self.debugging.step()
         if self.data is not None and self.data.courier is not None:
             self._send_all([])  # deliveries whose elements reached their rank's host
         self._handle_all(self.mux.exits())
@@ -240,13 +243,22 @@ class Supervisor:
             return _watch(self)
         except KeyboardInterrupt:
             self.relay.flush(force=True)
-            for line in self.autopsy()[1]:
+            for line in self.debugging.stopped_lines() or self.autopsy()[1]:  # at a prompt nothing is hung
                 self.relay.notice(line)
             raise
 
     def outcome(self) -> RunOutcome:
         self.displays.show_leftovers()
         return RunOutcome(self.result, dict(self.verdict.exit_codes))
+
+
+def _host(supervisor: Supervisor, peer: Peer) -> str:
+    """Where a rank or data worker of the run runs."""
+    if peer.is_rank:
+        assert supervisor.group is not None  # a rank's frames and exits arrive only while its attempt is attached
+        return supervisor.group.children[peer.index].host
+    assert supervisor.data is not None
+    return supervisor.data.workers.children[peer.index].host
 
 
 def _no_feed(feed: int | None) -> str:
@@ -281,8 +293,12 @@ def _watch(supervisor: Supervisor) -> RunOutcome | None:
     timeout, verdict = supervisor.parts.timeout, supervisor.verdict
     deadline = None if timeout is None else time.monotonic() + timeout
     all_exited_at: float | None = None
+    before = time.monotonic()
     while True:
         supervisor.step(_wait(supervisor, deadline))
+        if deadline is not None and supervisor.debugging.in_pdb:  # --timeout does not count the time a rank is at a prompt
+            deadline += time.monotonic() - before
+        before = time.monotonic()
         if verdict.failure is not None:
             supervisor.settle()
             return None

@@ -64,7 +64,7 @@ class Verdict:
         match event:
             case FrameArrived(peer=peer, frame=RankError() as report) if peer.is_rank:
                 self.reported.add(peer)
-                what = Failure(report.summary, report.traceback, report.signature)
+                what = Failure(report.summary, report.traceback, report.signature, report.frames)
                 self._fail(PeerFailed(peer, self.host(peer), what), peer)
             case FrameArrived(peer=peer, frame=WorkerFailure() as report) if not peer.is_rank:
                 self._fail(PeerFailed.from_worker_report(peer, self.host(peer), self.loader(report.feed), report), peer)

@@ -21,6 +21,7 @@ from typing import Any
 from taas_magic.import_hooks import import_on_own_stack
 from taas_magic.kernel.background import RunThread
 from taas_magic.kernel.frontend import cell_publisher, mid_cell_note
+from taas_magic.kernel.prompts import Console
 from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
 from taas_magic.output.liveview import LivePump, TextView
@@ -42,6 +43,7 @@ class Started:
 
     run: RunThread
     shown: CellStream | None
+    console: Console | None = None  # a foreground run's: this cell shows its ranks' pdb prompts (kernel/prompts.py)
 
 
 def show_run(run: RunThread, viewing: Viewing) -> CellStream | None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ast
 import linecache
+import re
 import traceback
 from types import ModuleType
 from typing import Any
 
 NO_VALUE = object()
+_THIS_CELL = re.compile(r'File "<taas In\[(\d+)\]>", line ')  # the running cell, named as IPython names it
 _CELL_LABELS: dict[str, str] = {}  # an earlier notebook cell's file name -> "Cell In[3]"
 
 
@@ -29,6 +31,11 @@ def register_cells(cells: dict[str, tuple[int, list[str]]]) -> None:
     for filename, (number, lines) in cells.items():
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         _CELL_LABELS[filename] = f"Cell In[{number}]"
+
+
+def cell_labels() -> dict[str, str]:
+    """Earlier notebook cells' file names and their IPython labels (``Cell In[3]``)."""
+    return _CELL_LABELS
 
 
 def run_cell(source: str, filename: str, module: ModuleType) -> Any:
@@ -56,7 +63,7 @@ def format_cell_traceback(exc: BaseException, filename: str) -> str:
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     for cell_file, label in _CELL_LABELS.items():
         text = text.replace(f'File "{cell_file}", line ', f"{label}, line ")
-    return text
+    return _THIS_CELL.sub(r"Cell In[\1], line ", text)
 
 
 def signature(exc: BaseException, filename: str) -> tuple[str, str, int] | None:

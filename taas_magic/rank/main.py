@@ -30,8 +30,8 @@ from taas_magic import checkpoints
 from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
-from taas_magic.protocol import PeerChannel, RankError, Spec, Suggest, Suggested
-from taas_magic.rank import execute, identity, lifeline, lightning, shell, startup
+from taas_magic.protocol import Hold, PeerChannel, RankError, Spec, Suggest, Suggested
+from taas_magic.rank import debugger, execute, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
@@ -44,14 +44,14 @@ STDOUT_BUFFER = 1 << 16
 
 
 def _send_error(channel: PeerChannel, summary: str, text: str,
-                signature: tuple[str, str, int] | None = None) -> None:
+                signature: tuple[str, str, int] | None = None, frames: tuple = ()) -> None:
     # The kernel stops every rank as soon as it reads this report: an interrupt
     # arriving now must not bury the report under a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     startup.flush_output()
     reports.flush()
     try:
-        channel.send(RankError(summary, text, signature))
+        channel.send(RankError(summary, text, signature, frames))
     except OSError:
         pass  # the kernel already stopped listening (it is stopping us): nobody to tell
 
@@ -75,6 +75,9 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     reports.start(channel)
     search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
+    debugger.install(debugger.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
+    inbox.on(Hold, debugger.on_hold)
+    when_imported("torch.distributed", debugger.distributed_breakpoint)
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
@@ -130,9 +133,19 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
             startup.finish(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
         return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
+        if debugger.wants_post_mortem(exc):  # %pdb on: a prompt at the failing frame, the other ranks held
+            debugger.post_mortem(exc)
         _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, spec.filename),
-                    execute.signature(exc, spec.filename))
+                    execute.signature(exc, spec.filename), _frames(exc, spec.filename))
         startup.finish(EXIT_CELL_RAISED)
+
+
+def _frames(error: BaseException, filename: str) -> tuple:
+    """The failing frames' locals for %debug; nothing rather than a second error."""
+    try:
+        return tuple(debugger.frames_with_locals(error, filename))
+    except Exception:  # noqa: BLE001 - the error report matters more than its locals
+        return ()
 
 
 def _cell_results(spec: RunSpec, namespace: dict, before: dict[str, int], final: object) -> returns.CellResults:
@@ -144,10 +157,10 @@ def _cell_results(spec: RunSpec, namespace: dict, before: dict[str, int], final:
     return returns.CellResults(namespace, names, deleted, final, has_final)
 
 
-def _send_results(spec: RunSpec, channel: PeerChannel, results: returns.CellResults, closure: dict,
+def _send_results(spec: RunSpec, inbox: Inbox, results: returns.CellResults, closure: dict,
                   received: ReceivedClosure, loaders: dict) -> None:
     """Rank 0: the cell's ``results`` sent back (transfer/returns.py), the shipped ``closure`` as
-    loaded from what the rank ``received``, ``loaders`` by feed index."""
+    loaded from what the rank ``received``, ``loaders`` by feed index; ``inbox``: the rank's channel (rank/inbox.py)."""
     externals = [loaders.get(index) for index in range(max(loaders, default=-1) + 1)]
     why: str | None = None
     for attempt in range(2):  # a second time only when the kernel did not take the CUDA IPC handles
@@ -156,14 +169,14 @@ def _send_results(spec: RunSpec, channel: PeerChannel, results: returns.CellResu
                 returned = returns.pack_returns(results, closure, received, externals, spec)
             message = returned.message(spec.cuda_ipc and attempt == 0, why or "")
         except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
-            _send_error(channel, f"could not send back its results: {type(exc).__name__}: {exc}",
+            _send_error(inbox.channel, f"could not send back its results: {type(exc).__name__}: {exc}",
                         execute.format_cell_traceback(exc, spec.filename))
             startup.finish(EXIT_CELL_RAISED)
         startup.flush_output()
-        channel.send(message)
+        inbox.send(message)
         if not message.ipc:
             return
-        why = returns.await_kernel(channel)  # our CUDA storages stay alive until the kernel has its copies
+        why = returns.await_kernel(inbox.take)  # our CUDA storages stay alive until the kernel has its copies
         cudaipc.forget_counters(message.ipc)
         if why is None:
             return
@@ -188,6 +201,6 @@ def main() -> None:
     final = _run(spec, channel, module)
     reports.flush()  # the last reports reach the chart before the results
     if rank == 0:
-        _send_results(spec, channel, _cell_results(spec, module.__dict__, before, final), closure, received, loaders)
+        _send_results(spec, inbox, _cell_results(spec, module.__dict__, before, final), closure, received, loaders)
     channel.close()
     startup.finish(0)

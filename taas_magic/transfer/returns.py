@@ -35,12 +35,11 @@ import ctypes
 import dataclasses
 import mmap
 import sys
-import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from taas_magic.protocol import PeerChannel, Released, Result, SendHost
+from taas_magic.protocol import Released, Result, SendHost
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import ReceivedClosure, segment_digests
@@ -251,25 +250,22 @@ def pack_returns(results: CellResults, closure: dict[str, Any], received: Receiv
     return Returns(packing, head, places, to_write, spec)
 
 
-def await_kernel(channel: PeerChannel, seconds: float = cudaipc.RELEASE_SECONDS) -> str | None:
+def await_kernel(take: Callable[..., Any], seconds: float = cudaipc.RELEASE_SECONDS) -> str | None:
     """Rank 0, having sent CUDA IPC handles: wait (its storages alive) until the kernel has its copies.
 
-    Returns None once the kernel says ``Released`` or closes the connection (it is gone: its
-    stop ladder ends this rank anyway); why the bytes must go through host memory instead when
-    the kernel asks for that (``SendHost``) or does not answer within ``seconds``.
+    ``take``: the rank's inbox's (rank/inbox.py). Returns None once the kernel says ``Released``
+    or closes the connection (it is gone: its stop ladder ends this rank anyway); why the bytes
+    must go through host memory instead when the kernel asks for that (``SendHost``) or does not
+    answer within ``seconds``. Anything else (a delivery for a loader the cell no longer reads)
+    is not what we wait for.
     """
-    deadline = time.monotonic() + seconds
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0 or not channel.readable(left):
-                return f"the kernel did not answer within {seconds:g} s"
-            frame = channel.receive()
-        except OSError:
-            return None
-        match frame:
-            case Released():
-                return None
-            case SendHost(why=why):
-                return why
-        # anything else (a delivery for a loader the cell no longer reads) is not what we wait for
+    try:
+        frame = take(lambda frame: isinstance(frame, (Released, SendHost)), seconds)
+    except OSError:
+        return None
+    match frame:
+        case None:
+            return f"the kernel did not answer within {seconds:g} s"
+        case SendHost(why=why):
+            return why
+    return None

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kernel_client import Kernel, started_here, wait_until_gone
+from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
 
 pytestmark = pytest.mark.ray
 cluster_utils = pytest.importorskip("ray.cluster_utils", reason='the cluster mode needs Ray: pip install "taas-magic[ray]"')
@@ -350,3 +350,26 @@ def test_a_search_runs_its_trials_side_by_side_on_the_clusters_hosts(attached):
     assert all("cluster: " in header for header in headers), headers  # each trial placed by the cluster
     best = min(row["value"] for row in rows)
     assert abs(float(attached.execute("cluster_search_x ** 2").result["text/plain"]) - best) < 1e-9
+
+
+ACROSS_HOSTS_BREAK = """\
+#pragma taas --gpus 4
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+if dist.get_rank() == 3:
+    breakpoint()
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+dist.destroy_process_group()
+total.item()
+"""
+
+
+def test_a_breakpoint_on_the_second_host_prompts_in_the_cell(attached):
+    """Rank 3, on the other host, stops: its prompt comes over the run's authenticated connection
+    (its host's agent), the other ranks wait in their all-reduce, and ``c`` lets the run end."""
+    session = debug(attached, ACROSS_HOSTS_BREAK, ["p dist.get_rank(), os.environ['LOCAL_RANK']", "c"])
+    assert session.error is None, session.error
+    assert session.prompts == ["(Pdb rank 3) "] * 2, session.prompts
+    assert "(3, '1')" in session.text and re.search(r"> Cell In\[\d+\], line 6, in <module>", session.texts[0])
+    assert session.execution.result["text/plain"] == "10.0"

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from taas_magic.output.budget import log_dir
-from tests.kernel_client import Kernel, started_here, wait_until_gone
+from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -250,3 +250,27 @@ def test_interrupt_while_queued_cancels_the_request(attached, slurm, new_kernel)
     assert [line for line in slurm.jobs() if "PENDING" in line] == [], (before, slurm.jobs())
     assert wait_until_gone(keepers_of(kernel), timeout=10) == []
     assert "cluster: none" in kernel.execute("%taas cluster").stream()
+
+
+BREAK_ON_ANOTHER_NODE = """\
+#pragma taas --gpus 4
+import os, torch, torch.distributed as dist
+dist.init_process_group("nccl", init_method="env://")
+if dist.get_rank() == 2:
+    breakpoint()
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+dist.destroy_process_group()
+total.item()
+"""
+
+
+def test_a_breakpoint_on_the_second_node_prompts_in_the_cell(attached, slurm):
+    """Rank 2, a Slurm task on the second node, stops: its prompt comes through its task's connection
+    to the kernel's hub (authenticated with the run's key), and ``c`` lets the run end."""
+    session = debug(attached, BREAK_ON_ANOTHER_NODE, ["p dist.get_rank(), os.environ['SLURM_PROCID']", "c"])
+    assert session.error is None, session.error
+    assert session.prompts == ["(Pdb rank 2) "] * 2, session.prompts
+    assert "(2, '2')" in session.text and re.search(r"> Cell In\[\d+\], line 6, in <module>", session.texts[0])
+    assert session.execution.result["text/plain"] == "10.0"
+    assert steps(slurm, job_of(attached)) == []

@@ -7,6 +7,7 @@ both are replaced where a test says so; everything else is the real code."""
 import dataclasses
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from taas_magic import protocol
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.protocol import ClosureHostWanted, Elements, Released, SendHost, ToKernel, ToPeer
+from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile, returns, unpack
 from taas_magic.transfer.handoff import ClosureHandoff, closure_route, receive_closure
@@ -185,7 +187,7 @@ def test_results_the_kernel_cannot_copy_are_sent_again_through_host_memory(monke
     reply, whole = take_device_copies(first)  # on this host the kernel has no cuda:0
     assert whole is None
     channel = _Channel(protocol.encode(Elements(0, 0, [])), reply)  # a stray delivery first
-    why = returns.await_kernel(channel, seconds=1)
+    why = returns.await_kernel(Inbox(channel).take, seconds=1)
     assert why == "RuntimeError: the kernel has no cuda:0"
     second = returned.message(False, why)
     try:
@@ -227,12 +229,12 @@ def test_the_supervisor_keeps_only_a_whole_result_and_answers_rank_0(monkeypatch
 
 def test_rank_0_stops_waiting_when_the_kernel_releases_it_is_gone_or_is_silent():
     released = _Channel(protocol.encode(Released()))
-    assert returns.await_kernel(released, seconds=1) is None and not released.frames
-    closed = _Channel()
-    closed.readable = lambda timeout: True  # readable, and then the connection is closed
-    assert returns.await_kernel(closed, seconds=1) is None
+    assert returns.await_kernel(Inbox(released).take, seconds=1) is None and not released.frames
+    assert returns.await_kernel(Inbox(_Channel()).take, seconds=1) is None  # the connection is closed
     # no answer in time: rank 0 sends its results again through host memory rather than lose them
-    assert returns.await_kernel(_Channel(), seconds=0.01) == "the kernel did not answer within 0.01 s"
+    silent = _Channel()
+    silent.receive = threading.Event().wait  # nothing comes, and the connection stays open
+    assert returns.await_kernel(Inbox(silent).take, seconds=0.01) == "the kernel did not answer within 0.01 s"
 
 
 def test_blobs_take_storages_made_beforehand_and_views_stay_views():
