@@ -145,11 +145,9 @@ def serve_prompts(run: RunThread, shown: CellStream | None, console: Console | N
     if desk is None or console is None:
         return
     while console.stdin and not desk.quit_asked and (asked := desk.next_prompt()) is not None:
-        rank, prompt = asked
-        if shown is not None:
-            _show(shown)  # pdb's text is in the run's log
-        else:
-            print(prompt.text, end="", flush=True)
+        rank, prompt, text = asked
+        _show(shown)  # what the run showed before, then pdb's text: in order, above the prompt
+        print(text, end="", flush=True)
         try:
             line = _read_line(prompt.prompt)
         except StdinNotImplementedError:
@@ -161,7 +159,7 @@ def serve_prompts(run: RunThread, shown: CellStream | None, console: Console | N
             desk.quit()
             run.stop()
             return
-        desk.answer(rank, line)
+        desk.answer(rank, line, prompt.prompt)
 
 
 def _read_line(prompt: str) -> str:

@@ -43,7 +43,7 @@ class Console:
 @dataclass
 class PromptDesk:
     say: Callable[[str, str], None]  # the run log's: (line, stream)
-    out: Callable[[str, str], None]  # the run log's: (stream, text)
+    record: Callable[[str], None]  # the run log's: what a console showed of a pdb session (kept on disk)
     wake_supervisor: Callable[[], None] = lambda: None  # set by the supervisor: its selector wakes
     wake_consoles: list[Callable[[], None]] = field(default_factory=list)  # a waiting cell's wake-up (foreground.py)
     consoles: list[Console] = field(default_factory=list)
@@ -128,9 +128,9 @@ class PromptDesk:
         for rank, prompt in waiting:
             self._go_on(rank, prompt, why)
 
-    def next_prompt(self) -> tuple[int, Prompt] | None:
-        """The next prompt to show: the served rank's until it resumes (one rank's session whole, then
-        the next rank's), else the oldest."""
+    def next_prompt(self) -> tuple[int, Prompt, str] | None:
+        """The next prompt to show, and the text to show before it: the served rank's until it resumes (one
+        rank's session whole, then the next rank's), else the oldest."""
         with self._lock:
             found = next((index for index, (rank, _) in enumerate(self._waiting)
                           if self.serving is None or rank == self.serving), None)
@@ -139,14 +139,17 @@ class PromptDesk:
             rank, prompt = self._waiting[found]
             del self._waiting[found]
             self.serving = rank
+        text = prompt.text
         if prompt.first:
             what = f"raised {prompt.post_mortem}: post-mortem at its failing frame" if prompt.post_mortem \
                 else "reached a breakpoint"
-            self.out("stdout", f"taas: rank {rank} {what}; the other ranks wait (c continues, q stops the run)\n")
-        self.out("stdout", prompt.text)  # in the log, shown as the prompt is: a later rank's waits its turn
-        return rank, prompt
+            text = f"taas: rank {rank} {what}; the other ranks wait (c continues, q stops the run)\n" + text
+        self.record(text)
+        return rank, prompt, text
 
-    def answer(self, rank: int, line: str) -> None:
+    def answer(self, rank: int, line: str, prompt: str = "") -> None:
+        """The person's ``line`` for ``rank``, typed at ``prompt`` (the log keeps both, as the page shows them)."""
+        self.record(f"{prompt}{line}\n")
         with self._lock:
             self._answers.append((rank, line))
         self.wake_supervisor()

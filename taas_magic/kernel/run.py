@@ -109,7 +109,7 @@ class Run:
         """The log, the folders, the scratch layers, the server and the closure handoff, in that order."""
         self.rule, self.record = rule, record
         self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
-        self.prompts = PromptDesk(self.log.say, self.log.out)  # the ranks' pdb prompts (kernel/prompts.py)
+        self.prompts = PromptDesk(self.log.say, self.log.debugger)  # the ranks' pdb prompts (kernel/prompts.py)
         stacks_dir = stacks.make_dir(spec.run_id)
         self._stack.callback(remove_tree, stacks_dir)
         self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)

@@ -159,7 +159,7 @@ class SearchRun(RunThread):
             tell(self.study, self._lock, link.trial, FAILED, None)
             raise  # the search cannot go on (the closure, the cluster): that is the cell's error
         trial = Trial(link, slot, BackgroundRun(run, detached=True))
-        self._quiet_breakpoints(run, link.trial.number)
+        _quiet_breakpoints(run, link.trial.number, self.log)
 
         def ranks_gone() -> None:  # from the trial's thread, while its run releases the rest
             trial.ranks_gone = True
@@ -174,18 +174,6 @@ class SearchRun(RunThread):
             tell(self.study, self._lock, link.trial, FAILED, None)
             raise
         self.trials.append(trial)  # only a started trial is waited for
-
-    def _quiet_breakpoints(self, run: Run, number: int) -> None:
-        """A trial's ranks never prompt (trials run side by side, and a search is for many runs): a breakpoint's
-        one line goes into the trial's log and the search's, which the cell shows."""
-        own = run.prompts.say
-        run.prompts.unwatched = "a search's trials never prompt"
-
-        def say(line: str, stream: str) -> None:
-            own(line, stream)
-            self.log.say(line.replace("taas: rank", f"taas: trial {number}, rank", 1), stream)
-
-        run.prompts.say = say
 
     def _freed_slots(self) -> list[int]:
         """The slots of the trials whose ranks are gone since the last look (their runs may still be releasing)."""
@@ -354,3 +342,15 @@ def _first_line(error: BaseException | None) -> str:
     lines = list(render()) if render is not None else [f"{type(error).__name__}: {error}"]
     return next((line for line in lines if line.strip()), "")[:300]
 
+
+def _quiet_breakpoints(run: Run, number: int, search_log: RunLog) -> None:
+    """A trial's ranks never prompt (trials run side by side, and a search is for many runs): a breakpoint's
+    one line goes into the trial's log and the search's, which the cell shows."""
+    own = run.prompts.say
+    run.prompts.unwatched = "a search's trials never prompt"
+
+    def say(line: str, stream: str) -> None:
+        own(line, stream)
+        search_log.say(line.replace("taas: rank", f"taas: trial {number}, rank", 1), stream)
+
+    run.prompts.say = say

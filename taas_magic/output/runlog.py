@@ -48,6 +48,7 @@ KEEP_BYTES = 4 << 20  # entries kept in the kernel for views that come back (the
 # one metric, 1.4 KB with twelve), so that a points entry counts what it costs, not a tenth of it
 REPORT_BYTES, METRIC_BYTES = 250, 100
 HEADER, OUT, SAY, DISPLAY, POINTS, END = "header", "out", "say", "display", "points", "end"
+PDB = "pdb"  # a rank's pdb session as the console showed it (kernel/prompts.py): on disk, not in the views
 # the log folder's pruning rule, applied when a run starts (at most every PRUNE_EVERY seconds, on a thread of its
 # own: a folder of 1,000 logs takes 8 ms to read): a log untouched for KEEP_LOG_DAYS goes, and past the newest
 # KEEP_LOGS log files the oldest go (a run still writing is among the newest: its file is touched)
@@ -143,6 +144,10 @@ class RunLog:
 
     def say(self, line: str, stream: str = "stdout") -> None:
         self._append(SAY, stream=stream, text=line)
+
+    def debugger(self, text: str) -> None:
+        """What a rank's pdb showed at a prompt, or the person's line: the console cell shows it itself."""
+        self._append(PDB, stream="stdout", text=text)
 
     def publish(self, message: Display | ClearOutput) -> None:
         self._append(DISPLAY, message=message)

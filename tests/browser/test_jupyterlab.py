@@ -46,6 +46,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 FAILING_CELL = ("#pragma taas --device cpu --gpus 2\nimport os\n"
                 "if os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n")
+BREAKPOINT_CELL = ("#pragma taas --device cpu --gpus 2\nimport os\nrank = int(os.environ['RANK'])\n"
+                   "secret = 40 + rank\nif rank == 1:\n    breakpoint()\n    seen = secret\nsecret\n")
 EPOCHS = 14  # the quickstart's 2, made long enough (about 3 s each here) to reload the page in the middle
 QUICKSTART_HYPERPARAMETERS = "epochs, batch_size, lr, gamma = 2, 64, 1.0, 0.7"
 
@@ -72,8 +74,9 @@ def lab(tmp_path):
     # The plain Python kernel: the page connects before `%load_ext taas_magic` runs, so what tells the
     # extension that this page restores widgets is the probe it sends when it loads (kernel/frontend.py).
     notebook["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    notebook["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-                              "source": FAILING_CELL.splitlines(keepends=True)})
+    for extra in (FAILING_CELL, BREAKPOINT_CELL):  # run all stops at the failing one: the breakpoint's is run alone
+        notebook["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                                  "source": extra.splitlines(keepends=True)})
     (tmp_path / "lab").mkdir()
     (tmp_path / "lab" / "quickstart.ipynb").write_text(json.dumps(notebook))
     port, token = _free_port(), "taas-browser-test"
@@ -247,7 +250,7 @@ def _reload_in_the_middle(driver, training: int, logs: Path) -> None:
     _wait(lambda: not driver.find_elements(By.CSS_SELECTOR, ".jp-mod-dirty"), 20, "the notebook to be saved")
     before = _look(driver, training)["view"]
     driver.refresh()
-    _wait(lambda: len(_cells(driver)) == 5, 90, "the notebook's cells after the reload")
+    _wait(lambda: len(_cells(driver)) == 6, 90, "the notebook's cells after the reload")
     loaded = time.monotonic()
     view = _wait(lambda: (look := _look(driver, training)["view"]) and look["live"] and look, 30,
                  "the live view, restored and live again")
@@ -258,6 +261,44 @@ def _reload_in_the_middle(driver, training: int, logs: Path) -> None:
     assert view["gaps"] == 0 and view["first"] > 0  # it started from the kernel's snapshot, asked for the rest
     expected = _screen_from_log(logs, view["run"], view["last"])
     assert view["out"].split("\n")[-50:] == expected[-50:]  # every entry up to the last one shown, in order
+
+
+_STDIN = """
+const cell = document.querySelectorAll('.jp-Notebook .jp-CodeCell')[arguments[0]];
+const input = cell && cell.querySelector('input.jp-Stdin-input');
+const prompt = input && input.closest('.jp-Stdin').querySelector('.jp-Stdin-prompt');
+return input ? (prompt ? prompt.innerText : '(no prompt text)') : null;
+"""
+
+
+def _answer(driver, index: int, line: str) -> str:
+    """Wait for cell ``index``'s input box (a rank's pdb prompt), type ``line`` into it; the prompt's text."""
+    prompt = _wait(lambda: driver.execute_script(_STDIN, index), 60, f"the prompt box of code cell {index}")
+    echoed = _look(driver, index)["text"].count(line)
+    for _ in range(5):  # the box may be drawn again as it takes focus: type into the one on the page now
+        try:
+            box = _cells(driver)[index].find_element(By.CSS_SELECTOR, "input.jp-Stdin-input")
+            box.click()
+            box.send_keys(line + Keys.ENTER)
+            # taken: the page shows the line after the prompt where the box was
+            return _wait(lambda: _look(driver, index)["text"].count(line) > echoed and prompt, 5, "the line on the page")
+        except Exception:  # noqa: BLE001 - a stale box, or not taken: type it into the box there is now
+            time.sleep(0.2)
+    raise AssertionError(f"the prompt box of code cell {index} never took {line!r}")
+
+
+def _debug_rank_1(driver, index: int) -> None:
+    """The breakpoint cell: rank 1's pdb prompt is an input box in the cell; a command typed into it is
+    answered on the page; c lets the run end and rank 0's value come back."""
+    _wait_idle(driver)
+    _run_cell(driver, index)
+    assert "(Pdb rank 1)" in _answer(driver, index, "p secret * 2")
+    _wait(lambda: "\n82\n" in "\n" + _look(driver, index)["text"] + "\n", 30, "the answer to p secret * 2")
+    assert "taas: rank 1 reached a breakpoint" in _look(driver, index)["text"]
+    assert "-> seen = secret" in _look(driver, index)["text"]  # where it stopped, the cell's own line
+    _answer(driver, index, "c")
+    _wait(lambda: not _look(driver, index)["running"] and "40" in _look(driver, index)["text"].splitlines()[-1:][0],
+          60, "the cell to end with rank 0's value")
 
 
 def _run_processes(since: float) -> list[psutil.Process]:
@@ -274,7 +315,7 @@ def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
     url, logs = lab
     started = time.time() - 1
     browser.get(url)
-    _wait(lambda: len(_cells(browser)) == 5, 90, "the notebook's code cells")
+    _wait(lambda: len(_cells(browser)) == 6, 90, "the notebook's code cells")
     _wait_idle(browser)
     browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")[0].click()  # the notebook is the current widget
     _run_all(browser)
@@ -312,6 +353,7 @@ def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
     _run_cell(browser, 4)
     _wait(lambda: "rank 1 on localhost raised ValueError: rank 1 fails on purpose" in _look(browser, 4)["text"], 120,
           "the failing cell's error naming rank 1")
+    _debug_rank_1(browser, 5)
     shot = tmp_path / "quickstart.png"
     browser.save_screenshot(str(shot))
     if os.environ.get("TAAS_SAVE_SCREENSHOT"):
