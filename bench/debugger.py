@@ -9,9 +9,11 @@ In one run, alternating:
   prompt: from that moment to the ``input_request`` reaching the client (target 1 s). Command:
   from sending ``p x`` to the next ``input_request`` (pdb's answer and the next prompt on the
   page; target 0.1 s), ``--commands`` times a session.
-- IPython: the same in a plain cell of the same kernel (``breakpoint()`` in the kernel itself,
-  IPython's ipdb through the same stdin channel): what a person has for one process. The taas
-  prompt's extra path is the rank's channel to the kernel and back.
+- IPython: the same in a plain cell of the same kernel, IPython's own debugger
+  (``IPython.core.debugger.set_trace()``: ipdb through the same stdin channel; a plain
+  ``breakpoint()`` in an ipykernel 7 cell goes to debugpy, which does nothing unless a frontend's
+  debugger is attached): what a person has for one process. The taas prompt's extra path is the
+  rank's channel to the kernel and back.
 
 Medians of every measurement, with (min, max); ratios are of medians measured in this run.
 """
@@ -31,7 +33,8 @@ from tests.kernel_client import Kernel, Session, debug  # noqa: E402
 
 TAAS = ("#pragma taas --device cpu --gpus 2 --output all\nimport os, time\nx = 41 + int(os.environ['RANK'])\n"
         "if os.environ['RANK'] == '1':\n    print(f'reached {time.time()!r}', flush=True)\n    breakpoint()\n    x += 1\n")
-PLAIN = "import time\nx = 42\nprint(f'reached {time.time()!r}', flush=True)\nbreakpoint()\nx += 1\n"
+PLAIN = ("import time\nfrom IPython.core.debugger import set_trace\nx = 42\n"
+         "print(f'reached {time.time()!r}', flush=True)\nset_trace()\nx += 1\n")
 
 
 def session(kernel: Kernel, code: str, commands: int) -> tuple[float, list[float]]:

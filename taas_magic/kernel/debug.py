@@ -96,7 +96,7 @@ def wrap_ipython_debug(shell: InteractiveShell) -> Callable[[], None]:
         return original(line)
 
     debug.__doc__ = original.__doc__
-    shell.register_magic_function(debug, "line", "debug")
+    shell.register_magic_function(debug, "line", "debug")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
 
     def put_back() -> None:
         # IPython has no API to unregister a magic (private API: see taas_magic/private.py)

@@ -54,13 +54,14 @@ class _Output(io.StringIO):
         return text
 
 
-class _Input:
+class _Input(io.StringIO):
     """pdb's stdin: each line is asked of the kernel (``use_rawinput`` is off when pdb is given one)."""
 
     def __init__(self, debugger: "CellPdb"):
+        super().__init__()
         self.debugger = debugger
 
-    def readline(self) -> str:
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]  # typeshed: _IOBase reads bytes
         return self.debugger.ask()
 
 
@@ -82,7 +83,7 @@ class CellPdb(pdb.Pdb):
             return "c\n" if not self.post_mortem else "q\n"
         frame = self.curframe
         if frame is not None:
-            self.where = (cell_label(frame.f_code.co_filename), self.curframe.f_lineno, frame.f_code.co_name)
+            self.where = (cell_label(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name)
         text = self.output.take()
         text = text[: -len(self.prompt)] if text.endswith(self.prompt) else text  # input() shows the prompt
         line = self.link.ask(Prompt(text, self.prompt, self.where, self.first, self.post_mortem))
@@ -189,7 +190,7 @@ def install(link: DebugLink) -> None:
     global _link
     _link = link
     sys.breakpointhook = _breakpoint
-    pdb.set_trace = _set_trace  # type: ignore[assignment]  # the rank's pdb.set_trace is ours from here
+    pdb.set_trace = _set_trace  # the rank's pdb.set_trace is ours from here
 
 
 def _breakpoint(*args: Any, **kwargs: Any) -> None:
@@ -216,7 +217,9 @@ def post_mortem(error: BaseException) -> None:
 def distributed_breakpoint(dist: ModuleType) -> None:
     """``torch.distributed.breakpoint(rank=k)``: torch's own semantics (every group's timeout raised,
     the other ranks held in a barrier), with rank k's prompt in the cell instead of ``/dev/stdin``."""
-    original = dist.breakpoint
+    original = getattr(dist, "breakpoint", None)
+    if original is None:  # a torch without distributed support
+        return
 
     @functools.wraps(original)
     def breakpoint(rank: int = 0, skip: int = 0, timeout_s: int | None = 3600) -> None:
@@ -228,7 +231,7 @@ def distributed_breakpoint(dist: ModuleType) -> None:
             _link.set_trace(_caller())
         dist.barrier()
 
-    dist.breakpoint = breakpoint
+    setattr(dist, "breakpoint", breakpoint)  # noqa: B010 - the module is typed without it
 
 
 # -- holding the other ranks --------------------------------------------------------------------
@@ -295,7 +298,7 @@ def frames_with_locals(error: BaseException, first_file: str) -> list[tuple[str,
     frames = []
     while tb is not None:
         frame = tb.tb_frame
-        names = {}
+        names: dict[str, str] = {}
         for name, value in list(frame.f_locals.items()):
             if len(names) == LOCALS_SHOWN:
                 break

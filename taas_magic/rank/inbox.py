@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from taas_magic.protocol import PeerChannel, ToKernel, ToPeer
+
+F = TypeVar("F", bound=ToPeer)
 
 
 class Inbox:
@@ -28,11 +30,11 @@ class Inbox:
         self._kept: list[ToPeer] = []
         self._arrived = threading.Condition()
         self._closed: BaseException | None = None  # why the channel ended, once it did
-        self._handlers: dict[type, Callable[[ToPeer], None]] = {}
+        self._handlers: dict[type, Callable[[Any], None]] = {}
         self._reader = threading.Thread(target=self._read, name="taas-inbox", daemon=True)
         self._reader.start()
 
-    def on(self, kind: type, handler: Callable[[ToPeer], None]) -> None:
+    def on(self, kind: type[F], handler: Callable[[F], None]) -> None:
         """Frames of ``kind`` go to ``handler`` on the reader's thread, as they arrive."""
         self._handlers[kind] = handler
 

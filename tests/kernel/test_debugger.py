@@ -32,6 +32,7 @@ print("rank", rank, "x", x)
 """
 
 
+@pytest.mark.minimums
 def test_a_breakpoint_on_rank_1_prompts_in_the_cell_and_pdb_commands_answer(kernel):
     session = debug(kernel, BREAK_ON_RANK_1, ["p x", "p reached", "n", "p y", "ll", "w", "c"])
     assert session.error is None, session.error
@@ -57,6 +58,7 @@ def test_q_at_the_prompt_stops_the_run_as_an_interrupt_does(kernel):
     _usable(kernel)
 
 
+@pytest.mark.minimums
 def test_an_interrupt_at_the_prompt_stops_the_run(kernel):
     session = debug(kernel, BREAK_ON_RANK_1, lambda prompt, session: None)
     assert session.error["ename"] == "KeyboardInterrupt", session.error
@@ -104,6 +106,7 @@ def test_the_other_ranks_collectives_wait_for_as_long_as_the_person_stays(kernel
     assert "Timed out" not in session.text and "timeout" not in session.text.lower()
 
 
+@pytest.mark.minimums
 def test_with_pdb_on_a_failing_rank_opens_a_post_mortem_prompt_at_its_failing_frame(kernel):
     assert kernel.execute("%pdb on").reply["status"] == "ok"
     try:
@@ -147,6 +150,7 @@ def test_debug_after_a_failure_shows_the_failing_ranks_frames_with_their_locals(
     assert own.prompts == ["ipdb> ", "ipdb> "] and "\n2\n" in own.text, own
 
 
+@pytest.mark.minimums
 def test_a_frontend_without_stdin_gets_one_line_and_the_rank_goes_on(kernel):
     session = debug(kernel, BREAK_ON_RANK_1, [], allow_stdin=False)
     assert session.error is None and not session.prompts, session.error

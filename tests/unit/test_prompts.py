@@ -1,0 +1,181 @@
+"""The debugger's parts that need no kernel: the prompt desk's order and rules (kernel/prompts.py),
+the rank's inbox reader (rank/inbox.py), and the rank's pdb helpers (rank/debugger.py) on a real
+gloo process group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from taas_magic import protocol, wire
+from taas_magic.kernel.prompts import PromptDesk, RankPrompts
+from taas_magic.peers import Peer
+from taas_magic.protocol import Answer, Hold, PeerChannel, Prompt, Resumed, ToPeer
+from taas_magic.rank import debugger
+from taas_magic.rank.inbox import Inbox
+
+
+def _prompt(text: str = "> here\n", first: bool = True) -> Prompt:
+    return Prompt(text, "(Pdb rank 1) ", ("Cell In[3]", 4, "<module>"), first)
+
+
+def _desk() -> tuple[PromptDesk, list, list]:
+    said, recorded = [], []
+    return PromptDesk(lambda line, stream: said.append(line), recorded.append), said, recorded
+
+
+def test_with_nobody_watching_a_rank_goes_on_with_one_line():
+    desk, said, _ = _desk()
+    desk.arrived(1, _prompt())
+    assert desk.answers() == [(1, None)] and not desk.in_pdb
+    assert said == ["taas: rank 1 reached a breakpoint at Cell In[3], line 4, in <module>; no prompt can be shown "
+                    "(nobody is watching this run), so it goes on"]
+
+
+def test_a_console_gets_one_ranks_session_whole_before_the_next_ranks():
+    desk, _, recorded = _desk()
+    console = desk.open_console()
+    desk.arrived(0, _prompt("> rank 0\n"))
+    desk.arrived(1, _prompt("> rank 1\n"))
+    assert desk.in_pdb == {0, 1}
+    rank, _, text = desk.next_prompt()
+    assert rank == 0 and text.startswith("taas: rank 0 reached a breakpoint") and text.endswith("> rank 0\n")
+    desk.answer(0, "p x", "(Pdb rank 0) ")
+    assert desk.next_prompt() is None  # rank 1 waits while rank 0's session goes on
+    desk.arrived(0, _prompt("1\n", first=False))
+    assert desk.next_prompt()[0] == 0
+    desk.resumed(0)
+    assert desk.next_prompt()[0] == 1 and desk.in_pdb == {1}
+    assert recorded[1] == "(Pdb rank 0) p x\n"
+    desk.close_console(console)
+
+
+def test_a_console_that_leaves_or_cannot_read_input_lets_the_waiting_ranks_go_on():
+    desk, said, _ = _desk()
+    console = desk.open_console()
+    desk.arrived(2, _prompt())
+    desk.close_console(console)
+    assert desk.answers() == [(2, None)] and "nobody is watching this run any more" in said[-1]
+    console = desk.open_console()
+    desk.arrived(3, _prompt())
+    rank, prompt, _ = desk.next_prompt()
+    desk.refused(console, rank, prompt)
+    assert desk.answers() == [(3, None)] and "allow_stdin is off" in said[-1]
+    desk.arrived(4, _prompt())  # that console prompts no more
+    assert desk.answers() == [(4, None)]
+
+
+class _Mux:
+    def __init__(self):
+        self.sent: list[tuple[Peer, ToPeer]] = []
+        self.woken = 0
+
+    def send(self, peer: Peer, body: bytes) -> bool:
+        self.sent.append((peer, protocol.decode_body(body, ToPeer)))
+        return True
+
+    def wake(self) -> None:
+        self.woken += 1
+
+
+def test_every_rank_is_held_while_one_is_in_pdb_and_released_after():
+    desk, _, _ = _desk()
+    mux = _Mux()
+    prompts = RankPrompts(desk, 3, mux)
+    console = desk.open_console()
+    prompts.route(1, _prompt())
+    prompts.step()
+    assert [frame for _, frame in mux.sent] == [Hold(True)] * 3
+    assert prompts.stopped_lines() == ["taas: the run was stopped while rank(s) 1 were in pdb"]
+    desk.next_prompt()
+    desk.answer(1, "c")
+    assert mux.woken == 1  # the supervisor's select returns at once
+    prompts.route(1, Resumed())
+    mux.sent.clear()
+    prompts.step()
+    assert [frame for _, frame in mux.sent] == [Answer("c"), Hold(False), Hold(False), Hold(False)]
+    assert prompts.stopped_lines() == []
+    desk.close_console(console)
+
+
+def _channel_pair() -> tuple[PeerChannel, wire.BlockingChannel]:
+    """A rank's channel and the kernel's end of it, over a socket pair, the same key both ways."""
+    rank_end, kernel_end = socket.socketpair()
+    key, nonce = os.urandom(32), os.urandom(wire.NONCE_SIZE)
+    rank = wire.BlockingChannel(rank_end, wire.FrameCodec(key, nonce, outgoing=wire.RANK_TO_KERNEL,
+                                                          incoming=wire.KERNEL_TO_RANK))
+    kernel = wire.BlockingChannel(kernel_end, wire.FrameCodec(key, nonce, outgoing=wire.KERNEL_TO_RANK,
+                                                              incoming=wire.RANK_TO_KERNEL))
+    return PeerChannel(rank), kernel
+
+
+def test_the_inbox_acts_on_a_hold_while_the_cell_waits_for_something_else():
+    channel, kernel = _channel_pair()
+    inbox = Inbox(channel)
+    held = threading.Event()
+    inbox.on(Hold, lambda frame: held.set())
+    kernel.send(Hold.KIND, wire.dumps(Hold(True)))
+    assert held.wait(5)  # handled on the reader's thread: nobody took anything
+    assert inbox.take(lambda frame: isinstance(frame, Answer), timeout=0.05) is None
+    kernel.send(Answer.KIND, wire.dumps(Answer("p x")))
+    assert inbox.take(lambda frame: isinstance(frame, Answer), timeout=5) == Answer("p x")
+    kernel.close()
+    with pytest.raises(OSError):
+        inbox.take(lambda frame: True, timeout=5)
+    channel.close()
+
+
+def test_frames_of_a_failure_carry_each_frames_locals_cut_short():
+    def inner(values, factor):
+        big = "x" * 1000
+        return sum(values) / factor + len(big)
+
+    try:
+        inner([1, 2], 0)
+    except ZeroDivisionError as error:
+        frames = debugger.frames_with_locals(error, __file__)
+    place, line, function, names = frames[-1]
+    assert function == "inner" and names["values"] == "[1, 2]" and names["factor"] == "0"
+    assert len(names["big"]) == debugger.REPR_CHARS and names["big"].endswith("...")
+
+
+def test_a_cell_file_is_named_as_ipython_names_it():
+    assert debugger.cell_label("<taas In[12]>") == "Cell In[12]"
+    assert debugger.cell_label("/usr/lib/python3/x.py") == "/usr/lib/python3/x.py"
+
+
+def test_a_hold_raises_every_groups_timeout_and_its_release_puts_the_cells_back(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=3))
+    try:
+        group = dist.distributed_c10d._get_default_group()  # private API: see taas_magic/private.py
+        assert debugger._timeout_of(group) == datetime.timedelta(seconds=3)
+        debugger.on_hold(Hold(True))
+        assert debugger._timeout_of(group) == debugger.HELD_TIMEOUT
+        debugger.on_hold(Hold(False))
+        assert debugger._timeout_of(group) == datetime.timedelta(seconds=3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_answer_reaches_pdb_and_its_output_comes_back_with_the_next_prompt():
+    asked: list[Prompt] = []
+    lines = iter(["p value * 2", "c"])
+
+    class Link(debugger.DebugLink):
+        def ask(self, prompt: Prompt) -> str | None:
+            asked.append(prompt)
+            return next(lines)
+
+    link = Link(1, type("Inbox", (), {"send": lambda self, frame: None, "take": None})(), False, "<taas In[1]>")
+    value = 21
+    link.set_trace()
+    assert value == 21
+    assert asked[0].first and asked[0].prompt == "(Pdb rank 1) " and asked[0].where[2].startswith("test_an_answer")
+    assert asked[1].text == "42\n" and not asked[1].first
