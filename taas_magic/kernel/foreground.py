@@ -148,6 +148,8 @@ def serve_prompts(run: RunThread, shown: CellStream | None, console: Console | N
         rank, prompt, text = asked
         _show(shown)  # what the run showed before, then pdb's text: in order, above the prompt
         print(text, end="", flush=True)
+        if run.done:
+            return  # it ended meanwhile (another rank failed): no prompt for a rank that is gone
         try:
             line = _read_line(prompt.prompt)
         except StdinNotImplementedError:

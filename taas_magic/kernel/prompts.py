@@ -51,6 +51,8 @@ class PromptDesk:
     in_pdb: set[int] = field(default_factory=set)  # ranks in pdb now (from their first prompt until they resume)
     quit_asked: bool = False
     serving: int | None = None  # the rank whose pdb session the console is in: its prompts come first, until it resumes
+    attempt: int = 0  # the ranks' attempt (--restarts): a line typed at an earlier attempt's prompt is not sent
+    _served_attempt: int = 0
     _waiting: deque = field(default_factory=deque)  # (rank, Prompt) not yet taken by a console
     _answers: list = field(default_factory=list)  # (rank, line or None) for the supervisor to send
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -138,7 +140,7 @@ class PromptDesk:
                 return None
             rank, prompt = self._waiting[found]
             del self._waiting[found]
-            self.serving = rank
+            self.serving, self._served_attempt = rank, self.attempt
         text = prompt.text
         if prompt.first:
             what = f"raised {prompt.post_mortem}: post-mortem at its failing frame" if prompt.post_mortem \
@@ -151,8 +153,19 @@ class PromptDesk:
         """The person's ``line`` for ``rank``, typed at ``prompt`` (the log keeps both, as the page shows them)."""
         self.record(f"{prompt}{line}\n")
         with self._lock:
+            if self._served_attempt != self.attempt:
+                return  # that rank is gone (the attempt failed and the ranks were started again)
             self._answers.append((rank, line))
         self.wake_supervisor()
+
+    def next_attempt(self) -> None:
+        """The attempt's ranks are gone (a restart follows): none of them is in pdb any more."""
+        with self._lock:
+            self.attempt += 1
+            self.in_pdb.clear()
+            self._waiting.clear()
+            self._answers.clear()
+            self.serving = None
 
     def quit(self) -> None:
         """``q`` at a prompt: the run stops (the caller asks for it); later prompts are not shown."""
@@ -186,6 +199,11 @@ class RankPrompts:
             self.desk.arrived(rank, frame)
         else:
             self.desk.resumed(rank)
+
+    def next_attempt(self) -> None:
+        if self.desk is not None:
+            self.desk.next_attempt()
+        self.holding = False  # the next attempt's ranks start with the cell's own timeouts
 
     def step(self) -> None:
         if self.desk is None:

@@ -130,6 +130,7 @@ class Supervisor:
         """After an attempt's ranks were stopped: their last output, then forget them."""
         self._handle_all(self.mux.forget_ranks())
         self.verdict.next_attempt()
+        self.debugging.next_attempt()
         self.displays.forget_ranks()
         self.result, self.group = None, None
         if self.data is not None:

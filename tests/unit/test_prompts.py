@@ -179,3 +179,19 @@ def test_an_answer_reaches_pdb_and_its_output_comes_back_with_the_next_prompt():
     assert value == 21
     assert asked[0].first and asked[0].prompt == "(Pdb rank 1) " and asked[0].where[2].startswith("test_an_answer")
     assert asked[1].text == "42\n" and not asked[1].first
+
+
+def test_a_line_typed_at_a_prompt_of_ranks_that_were_restarted_is_not_sent_to_the_new_ones():
+    desk, _, _ = _desk()
+    mux = _Mux()
+    prompts = RankPrompts(desk, 2, mux)
+    console = desk.open_console()
+    prompts.route(1, _prompt())
+    prompts.step()
+    desk.next_prompt()  # the person is at rank 1's prompt when the attempt fails (rank 0 died)
+    prompts.next_attempt()
+    desk.answer(1, "p x")
+    mux.sent.clear()
+    prompts.step()
+    assert mux.sent == [] and not desk.in_pdb  # nothing to the new rank 1; the new ranks were never held
+    desk.close_console(console)
