@@ -76,9 +76,9 @@ def no_ipython_post_mortem(shell: InteractiveShell) -> None:
 
     def back_on(*_: object) -> None:
         shell.call_pdb = True
-        shell.events.unregister("post_run_cell", back_on)
+        shell.events.unregister("post_execute", back_on)
 
-    shell.events.register("post_run_cell", back_on)
+    shell.events.register("post_execute", back_on)  # after the traceback was shown; silent executes too
 
 
 def wrap_ipython_debug(shell: InteractiveShell) -> Callable[[], None]:

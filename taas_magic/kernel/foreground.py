@@ -174,7 +174,7 @@ def _read_line(prompt: str) -> str:
     try:
         return input(prompt)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 def _show(shown: CellStream | None) -> None:

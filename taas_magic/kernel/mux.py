@@ -186,6 +186,8 @@ class Mux:
 
     def wake(self) -> None:
         """From another thread: the select under way returns now (a person's answer is waiting to be sent)."""
+        if self._wake_write < 0:
+            return  # closed: the run is over
         try:
             os.write(self._wake_write, b"!")
         except (BlockingIOError, OSError):
@@ -303,8 +305,9 @@ class Mux:
     def close(self) -> None:
         self.channels.close_all()
         self.selector.close()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        wake_read, wake_write, self._wake_read, self._wake_write = self._wake_read, self._wake_write, -1, -1
+        os.close(wake_read)
+        os.close(wake_write)
 
 
 def _read_some(fd: int) -> bool:

@@ -22,6 +22,7 @@ the run as an interrupt does.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -31,6 +32,7 @@ from taas_magic.peers import RANK, Peer
 from taas_magic.protocol import Answer, Hold, Prompt, Resumed
 
 QUIT_COMMANDS = frozenset({"q", "quit", "exit"})
+RUNNING_SECONDS = 0.5  # the served rank has not prompted again this long after its command: it runs (a collective)
 
 
 @dataclass
@@ -52,7 +54,9 @@ class PromptDesk:
     quit_asked: bool = False
     serving: int | None = None  # the rank whose pdb session the console is in: its prompts come first, until it resumes
     attempt: int = 0  # the ranks' attempt (--restarts): a line typed at an earlier attempt's prompt is not sent
+    closed: bool = False  # the run's supervision is over: nothing is sent, nothing more is said
     _served_attempt: int = 0
+    _answered_at: float = 0.0  # when the served rank was last given a line
     _waiting: deque = field(default_factory=deque)  # (rank, Prompt) not yet taken by a console
     _answers: list = field(default_factory=list)  # (rank, line or None) for the supervisor to send
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,7 +65,9 @@ class PromptDesk:
     def arrived(self, rank: int, prompt: Prompt) -> None:
         """A rank wants a command: queued for a console, or answered None (go on) when none can prompt."""
         with self._lock:
-            can_prompt = any(console.stdin for console in self.consoles) and not self.quit_asked
+            if self.quit_asked or self.closed:
+                return  # the run is being stopped: the stop ladder ends the rank, it needs no answer
+            can_prompt = any(console.stdin for console in self.consoles)
             if can_prompt:
                 self.in_pdb.add(rank)
                 self._waiting.append((rank, prompt))
@@ -88,11 +94,15 @@ class PromptDesk:
         return answers
 
     def _go_on(self, rank: int, prompt: Prompt, why: str) -> None:
+        if self.closed:
+            return
         place, line, function = prompt.where
-        if prompt.first:
-            stop = f"raised {prompt.post_mortem}" if prompt.post_mortem else "reached a breakpoint"
-            self.say(f"taas: rank {rank} {stop} at {place}, line {line}, in {function}; no prompt can be shown "
-                     f"({why}), so it goes on", "stderr")
+        if prompt.first and prompt.post_mortem:
+            self.say(f"taas: rank {rank} raised {prompt.post_mortem} at {place}, line {line}, in {function}; no "
+                     f"post-mortem prompt can be shown ({why})", "stderr")
+        elif prompt.first:
+            self.say(f"taas: rank {rank} reached a breakpoint at {place}, line {line}, in {function}; no prompt can "
+                     f"be shown ({why}), so it goes on", "stderr")
         with self._lock:
             self.in_pdb.discard(rank)
             if self.serving == rank:
@@ -124,6 +134,8 @@ class PromptDesk:
 
     def _release_unservable(self, why: str) -> None:
         with self._lock:
+            if self.closed:
+                return
             if any(console.stdin for console in self.consoles):
                 return
             waiting, self._waiting = list(self._waiting), deque()
@@ -134,6 +146,9 @@ class PromptDesk:
         """The next prompt to show, and the text to show before it: the served rank's until it resumes (one
         rank's session whole, then the next rank's), else the oldest."""
         with self._lock:
+            if self.serving is not None and time.monotonic() - self._answered_at > RUNNING_SECONDS \
+                    and not any(rank == self.serving for rank, _ in self._waiting):
+                self.serving = None  # its command runs on (a collective that waits for a rank at a prompt): serve the next
             found = next((index for index, (rank, _) in enumerate(self._waiting)
                           if self.serving is None or rank == self.serving), None)
             if found is None:
@@ -142,10 +157,11 @@ class PromptDesk:
             del self._waiting[found]
             self.serving, self._served_attempt = rank, self.attempt
         text = prompt.text
-        if prompt.first:
-            what = f"raised {prompt.post_mortem}: post-mortem at its failing frame" if prompt.post_mortem \
-                else "reached a breakpoint"
-            text = f"taas: rank {rank} {what}; the other ranks wait (c continues, q stops the run)\n" + text
+        if prompt.first and prompt.post_mortem:
+            text = (f"taas: rank {rank} raised {prompt.post_mortem}: post-mortem at its failing frame; the other "
+                    "ranks wait (c or q leaves it, and the run fails with this error)\n" + text)
+        elif prompt.first:
+            text = f"taas: rank {rank} reached a breakpoint; the other ranks wait (c continues, q stops the run)\n" + text
         self.record(text)
         return rank, prompt, text
 
@@ -153,10 +169,20 @@ class PromptDesk:
         """The person's ``line`` for ``rank``, typed at ``prompt`` (the log keeps both, as the page shows them)."""
         self.record(f"{prompt}{line}\n")
         with self._lock:
-            if self._served_attempt != self.attempt:
-                return  # that rank is gone (the attempt failed and the ranks were started again)
+            if self._served_attempt != self.attempt or self.closed:
+                return  # that rank is gone (the run ended, or the attempt failed and the ranks were started again)
             self._answers.append((rank, line))
+            self._answered_at = time.monotonic()
         self.wake_supervisor()
+
+    def close(self) -> None:
+        """The run's supervision is over: nothing is sent, waiting prompts are dropped, nothing more is said."""
+        with self._lock:
+            self.closed = True
+            self._waiting.clear()
+            self._answers.clear()
+            self.in_pdb.clear()
+        self.wake_supervisor = lambda: None
 
     def next_attempt(self) -> None:
         """The attempt's ranks are gone (a restart follows): none of them is in pdb any more."""
@@ -199,6 +225,15 @@ class RankPrompts:
             self.desk.arrived(rank, frame)
         else:
             self.desk.resumed(rank)
+
+    def exited(self, rank: int) -> None:
+        """A rank ended (``!os._exit`` at its prompt, a signal): it is in pdb no more."""
+        if self.desk is not None:
+            self.desk.resumed(rank)
+
+    def close(self) -> None:
+        if self.desk is not None:
+            self.desk.close()
 
     def next_attempt(self) -> None:
         if self.desk is not None:

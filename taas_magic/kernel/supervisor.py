@@ -36,7 +36,7 @@ from taas_magic.errors import RunError, TrialPruned
 from taas_magic.feed.coordinator import Send
 from taas_magic.kernel import attempts as attempt_loop
 from taas_magic.kernel.dataplane import DataPlane
-from taas_magic.kernel.mux import Event, FrameArrived, Greeting, Mux, Output, OutputEnded, PeerConnected
+from taas_magic.kernel.mux import Event, FrameArrived, Greeting, Mux, Output, OutputEnded, PeerConnected, PeerExited
 from taas_magic.kernel.prompts import PromptDesk, RankPrompts
 from taas_magic.kernel.restarts import Attempts
 from taas_magic.kernel.server import PeerServer
@@ -164,6 +164,8 @@ class Supervisor:
                 self.relay.end_of_stream(peer, stream)
             case FrameArrived(peer=peer, frame=frame):
                 self._route(peer, frame) if peer.is_rank else self._route_worker(peer, frame)
+            case PeerExited(peer=peer) if peer.is_rank:
+                self.debugging.exited(peer.index)
             case PeerConnected() if self.running is not None and self.mux.connected_ranks() == self.parts.ids.ranks:
                 self.running()
                 self.running = None
@@ -275,6 +277,7 @@ def _close(supervisor: Supervisor) -> None:
     if data is not None:
         data.workers.close()  # before measuring the cache: nothing writes to it any more
         data.progress.show(force=True, usage=data.usage())
+    supervisor.debugging.close()  # before the mux: a line typed at a prompt now is not sent
     supervisor.mux.close()
 
 

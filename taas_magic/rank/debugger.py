@@ -71,7 +71,9 @@ class CellPdb(pdb.Pdb):
     def __init__(self, link: "DebugLink", post_mortem: str = ""):
         self.link = link
         self.output = _Output()
-        super().__init__(stdin=_Input(self), stdout=self.output, nosigint=True, readrc=False)
+        # taas's own frames are not the person's: stepping never stops in them (off the cell's end, the rank runs on)
+        super().__init__(stdin=_Input(self), stdout=self.output, skip=["taas_magic.*"], nosigint=True, readrc=False)
+        self.continued = False  # continue or quit: the session is over
         self.prompt = f"(Pdb rank {link.rank}) "
         self.post_mortem = post_mortem  # the exception, in words, when this is a post-mortem
         self.where: tuple[str, int, str] = ("", 0, "")
@@ -120,21 +122,34 @@ class CellPdb(pdb.Pdb):
 
     def set_continue(self) -> None:
         super().set_continue()
+        self.continued = True
         self.link.resumed()
 
     def set_quit(self) -> None:
         super().set_quit()
+        self.continued = True
         self.link.resumed()
+
+    def trace_from(self, frame: FrameType) -> None:
+        """Trace from ``frame`` on, as ``set_trace`` does, without stepping first (the command already chose)."""
+        while frame is not None:
+            frame.f_trace = self.trace_dispatch
+            self.botframe = frame
+            frame = frame.f_back  # type: ignore[assignment]  # None ends the loop
+        sys.settrace(self.trace_dispatch)
 
 
 class DebugLink:
-    """The rank's side of the prompt: one question at a time to the kernel, over the rank's inbox."""
+    """The rank's side of the prompt: one question at a time to the kernel, over the rank's inbox.
+    One thread of the rank is in pdb at a time (pdb traces one): a breakpoint another thread reaches
+    meanwhile is passed over."""
 
     def __init__(self, rank: int, inbox: Any, post_mortem: bool, cell_file: str):
         self.rank, self.send, self.take = rank, inbox.send, inbox.take  # the rank's inbox (rank/inbox.py)
         self.post_mortem, self.cell_file = post_mortem, cell_file
-        self._lock = threading.Lock()  # one rank's threads reach a breakpoint one at a time
-        self._active = False
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread in pdb now
+        self._active = False  # a prompt was sent since the last Resumed
 
     def ask(self, prompt: Prompt) -> str | None:
         self._active = True
@@ -143,26 +158,47 @@ class DebugLink:
         return answer.line
 
     def resumed(self) -> None:
-        if self._active:
-            self._active = False
+        """The session ended (continue, quit, the cell ran off its end): the kernel is told once."""
+        with self._lock:
+            self._owner = None
+            active, self._active = self._active, False
+        if active:
             self.send(Resumed())
 
+    def _enter(self) -> bool:
+        with self._lock:
+            if self._owner not in (None, threading.get_ident()):
+                return False
+            self._owner = threading.get_ident()
+            return True
+
     def set_trace(self, frame: FrameType | None = None, header: str = "") -> None:
-        """Stop in pdb at ``frame`` (the caller's by default)."""
+        """Stop in pdb at the next line of ``frame`` (the caller's by default)."""
         if frame is None:
             frame = _caller()
-        if not self._lock.acquire(blocking=False):
-            return  # already in pdb on another thread of this rank: pdb cannot trace two threads
-        try:
-            debugger = CellPdb(self)
-            if header:
-                debugger.message(header)
-            debugger.set_trace(frame)
-        finally:
-            self._lock.release()
+        if not self._enter():
+            return  # another thread of this rank is in pdb
+        debugger = CellPdb(self)
+        if header:
+            debugger.message(header)
+        debugger.set_trace(frame)
+
+    def stop_at(self, frame: FrameType) -> None:
+        """Stop in pdb now, at ``frame``'s current line (``dist.breakpoint``: the cell's line, before the
+        barrier); the person's command then decides what runs (``n`` steps over the barrier)."""
+        if not self._enter():
+            return
+        debugger = CellPdb(self)
+        debugger.reset()
+        debugger.interaction(frame, None)
+        if debugger.continued:
+            return
+        debugger.trace_from(frame)
 
     def post_mortem_of(self, error: BaseException) -> None:
         """``%pdb on``: a prompt at the frame that raised, before the rank reports the error."""
+        if not self._enter():
+            return
         words = f"{type(error).__name__}: {error}"
         debugger = CellPdb(self, post_mortem=words)
         debugger.message(format_cell_traceback(error, self.cell_file).rstrip())
@@ -203,6 +239,12 @@ def _set_trace(*, header: str | None = None) -> None:
     _link.set_trace(_caller(), header or "")
 
 
+def cell_ended() -> None:
+    """The cell returned or raised: a pdb session that stepped off its end is over."""
+    if _link is not None:
+        _link.resumed()
+
+
 def wants_post_mortem(error: BaseException) -> bool:
     """With ``%pdb on``: an exception of the cell (not an interrupt, an exit or pdb's own quit)."""
     return (_link is not None and _link.post_mortem
@@ -228,7 +270,7 @@ def distributed_breakpoint(dist: ModuleType) -> None:
         if timeout_s is not None:
             raise_timeouts(datetime.timedelta(seconds=timeout_s))
         if dist.get_rank() == rank and _link is not None:
-            _link.set_trace(_caller())
+            _link.stop_at(_caller())
         dist.barrier()
 
     setattr(dist, "breakpoint", breakpoint)  # noqa: B010 - the module is typed without it

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from typing import Any, Callable, TypeVar
 
 from taas_magic.protocol import PeerChannel, ToKernel, ToPeer
@@ -25,12 +26,13 @@ F = TypeVar("F", bound=ToPeer)
 
 
 class Inbox:
-    def __init__(self, channel: PeerChannel):
+    def __init__(self, channel: PeerChannel, handlers: dict[type, Callable[[Any], None]] | None = None):
+        """``handlers``: frame type -> what acts on it as it arrives (known before the first frame is read)."""
         self.channel = channel
         self._kept: list[ToPeer] = []
         self._arrived = threading.Condition()
         self._closed: BaseException | None = None  # why the channel ended, once it did
-        self._handlers: dict[type, Callable[[Any], None]] = {}
+        self._handlers: dict[type, Callable[[Any], None]] = dict(handlers or {})
         self._reader = threading.Thread(target=self._read, name="taas-inbox", daemon=True)
         self._reader.start()
 
@@ -52,7 +54,10 @@ class Inbox:
                 return
             handler = self._handlers.get(type(frame))
             if handler is not None:
-                handler(frame)
+                try:
+                    handler(frame)
+                except Exception:  # noqa: BLE001 - a handler's failure must not end the reader (loaders wait on it)
+                    traceback.print_exc()
                 continue
             with self._arrived:
                 self._kept.append(frame)

@@ -76,7 +76,6 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
     reports.start(channel)
     search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
     debugger.install(debugger.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
-    inbox.on(Hold, debugger.on_hold)
     when_imported("torch.distributed", debugger.distributed_breakpoint)
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
@@ -125,6 +124,7 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
     """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
     try:
         final = execute.run_cell(spec.source, spec.filename, module)
+        debugger.cell_ended()
         shell.after_cell()
         return final
     except SystemExit as exc:
@@ -133,8 +133,13 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
             startup.finish(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
         return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
+        debugger.cell_ended()
         if debugger.wants_post_mortem(exc):  # %pdb on: a prompt at the failing frame, the other ranks held
-            debugger.post_mortem(exc)
+            try:
+                debugger.post_mortem(exc)
+            except BaseException:  # noqa: BLE001 - the kernel's stop ended it (an interrupt): report all the same
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the report goes out whole (see _send_error)
         _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, spec.filename),
                     execute.signature(exc, spec.filename), _frames(exc, spec.filename))
         startup.finish(EXIT_CELL_RAISED)
@@ -144,7 +149,7 @@ def _frames(error: BaseException, filename: str) -> tuple:
     """The failing frames' locals for %debug; nothing rather than a second error."""
     try:
         return tuple(debugger.frames_with_locals(error, filename))
-    except Exception:  # noqa: BLE001 - the error report matters more than its locals
+    except BaseException:  # noqa: BLE001 - the error report matters more than its locals
         return ()
 
 
@@ -192,7 +197,7 @@ def main() -> None:
     sys.path[:] = spec.sys_path
     sys.argv = ["taas-rank"]
     _own_output()
-    inbox = Inbox(channel)  # the channel's one reader from here: the loaders' elements, a trial's answers
+    inbox = Inbox(channel, {Hold: debugger.on_hold})  # the channel's one reader from here (rank/inbox.py)
     module = _cell_module(spec, channel, inbox, rank)
     closure, loaders = _load_closure(spec, channel, inbox, received)
     module.__dict__.update(closure)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from taas_magic import protocol
-from taas_magic.protocol import Closure, ClosureHostCopy, ClosureHostWanted, PeerChannel
+from taas_magic.protocol import Closure, ClosureHostCopy, ClosureHostWanted, Hold, PeerChannel
 from taas_magic.transfer import cudaipc, memfile, unpack
 from taas_magic.transfer.pack import Packing
 
@@ -195,8 +195,12 @@ class ReceivedClosure:
 def _ask_host_copy(channel: PeerChannel, received: ReceivedClosure, why: str) -> None:
     """This rank could not open the CUDA IPC handles: the kernel's host copy instead (mapped and verified)."""
     channel.send(ClosureHostWanted(received.message.run, why))
-    # nothing else comes before: the rank has asked for nothing else yet
-    reply = protocol.expect(channel.receive(), ClosureHostCopy, "the closure's host copy")
+    # nothing else comes before but a hold (another rank is in pdb: rank/debugger.py), which a rank that has
+    # not started its cell has no process group to apply to
+    reply = channel.receive()
+    while isinstance(reply, Hold):
+        reply = channel.receive()
+    reply = protocol.expect(reply, ClosureHostCopy, "the closure's host copy")
     if reply.error:
         received.failure = f"CUDA IPC failed ({why}) and so did the host copy ({reply.error})"
         return

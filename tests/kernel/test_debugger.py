@@ -77,6 +77,34 @@ def test_two_ranks_at_breakpoints_are_served_one_after_the_other_each_labelled(k
     assert kernel.execute("done").result["text/plain"] == "0"  # rank 0's names came back
 
 
+STEP_OVER = TWO + """import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+breakpoint()
+dist.all_reduce(t)
+done = t.item()
+"""
+
+
+def test_stepping_over_a_collective_that_waits_for_a_rank_at_its_prompt_serves_that_rank(kernel):
+    """Both ranks stop; the first steps over an all-reduce, which waits for the other: the other's prompt
+    comes next (not a cell that waits for ever), c there lets the all-reduce end, and the first prompts again."""
+    session = debug(kernel, STEP_OVER, lambda prompt, session: "n" if len(session.prompts) == 1 else "c")
+    assert session.error is None, session.error
+    first, second, third = session.prompts
+    assert first == third != second, session.prompts
+    assert "-> done = t.item()" in session.texts[2]
+    assert kernel.execute("done").result["text/plain"] == "2.0"
+
+
+def test_q_with_another_ranks_prompt_waiting_stops_the_run_and_says_nothing_more(kernel):
+    code = TWO + "import os\nrank = int(os.environ['RANK'])\nbreakpoint()\nvalue = rank\n"
+    session = debug(kernel, code, ["q"])
+    assert session.error["ename"] == "KeyboardInterrupt" and len(session.prompts) == 1, session.error
+    assert "no prompt can be shown" not in session.text, session.text
+    _usable(kernel)
+
+
 HELD = TWO + """import datetime, os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
 rank = dist.get_rank()
@@ -102,6 +130,9 @@ def test_the_other_ranks_collectives_wait_for_as_long_as_the_person_stays(kernel
 
     session = debug(kernel, HELD.format(stop=stop).replace("--gpus 2", "--gpus 2 --timeout 3"), slow)
     assert session.error is None, session.error
+    where = "-> dist.breakpoint(rank=1)" if "dist." in stop else "-> for step in range(3):"
+    assert where in session.texts[0] and re.search(r"Cell In\[\d+\], line \d+, in <module>", session.texts[0]), session.texts
+    assert "\n1\n" in session.texts[1]  # p rank: the cell's own frame, not torch's barrier
     assert "reduced 8.0" in session.text, session.text
     assert "Timed out" not in session.text and "timeout" not in session.text.lower()
 
@@ -120,6 +151,18 @@ def test_with_pdb_on_a_failing_rank_opens_a_post_mortem_prompt_at_its_failing_fr
         assert "(1, 0)" in session.text and "> Cell In[" in session.text
         assert session.error["ename"] == "RankFailed" and "ZeroDivisionError" in session.error["evalue"], session.error
         assert session.execution.reply_at < 30  # rank 0 was stopped when the person left, not waited for
+    finally:
+        kernel.execute("%pdb off")
+    _usable(kernel)
+
+
+def test_with_pdb_on_and_every_rank_failing_leaving_one_post_mortem_ends_the_run(kernel):
+    assert kernel.execute("%pdb on").reply["status"] == "ok"
+    try:
+        session = debug(kernel, TWO + "x = 1 / 0\n", lambda prompt, session: "q")
+        assert session.error["ename"] == "RankFailed" and "ZeroDivisionError" in session.error["evalue"], session.error
+        assert len(session.prompts) in (1, 2) and session.execution.reply_at < 30, session.prompts
+        assert "post-mortem at its failing frame" in session.text
     finally:
         kernel.execute("%pdb off")
     _usable(kernel)

@@ -195,3 +195,19 @@ def test_a_line_typed_at_a_prompt_of_ranks_that_were_restarted_is_not_sent_to_th
     prompts.step()
     assert mux.sent == [] and not desk.in_pdb  # nothing to the new rank 1; the new ranks were never held
     desk.close_console(console)
+
+
+def test_once_the_run_is_over_nothing_is_sent_or_said_and_a_rank_that_exits_is_out_of_pdb():
+    desk, said, _ = _desk()
+    mux = _Mux()
+    prompts = RankPrompts(desk, 2, mux)
+    console = desk.open_console()
+    prompts.route(0, _prompt())
+    prompts.route(1, _prompt())
+    prompts.exited(0)  # rank 0 ended at its prompt (say, !os._exit(0)): it holds nobody any more
+    assert desk.in_pdb == {1}
+    prompts.close()
+    desk.close_console(console)  # rank 1's prompt was still waiting: no line about it after the run's end
+    desk.answer(1, "p x")
+    prompts.step()
+    assert said == [] and desk.answers() == [] and mux.woken == 0
