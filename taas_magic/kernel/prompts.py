@@ -96,13 +96,8 @@ class PromptDesk:
     def _go_on(self, rank: int, prompt: Prompt, why: str) -> None:
         if self.closed:
             return
-        place, line, function = prompt.where
-        if prompt.first and prompt.post_mortem:
-            self.say(f"taas: rank {rank} raised {prompt.post_mortem} at {place}, line {line}, in {function}; no "
-                     f"post-mortem prompt can be shown ({why})", "stderr")
-        elif prompt.first:
-            self.say(f"taas: rank {rank} reached a breakpoint at {place}, line {line}, in {function}; no prompt can "
-                     f"be shown ({why}), so it goes on", "stderr")
+        if prompt.first:
+            self.say(_unprompted_line(rank, prompt, why), "stderr")
         with self._lock:
             self.in_pdb.discard(rank)
             if self.serving == rank:
@@ -156,12 +151,7 @@ class PromptDesk:
             rank, prompt = self._waiting[found]
             del self._waiting[found]
             self.serving, self._served_attempt = rank, self.attempt
-        text = prompt.text
-        if prompt.first and prompt.post_mortem:
-            text = (f"taas: rank {rank} raised {prompt.post_mortem}: post-mortem at its failing frame; the other "
-                    "ranks wait (c or q leaves it, and the run fails with this error)\n" + text)
-        elif prompt.first:
-            text = f"taas: rank {rank} reached a breakpoint; the other ranks wait (c continues, q stops the run)\n" + text
+        text = _header(rank, prompt) + prompt.text
         self.record(text)
         return rank, prompt, text
 
@@ -198,6 +188,26 @@ class PromptDesk:
         with self._lock:
             self.quit_asked = True
 
+
+
+def _header(rank: int, prompt: Prompt) -> str:
+    """The line above a rank's first prompt: which rank stopped, and why."""
+    if not prompt.first:
+        return ""
+    if prompt.post_mortem:
+        return (f"taas: rank {rank} raised {prompt.post_mortem}: post-mortem at its failing frame; the other ranks "
+                "wait (c or q leaves it, and the run fails with this error)\n")
+    return f"taas: rank {rank} reached a breakpoint; the other ranks wait (c continues, q stops the run)\n"
+
+
+def _unprompted_line(rank: int, prompt: Prompt, why: str) -> str:
+    """The one line for a stop nobody can be prompted at: which rank, where, and why."""
+    place, line, function = prompt.where
+    if prompt.post_mortem:
+        return (f"taas: rank {rank} raised {prompt.post_mortem} at {place}, line {line}, in {function}; no post-mortem "
+                f"prompt can be shown ({why})")
+    return (f"taas: rank {rank} reached a breakpoint at {place}, line {line}, in {function}; no prompt can be shown "
+            f"({why}), so it goes on")
 
 
 class Sender(Protocol):
