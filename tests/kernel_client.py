@@ -313,9 +313,10 @@ def debug(kernel: Kernel, code: str, answer: Answer | list[str], allow_stdin: bo
         except queue.Empty:
             request = None
         if request is not None:
-            _drain_iopub(kernel, msg_id, messages, session)
             now = time.monotonic()
             session.asked_at.append(time.time())
+            # what the cell printed before asking was sent on iopub first; another socket: give it 50 ms to be read
+            _drain_iopub(kernel, msg_id, messages, session, quiet=0.05)
             if answered_at is not None:
                 session.waits.append(now - answered_at)
             prompt = request["content"]["prompt"]
@@ -337,11 +338,11 @@ def debug(kernel: Kernel, code: str, answer: Answer | list[str], allow_stdin: bo
     return session
 
 
-def _drain_iopub(kernel: Kernel, msg_id: str, messages: list[Message], session: Session) -> bool:
-    """Read what iopub has now; True once the cell is over (idle)."""
+def _drain_iopub(kernel: Kernel, msg_id: str, messages: list[Message], session: Session, quiet: float = 0.01) -> bool:
+    """Read iopub until it has been ``quiet`` that long; True once the cell is over (idle)."""
     while True:
         try:
-            msg = kernel.client.get_iopub_msg(timeout=0.01)
+            msg = kernel.client.get_iopub_msg(timeout=quiet)
         except queue.Empty:
             return False
         if msg["parent_header"].get("msg_id") != msg_id:
