@@ -263,14 +263,19 @@ def distributed_breakpoint(dist: ModuleType) -> None:
     if original is None:  # a torch without distributed support
         return
 
+    passed: dict[tuple[Any, int], int] = {}  # (the caller's code, line) -> calls so far: skip's count
+
     @functools.wraps(original)
     def breakpoint(rank: int = 0, skip: int = 0, timeout_s: int | None = 3600) -> None:
-        if skip > 0:
-            return original(rank, skip, timeout_s)  # its skip count keys on the caller's traceback: torch's own
+        caller = _caller()
+        place = (caller.f_code, caller.f_lineno)
+        passed[place] = passed.get(place, 0) + 1
+        if passed[place] <= skip:  # torch's skip: the first `skip` calls of this breakpoint pass (on every rank alike)
+            return
         if timeout_s is not None:
             raise_timeouts(datetime.timedelta(seconds=timeout_s))
         if dist.get_rank() == rank and _link is not None:
-            _link.stop_at(_caller())
+            _link.stop_at(caller)
         dist.barrier()
 
     setattr(dist, "breakpoint", breakpoint)  # noqa: B010 - the module is typed without it

@@ -7,8 +7,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import threading
-import time
 
 import pytest
 
@@ -211,3 +211,24 @@ def test_once_the_run_is_over_nothing_is_sent_or_said_and_a_rank_that_exits_is_o
     desk.answer(1, "p x")
     prompts.step()
     assert said == [] and desk.answers() == [] and mux.woken == 0
+
+
+def test_dist_breakpoint_passes_its_first_skip_calls_then_stops_on_the_callers_line(tmp_path, monkeypatch):
+    dist = pytest.importorskip("torch.distributed")
+    monkeypatch.setattr(dist, "breakpoint", dist.breakpoint)  # put back after the test
+    stops: list[tuple[str, int]] = []
+
+    class Link:
+        def stop_at(self, frame):
+            stops.append((frame.f_code.co_name, frame.f_lineno))
+
+    monkeypatch.setattr(debugger, "_link", Link())
+    debugger.distributed_breakpoint(dist)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for _ in range(3):
+            dist.breakpoint(rank=0, skip=2, timeout_s=None)  # the line pdb must show
+        here = sys._getframe().f_lineno - 1
+    finally:
+        dist.destroy_process_group()
+    assert stops == [("test_dist_breakpoint_passes_its_first_skip_calls_then_stops_on_the_callers_line", here)]
