@@ -29,19 +29,17 @@ import inspect
 import io
 import linecache
 import pdb
-import re
 import sys
 import threading
 from types import FrameType, ModuleType, TracebackType
 from typing import Any
 
 from taas_magic.protocol import Answer, Hold, Prompt, Resumed
-from taas_magic.rank.execute import cell_labels, format_cell_traceback
+from taas_magic.rank.execute import cell_label, format_cell_traceback
 
 HELD_TIMEOUT = datetime.timedelta(days=7)  # a process group's timeout while a rank is at a prompt
 LOCALS_SHOWN = 40  # %debug: at most this many locals of a frame
 REPR_CHARS = 200  # %debug: each local's repr, cut to this
-_CELL_FILE = re.compile(r"<taas In\[(\d+)\]>")
 
 
 class _Output(io.StringIO):
@@ -328,14 +326,6 @@ def _timeout_of(group: Any) -> datetime.timedelta | None:
 
 
 # -- %debug after a failure ---------------------------------------------------------------------
-def cell_label(filename: str) -> str:
-    """``Cell In[5]`` for the notebook's cells, as IPython names them; any other file as it is."""
-    found = _CELL_FILE.fullmatch(filename)
-    if found:
-        return f"Cell In[{found.group(1)}]"
-    return cell_labels().get(filename, filename)
-
-
 def frames_with_locals(error: BaseException, first_file: str) -> list[tuple[str, int, str, dict[str, str]]]:
     """From the cell's first frame down: each frame's place and its locals' reprs (cut), for ``%debug``."""
     tb: TracebackType | None = error.__traceback__

@@ -16,7 +16,8 @@ from types import ModuleType
 from typing import Any
 
 NO_VALUE = object()
-_THIS_CELL = re.compile(r'File "<taas In\[(\d+)\]>", line ')  # the running cell, named as IPython names it
+_CELL_FILE = re.compile(r"<taas In\[(\d+)\]>")  # the running cell's file name (cellcode.py)
+_FILE_LINE = re.compile(r'File "([^"]+)", line ')  # a traceback's place
 _CELL_LABELS: dict[str, str] = {}  # an earlier notebook cell's file name -> "Cell In[3]"
 
 
@@ -33,9 +34,13 @@ def register_cells(cells: dict[str, tuple[int, list[str]]]) -> None:
         _CELL_LABELS[filename] = f"Cell In[{number}]"
 
 
-def cell_labels() -> dict[str, str]:
-    """Earlier notebook cells' file names and their IPython labels (``Cell In[3]``)."""
-    return _CELL_LABELS
+def cell_label(filename: str) -> str:
+    """``Cell In[5]`` for the notebook's cells (the running one and earlier ones), as IPython names them;
+    any other file as it is."""
+    found = _CELL_FILE.fullmatch(filename)
+    if found:
+        return f"Cell In[{found.group(1)}]"
+    return _CELL_LABELS.get(filename, filename)
 
 
 def run_cell(source: str, filename: str, module: ModuleType) -> Any:
@@ -61,9 +66,12 @@ def format_cell_traceback(exc: BaseException, filename: str) -> str:
     if tb is None:
         tb = exc.__traceback__
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    for cell_file, label in _CELL_LABELS.items():
-        text = text.replace(f'File "{cell_file}", line ', f"{label}, line ")
-    return _THIS_CELL.sub(r"Cell In[\1], line ", text)
+    return _FILE_LINE.sub(_label_place, text)
+
+
+def _label_place(place: re.Match) -> str:
+    label = cell_label(place.group(1))
+    return place.group(0) if label == place.group(1) else f"{label}, line "
 
 
 def signature(exc: BaseException, filename: str) -> tuple[str, str, int] | None:
