@@ -16,8 +16,8 @@ need it (:func:`get_worker_info` and the checkpoint calls).
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
   restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py, via rank/identity.py).
 - :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/output/board.py;
-  the last run's kept by the session, read through taas_magic/kernel/fromcode.py).
-- :func:`wait`: a detached run's names and value, once it ends (``%taas wait``; taas_magic/kernel/fromcode.py).
+  the last run's kept by the session, read through taas_magic/kernel/magic/fromcode.py).
+- :func:`wait`: a detached run's names and value, once it ends (``%taas wait``; taas_magic/kernel/magic/fromcode.py).
 - :func:`trial`: the trial a search's cell (``--trials K``) takes its hyperparameters from;
   alone, a fixed trial of the suggestions' defaults (taas_magic/search/trial.py). :func:`trials` /
   :func:`study`: the last search's trials and its Optuna study.
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from taas_magic.feed import registry as _registry
-from taas_magic.kernel import fromcode as _fromcode
+from taas_magic.kernel.magic import fromcode as _fromcode
 from taas_magic.rank import identity as _identity
 
 __all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",

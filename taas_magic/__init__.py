@@ -19,8 +19,8 @@ _loaded: dict[str, Any] = {}
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     from taas_magic.cell.transformer import taas_cells
-    from taas_magic.kernel.debug import wrap_ipython_debug
-    from taas_magic.kernel.magics import TaasMagics
+    from taas_magic.kernel.magic.debug import wrap_ipython_debug
+    from taas_magic.kernel.magic.magics import TaasMagics
 
     if _loaded.get("shell") is ipython:
         return

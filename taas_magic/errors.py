@@ -3,7 +3,7 @@
 ::
 
     Exception
-    ├── PragmaError (IPython UsageError)   malformed head; one line, nothing launched   [pragma.py]
+    ├── PragmaError (IPython UsageError)   malformed head; one line, nothing launched   [cell/options.py]
     ├── AuthenticationError (ConnectionError)  a peer without the key                   [wire.py]
     └── TaasError                          one line, no kernel-side traceback
         ├── ClosureError                   a used notebook name cannot be pickled           [closure.py]
@@ -11,7 +11,7 @@
         ├── ClusterError                   %taas cluster cannot attach (Ray missing, unreachable) [cluster.py]
         ├── LaunchError                    the ranks cannot be started (too few GPUs, ...)  [rankenv.py, launch/]
         ├── SearchError                    a search cannot start (no Optuna, a grid with no literal values) [search/]
-        ├── TrialPruned                    the search's pruner stopped this trial early  [kernel/search.py]
+        ├── TrialPruned                    the search's pruner stopped this trial early  [kernel/trials/searchrun.py]
         └── RunError                       the ranks started, the run failed                [supervisor.py, launch/]
             ├── RankFailed                 a rank raised, exited non-zero or was killed
             ├── WorkerFailed               a data worker raised preparing an element, or died
@@ -135,12 +135,12 @@ class Failure:
     """What went wrong in a failed process: in words (``raised ValueError: x``, ``was killed by
     SIGKILL without reporting an error``), its traceback (the cell's line numbers; empty when
     it sent none), and a Python exception's signature: (type, innermost notebook file, line),
-    which kernel/restarts.py compares between attempts."""
+    which kernel/supervision/restarts.py compares between attempts."""
 
     summary: str
     traceback_text: str = ""
     signature: tuple[str, str, int] | None = None
-    frames: tuple = ()  # (place, line, function, {local: repr}) per frame from the cell's down: %debug (kernel/debug.py)
+    frames: tuple = ()  # (place, line, function, {local: repr}) per frame from the cell's down: %debug (kernel/magic/debug.py)
 
 
 class PeerFailed(RunError):

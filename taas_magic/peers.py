@@ -53,7 +53,7 @@ class PeerIds:
 
 @dataclass(frozen=True)
 class HubChannels:
-    """The numbering of the cluster's output hub channels (launch/ray.py, launch/agent.py):
+    """The numbering of the cluster's output hub channels (launch/outputhub.py, launch/agent.py):
     each rank's stdout and stderr, then one control channel per host."""
 
     ranks: int

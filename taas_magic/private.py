@@ -52,7 +52,7 @@ class Private:
     set_in: tuple[str, ...] = ()  # modules (besides the class's own) whose source sets its instance attributes
 
 
-_FRONTEND = "kernel/frontend.py"
+_FRONTEND = "kernel/runs/frontend.py"
 _KERNEL = "ipykernel.kernelbase.Kernel"
 _STORAGE = "torch.UntypedStorage"
 _CUDA_IPC = "transfer/cudaipc.py"
@@ -121,10 +121,10 @@ PRIVATE: tuple[Private, ...] = (
             "cell/cellcode.py"),
     Private("IPython.core.interactiveshell.InteractiveShell.showtraceback", "ipython", IPYTHON,
             "shows an exception through its _render_traceback_ (our errors' one-line renderings)",
-            "errors.py, kernel/run.py, kernel/search.py", mentions=("_render_traceback_",)),
+            "errors.py, kernel/runs/run.py, kernel/trials/searchrun.py", mentions=("_render_traceback_",)),
     Private("IPython.core.magic.MagicsManager", "ipython", IPYTHON,
             "unloading removes our magics from these tables (IPython has no API to unregister one), and puts "
-            "IPython's %debug back", "__init__.py, kernel/debug.py",
+            "IPython's %debug back", "__init__.py, kernel/magic/debug.py",
             attributes=("magics", "registry")),
     Private("IPython.core.displayhook.DisplayHook.semicolon_at_end_of_expression", "ipython", IPYTHON,
             "a cell ending in ';' shows no result, as IPython decides it", "cell/cellcode.py",
@@ -192,17 +192,17 @@ PRIVATE: tuple[Private, ...] = (
             params=("backend",)),
     # -- torch.distributed: the other ranks held while one is at a pdb prompt (what torch.distributed.breakpoint does)
     Private("torch.distributed.distributed_c10d._pg_map", "torch", TORCH,
-            "every process group of the rank, whose timeouts are raised while a rank is in pdb", "rank/debugger.py"),
+            "every process group of the rank, whose timeouts are raised while a rank is in pdb", "rank/cellpdb.py"),
     Private("torch.distributed.distributed_c10d._set_pg_timeout", "torch", TORCH,
-            "raises a group's timeout while a rank is in pdb, and puts the cell's back after", "rank/debugger.py",
+            "raises a group's timeout while a rank is in pdb, and puts the cell's back after", "rank/cellpdb.py",
             params=("timeout", "group")),
     Private("torch.distributed.ProcessGroup", "torch", TORCH,
             "a group's device types and each one's backend, whose options hold the timeout to put back",
-            "rank/debugger.py", attributes=("_get_backend", "_device_types")),
+            "rank/cellpdb.py", attributes=("_get_backend", "_device_types")),
     Private("torch._C._distributed_c10d.Backend.Options", "torch", TORCH,
             "a backend's timeout now (gloo's and NCCL's options): put back once no rank is in pdb; "
-            "without it the raised timeout stays", "rank/debugger.py", attributes=("_timeout",)),
+            "without it the raised timeout stays", "rank/cellpdb.py", attributes=("_timeout",)),
     # -- Ray (the [ray] extra)
     Private("ray._private.state.state.available_resources_per_node", "ray", RAY,
-            "each node's free GPUs and CPUs, for %taas status and placement", "kernel/cluster.py"),
+            "each node's free GPUs and CPUs, for %taas status and placement", "launch/attachment.py"),
 )

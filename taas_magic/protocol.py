@@ -142,7 +142,7 @@ class End(ToPeer, kind="end"):
 
 @dataclass(frozen=True)
 class Job(ToPeer, kind="job"):
-    """A data worker's share of the run (kernel/dataplane.py)."""
+    """A data worker's share of the run (kernel/supervision/dataplane.py)."""
 
     worker: int
     workers: int
@@ -190,7 +190,7 @@ class Suggested(ToPeer, kind="suggested"):
 
 @dataclass(frozen=True)
 class Answer(ToPeer, kind="answer"):
-    """The person's line at the rank's pdb prompt; None: nobody can be prompted, go on (rank/debugger.py)."""
+    """The person's line at the rank's pdb prompt; None: nobody can be prompted, go on (rank/cellpdb.py)."""
 
     line: str | None
 
@@ -206,13 +206,13 @@ class Hold(ToPeer, kind="hold"):
 class RankError(ToKernel, kind="error"):
     summary: str
     traceback: str
-    signature: tuple[str, str, int] | None = None  # a Python exception's (type, file, line): kernel/restarts.py
-    frames: tuple = ()  # (place, line, function, {local: repr}) from the cell's frame down: %debug (rank/debugger.py)
+    signature: tuple[str, str, int] | None = None  # a Python exception's (type, file, line): kernel/supervision/restarts.py
+    frames: tuple = ()  # (place, line, function, {local: repr}) from the cell's frame down: %debug (rank/cellpdb.py)
 
 
 @dataclass(frozen=True)
 class Prompt(ToKernel, kind="prompt"):
-    """A rank's pdb wants a command (rank/debugger.py, kernel/prompts.py)."""
+    """A rank's pdb wants a command (rank/cellpdb.py, kernel/supervision/prompts.py)."""
 
     text: str  # what pdb wrote since its last command (where it stopped, a command's answer)
     prompt: str  # "(Pdb rank 1) "

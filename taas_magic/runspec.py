@@ -1,7 +1,7 @@
 """What every rank of a run receives before its closure: one frozen value, read by attribute,
 and the plan of each registered loader it reads (the arithmetic of its passes: feed/plan.py).
 
-The kernel builds it (kernel/run.py) and sends it pickled in the authenticated ``spec``
+The kernel builds it (kernel/runs/run.py) and sends it pickled in the authenticated ``spec``
 frame; the rank (rank/main.py) reads ``spec.source``, ``spec.device``, ... This module
 imports nothing, so a rank pays nothing to unpickle it.
 
@@ -89,11 +89,11 @@ class RunSpec:
     kernel_pid: int  # names the memory files, so a killed kernel's are swept
     result_file_bytes: int  # rank 0's results go through a memory file from this size
     cuda_ipc: bool = False  # CUDA tensors cross by CUDA IPC, both ways (same host, kernel CUDA ready: transfer/cudaipc.py)
-    feeds: tuple[RankFeed, ...] = ()  # the registered loaders the cell uses (kernel/dataplane.py rank_feeds)
+    feeds: tuple[RankFeed, ...] = ()  # the registered loaders the cell uses (kernel/supervision/dataplane.py rank_feeds)
     cells: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # earlier cells' lines (cellcode.py)
     stacks_dir: str = ""  # where rank k arms its hang autopsy: autopsy/dump.py stack_file (empty: no autopsy)
     checkpoints: str = ""  # this run's checkpoint folder (checkpoints.py; empty: taas.save_checkpoint has none)
     keep_checkpoints: int = 2  # the newest kept in it
-    trial: int | None = None  # the search's trial number this run is (kernel/search.py); None: not a trial
+    trial: int | None = None  # the search's trial number this run is (kernel/trials/searchrun.py); None: not a trial
     post_mortem: bool = False  # IPython's %pdb on: a rank that raises opens a prompt at its failing frame first
-    seed: int = 0  # the run's seed: the data workers' (kernel/dataplane.py), rank k's WorkerInfo seed + k
+    seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k

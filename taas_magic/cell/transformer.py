@@ -11,7 +11,7 @@ steps (IPython calls ``transform_cell`` more than once on the same text) that ne
    ``autoawait`` with its asyncio runner, ipykernel's default): a ``%%taas ARGS`` cell
    becomes one ``await`` of the magic's coroutine with the same arguments. The run is then
    waited for with the kernel's event loop free, so the kernel answers the page meanwhile (a
-   reloaded page restoring the run's live view, kernel/foreground.py). Where it cannot, the
+   reloaded page restoring the run's live view, kernel/runs/foreground.py). Where it cannot, the
    cell stays ``%%taas`` and the magic waits blocking, as before.
 """
 

@@ -12,6 +12,6 @@ One module per job::
     progress.py     the progress line in the cell
 
 Elsewhere, by the flow: the data side of one run is set up by the kernel
-(kernel/dataplane.py); what the cell sees in a rank in place of the registered loader is
+(kernel/supervision/dataplane.py); what the cell sees in a rank in place of the registered loader is
 rank/loaders.py; an element's record format is transfer/records.py.
 """

@@ -2,8 +2,8 @@
 
 The list is this process's, kept here and nowhere else: the face (taas.py) passes
 ``register`` / ``unregister`` / ``registered`` through at each call; the kernel's plan
-(kernel/plan.py) reads it for the loaders a cell's closure reaches, and ``%taas status``
-lists it (kernel/commands.py). This module imports nothing heavy (the pickler only when a
+(kernel/runs/runplan.py) reads it for the loaders a cell's closure reaches, and ``%taas status``
+lists it (kernel/magic/linecommands.py). This module imports nothing heavy (the pickler only when a
 loader is registered): ``import taas`` imports it.
 """
 

@@ -6,7 +6,7 @@ are started, isolated (the write rule) and stopped exactly as in the local mode:
 INT -> TERM -> KILL ladder. What the agent adds is the way back to the kernel:
 
 - each rank's stdout and stderr are pumped, bytes unchanged, into one TCP connection each
-  to the kernel's output hub (``launch/ray.py``), so the supervisor reads them as it reads
+  to the kernel's output hub (``launch/outputhub.py``), so the supervisor reads them as it reads
   local pipes, and an end of file means the rank's output is complete;
 - one control connection carries ``LOCAL_INDEX EXIT_CODE`` lines, each sent only after
   that rank's output reached end of file, so no exit overtakes its output.

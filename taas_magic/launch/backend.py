@@ -12,7 +12,7 @@ above it (magics.py, supervisor.py) asks which one is in use. A backend answers:
   hosts with a courier);
 - releasing everything when the cell ends (the reserved port, the agents and the
   placement group; a local backend refills the warm spares). A backend is a context
-  manager: leaving it releases it (kernel/run.py holds it so).
+  manager: leaving it releases it (kernel/runs/run.py holds it so).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from taas_magic.launch.standby import NEXT_CELL_DELAY, Standby
 if TYPE_CHECKING:
     from taas_magic.launch.ray import ClusterLaunch
 
-PlaneT = TypeVar("PlaneT")  # what starting the data workers makes (kernel/dataplane.py's DataPlane)
+PlaneT = TypeVar("PlaneT")  # what starting the data workers makes (kernel/supervision/dataplane.py's DataPlane)
 WorkerLaunch = Callable[[LaunchPlan, "tuple[str, ...]"], ProcessGroup]  # starts the workers elsewhere, given their cache folders
 # DataRun.start with the workers' plan and the publisher bound: (launch, courier) -> the data plane
 StartData = Callable[[Optional[WorkerLaunch], Optional[Callable[[], object]]], PlaneT]
@@ -52,7 +52,7 @@ Say = Callable[[str], None]  # a line of taas's own into the run's log (output/r
 
 
 class ClusterView(Protocol):
-    """What placing ranks asks of an attached cluster (kernel/cluster.py's Cluster)."""
+    """What placing ranks asks of an attached cluster (launch/attachment.py's Cluster)."""
 
     @property
     def ray(self) -> object: ...
@@ -108,7 +108,7 @@ class Backend(Protocol):
 @dataclass(frozen=True)
 class GpuSlice:
     """A search's trial side by side with others on this host's GPUs: slice ``index`` of
-    ``count``, each of the run's ``--gpus`` GPUs (kernel/searchplan.py)."""
+    ``count``, each of the run's ``--gpus`` GPUs (kernel/trials/searchplan.py)."""
 
     index: int
     count: int

@@ -46,8 +46,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from taas_magic.launch.factory import SpareFactory
 from taas_magic.launch.rankenv import CPU, Binding, slice_visible, visible_gpu_count
+from taas_magic.launch.sparefactory import SpareFactory
 from taas_magic.procs import Process, reap, signal_group
 from taas_magic.rank.spare import WAITING_NAME
 
@@ -153,7 +153,7 @@ class SparePool:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.spares: list[Spare] = []
-        self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/factory.py)
+        self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/sparefactory.py)
         self._retired: list[SpareFactory] = []  # until the spares they forked have ended
 
     def take(self, wanted: Sequence[Binding]) -> list[Process | None]:

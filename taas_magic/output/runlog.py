@@ -48,7 +48,7 @@ KEEP_BYTES = 4 << 20  # entries kept in the kernel for views that come back (the
 # one metric, 1.4 KB with twelve), so that a points entry counts what it costs, not a tenth of it
 REPORT_BYTES, METRIC_BYTES = 250, 100
 HEADER, OUT, SAY, DISPLAY, POINTS, END = "header", "out", "say", "display", "points", "end"
-PDB = "pdb"  # a rank's pdb session as the console showed it (kernel/prompts.py): on disk, not in the views
+PDB = "pdb"  # a rank's pdb session as the console showed it (kernel/supervision/prompts.py): on disk, not in the views
 # the log folder's pruning rule, applied when a run starts (at most every PRUNE_EVERY seconds, on a thread of its
 # own: a folder of 1,000 logs takes 8 ms to read): a log untouched for KEEP_LOG_DAYS goes, and past the newest
 # KEEP_LOGS log files the oldest go (a run still writing is among the newest: its file is touched)
@@ -214,7 +214,7 @@ class RunLog:
             self._close_file()
 
     def forget(self) -> None:
-        """The run ended and nothing will show its entries again (kernel/background.py's let_go): the kernel
+        """The run ended and nothing will show its entries again (kernel/runs/background.py's let_go): the kernel
         keeps only its last entry (how it ended), so a view that comes back still sees it end; the rest is
         in the file."""
         with self._lock:

@@ -2,7 +2,7 @@
 
 Several parts of a rank wait for frames from the kernel while the cell runs: its prepared
 loaders (``Elements``, ``End``: rank/loaders.py), a search's trial (``Suggested``:
-search/trial.py), the debugger's prompt (``Answer``: rank/debugger.py) and rank 0 handing
+search/trial.py), the debugger's prompt (``Answer``: rank/cellpdb.py) and rank 0 handing
 back CUDA storages (``Released``, ``SendHost``: transfer/returns.py). Any of them may see a
 frame meant for another (the kernel sends elements ahead, on credit), so none reads the
 channel itself: a daemon thread reads every frame as it arrives, and :meth:`Inbox.take`

@@ -31,7 +31,7 @@ from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
 from taas_magic.protocol import Hold, PeerChannel, RankError, Spec, Suggest, Suggested
-from taas_magic.rank import debugger, execute, identity, lifeline, lightning, shell, startup
+from taas_magic.rank import cellpdb, execute, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
@@ -75,8 +75,8 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     reports.start(channel)
     search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
-    debugger.install(debugger.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
-    when_imported("torch.distributed", debugger.distributed_breakpoint)
+    cellpdb.install(cellpdb.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
+    when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
@@ -124,7 +124,7 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
     """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
     try:
         final = execute.run_cell(spec.source, spec.filename, module)
-        debugger.cell_ended()
+        cellpdb.cell_ended()
         shell.after_cell()
         return final
     except SystemExit as exc:
@@ -133,10 +133,10 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
             startup.finish(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
         return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
-        debugger.cell_ended()
-        if debugger.wants_post_mortem(exc):  # %pdb on: a prompt at the failing frame, the other ranks held
+        cellpdb.cell_ended()
+        if cellpdb.wants_post_mortem(exc):  # %pdb on: a prompt at the failing frame, the other ranks held
             try:
-                debugger.post_mortem(exc)
+                cellpdb.post_mortem(exc)
             except BaseException:  # noqa: BLE001 - the kernel's stop ended it (an interrupt): report all the same
                 pass
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the report goes out whole (see _send_error)
@@ -148,7 +148,7 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
 def _frames(error: BaseException, filename: str) -> tuple:
     """The failing frames' locals for %debug; nothing rather than a second error."""
     try:
-        return tuple(debugger.frames_with_locals(error, filename))
+        return tuple(cellpdb.frames_with_locals(error, filename))
     except BaseException:  # noqa: BLE001 - the error report matters more than its locals
         return ()
 
@@ -197,7 +197,7 @@ def main() -> None:
     sys.path[:] = spec.sys_path
     sys.argv = ["taas-rank"]
     _own_output()
-    inbox = Inbox(channel, {Hold: debugger.on_hold})  # the channel's one reader from here (rank/inbox.py)
+    inbox = Inbox(channel, {Hold: cellpdb.on_hold})  # the channel's one reader from here (rank/inbox.py)
     module = _cell_module(spec, channel, inbox, rank)
     closure, loaders = _load_closure(spec, channel, inbox, received)
     module.__dict__.update(closure)

@@ -5,7 +5,7 @@ The rank's half:
 - trial.py: ``taas.trial()``; in a search's rank each suggestion asks the kernel, alone
   each is its ``default=``.
 
-The kernel's half (the loop that runs the trials is kernel/search.py):
+The kernel's half (the loop that runs the trials is kernel/trials/searchrun.py):
 
 - study.py: the Optuna study (sampler, pruner, the SQLite file of ``--study``), and telling it
   how each trial ended;

@@ -1,6 +1,6 @@
 """The kernel's half of one trial: its Optuna trial, its values, its objective, its pruning.
 
-A trial's run (kernel/execute.py) is given its :class:`TrialLink`, which the run's
+A trial's run (kernel/runs/execution.py) is given its :class:`TrialLink`, which the run's
 supervisor thread calls:
 
 - :meth:`answer` for each ``Suggest`` frame a rank sends: the first rank to ask for a name

@@ -195,7 +195,7 @@ class ReceivedClosure:
 def _ask_host_copy(channel: PeerChannel, received: ReceivedClosure, why: str) -> None:
     """This rank could not open the CUDA IPC handles: the kernel's host copy instead (mapped and verified)."""
     channel.send(ClosureHostWanted(received.message.run, why))
-    # nothing else comes before but a hold (another rank is in pdb: rank/debugger.py), which a rank that has
+    # nothing else comes before but a hold (another rank is in pdb: rank/cellpdb.py), which a rank that has
     # not started its cell has no process group to apply to
     reply = channel.receive()
     while isinstance(reply, Hold):

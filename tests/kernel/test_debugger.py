@@ -1,5 +1,5 @@
 """A rank's pdb prompt in the cell, over a real kernel's stdin channel: jupyter_client answers each
-``input_request`` as a notebook's input box would (kernel/prompts.py, rank/debugger.py)."""
+``input_request`` as a notebook's input box would (kernel/supervision/prompts.py, rank/cellpdb.py)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kernel_client import Kernel, left_after, describe, wait_until_gone
 from taas_magic.output.budget import log_dir
+from tests.kernel_client import Kernel, describe, left_after, wait_until_gone
 
 TICKS = ("#pragma taas --device cpu --gpus 2 --detach\n"
          "import time\n"

@@ -1,6 +1,6 @@
 """A run forgets what it captured: once a run has ended and its names are bound (or will never be),
 nothing of taas keeps its closure, its packed tensors or its results, so a tensor the notebook
-deletes is freed at once and the kernel's memory comes back (kernel/background.py's let_go).
+deletes is freed at once and the kernel's memory comes back (kernel/runs/background.py's let_go).
 
 Each test binds a 200 MB tensor in a kernel of its own, runs a taas cell that reads it (or binds
 one from rank 0), deletes the notebook's name and checks two things: the tensor's storage is gone

@@ -1,5 +1,5 @@
 """output/board.py in bounded memory: a million reports through a real Board (built as
-kernel/execute.py builds it) hold a few MB in the kernel, the chart still starts at the first
+kernel/runs/execution.py builds it) hold a few MB in the kernel, the chart still starts at the first
 report and ends at the last, taas.metrics() ends with the last 10,000 reports exactly; the band
 still lines the ranks' reports up when they have thinned differently; the run log keeps every
 report on disk while the kernel keeps a bounded tail of them."""
@@ -9,8 +9,8 @@ import re
 import time
 import tracemalloc
 
-from taas_magic.output.board import Board
 from taas_magic.history import PAST, RECENT
+from taas_magic.output.board import Board
 from taas_magic.output.runlog import RunLog
 from taas_magic.protocol import Report
 
@@ -47,7 +47,7 @@ def _polyline(svg: str) -> list[tuple[float, float]]:
 
 def test_a_million_reports_hold_a_few_mb_and_keep_the_first_the_last_and_the_last_10000():
     displays, logged = Displays(), Points()
-    board = Board(2, displays, logged)  # as kernel/execute.py: Board(ranks, log.publish, points)
+    board = Board(2, displays, logged)  # as kernel/runs/execution.py: Board(ranks, log.publish, points)
     board.start()
     started = time.monotonic()
     tracemalloc.start()

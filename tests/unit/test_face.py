@@ -168,7 +168,7 @@ _STATE_CHECK = """
     assert registry.registered() == [loader] == taas.registered()
     registry.unregister(loader)
     assert taas.registered() == []
-    assert taas.metrics() == []  # no kernel session here: the last run's are the session's (kernel/fromcode.py)
+    assert taas.metrics() == []  # no kernel session here: the last run's are the session's (kernel/magic/fromcode.py)
     print("ok")
 """
 
@@ -187,9 +187,9 @@ def test_outside_a_rank_the_face_answers_by_the_defaults():
 
 
 def test_the_modules_that_read_or_set_the_state_load_without_the_face():
-    modules = ["taas_magic.rank.main", "taas_magic.rank.spare", "taas_magic.kernel.execute", "taas_magic.kernel.plan",
-               "taas_magic.kernel.commands", "taas_magic.kernel.search", "taas_magic.feed.registry",
-               "taas_magic.rank.identity", "taas_magic.kernel.fromcode"]
+    modules = ["taas_magic.rank.main", "taas_magic.rank.spare", "taas_magic.kernel.runs.execution", "taas_magic.kernel.runs.runplan",
+               "taas_magic.kernel.magic.linecommands", "taas_magic.kernel.trials.searchrun", "taas_magic.feed.registry",
+               "taas_magic.rank.identity", "taas_magic.kernel.magic.fromcode"]
     ran = _run(f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
                "print(sorted(name for name in sys.modules if name == 'taas' or name.startswith('taas.')))")
     assert ran.returncode == 0, ran.stderr

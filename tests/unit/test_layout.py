@@ -36,17 +36,29 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
 STAGES = ["cell", "kernel", "launch", "feed", "rank"]
 FEATURES = ["transfer", "output", "autopsy", "writes", "search"]
 GROUND_MOST = 12  # modules at the top level of taas_magic/, __init__.py included (private.py: the table of private APIs; history.py: the bounded series the output and the search both keep)
+# The kernel's rooms, from the IPython face down: the face (the magic and the line commands) starts
+# searches and runs; a search is many runs; a run is supervised. Each imports only the rooms below it.
+KERNEL_ROOMS = ["magic", "trials", "runs", "supervision"]
+ROOM_MOST = 10  # modules in one room of the kernel, __init__.py not counted
+LINES_MOST = 400  # lines in any module of the package or of bench/
+BENCH = PACKAGE.parent / "bench"
 
 
 def _room(module: str) -> str:
-    """``cell``, ``kernel``, ..., ``transfer``, ...; ``ground`` for a top-level module."""
+    """``cell``, ``kernel.runs``, ..., ``transfer``, ...; ``ground`` for a top-level module."""
     parts = module.split(".")
+    if len(parts) >= 3 and parts[1] == "kernel" and parts[2] in KERNEL_ROOMS:
+        return f"kernel.{parts[2]}"
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else "ground"
 
 
 def _may_import(room: str) -> set[str]:
     """A stage imports later stages and the features (the kernel also runs the cell stage); a
-    feature imports only the ground; the ground imports only itself."""
+    feature imports only the ground; the ground imports only itself. A room of the kernel imports
+    the kernel's rooms below it, and what the kernel may."""
+    if room.startswith("kernel."):
+        below = KERNEL_ROOMS[KERNEL_ROOMS.index(room.split(".")[1]) + 1:]
+        return {f"kernel.{name}" for name in below} | _may_import("kernel")
     if room in STAGES:
         later = set(STAGES[STAGES.index(room) + 1:]) | set(FEATURES) | {"ground"}
         return later | ({"cell"} if room == "kernel" else set())
@@ -62,6 +74,34 @@ def test_the_rooms_are_the_stages_the_features_and_the_ground():
     assert folders == set(STAGES) | set(FEATURES), folders
     top = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(top) <= GROUND_MOST, top
+
+
+def test_the_kernel_is_four_rooms_of_at_most_ten_modules():
+    kernel = PACKAGE / "kernel"
+    assert sorted(path.name for path in kernel.glob("*.py")) == ["__init__.py"]  # nothing flat beside the rooms
+    assert sorted(path.name for path in kernel.iterdir() if (path / "__init__.py").exists()) == sorted(KERNEL_ROOMS)
+    for room in KERNEL_ROOMS:
+        modules = [path.name for path in (kernel / room).glob("*.py") if path.name != "__init__.py"]
+        assert 0 < len(modules) <= ROOM_MOST, (room, modules)
+
+
+def _every_module() -> list[Path]:
+    """Every module of the package and of bench/ (what a reader opens by its file name)."""
+    return sorted(PACKAGE.rglob("*.py")) + sorted(BENCH.rglob("*.py"))
+
+
+def test_no_two_modules_share_a_file_name():
+    seen: dict[str, list[str]] = {}
+    for path in _every_module():
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def test_no_module_is_longer_than_four_hundred_lines():
+    long = {str(path.relative_to(PACKAGE.parent)): lines for path in _every_module()
+            if (lines := len(path.read_text().splitlines())) > LINES_MOST}
+    assert not long, long
 
 
 def test_imports_run_down_the_floors():
@@ -152,14 +192,16 @@ def test_no_class_is_longer_than_one_hundred_and_fifty_lines():
 
 def test_the_magic_and_the_supervisor_never_ask_which_backend():
     concrete = {"LocalProcessGroup", "RayProcessGroup", "LocalBackend", "ClusterBackend", "ClusterLaunch"}
-    supervisor = _modules()["taas_magic/kernel/supervisor.py"]
+    supervisor = _modules()["taas_magic/kernel/supervision/supervisor.py"]
     assert not {node.id for node in ast.walk(supervisor) if isinstance(node, ast.Name)} & concrete
-    assert not _imported("taas_magic/kernel/supervisor.py", supervisor) & {"taas_magic.launch.local", "taas_magic.launch.ray"}
-    magics = _modules()["taas_magic/kernel/magics.py"]
+    assert not _imported("taas_magic/kernel/supervision/supervisor.py", supervisor) & {"taas_magic.launch.local",
+                                                                                     "taas_magic.launch.ray"}
+    magics = _modules()["taas_magic/kernel/magic/magics.py"]
     naming = [node.name for node in ast.walk(magics) if isinstance(node, ast.FunctionDef)
               and any(isinstance(n, ast.Name) and n.id in concrete for n in ast.walk(node))]
     assert naming == ["_backend"], naming  # the one place that chooses
-    for path in ("taas_magic/kernel/execute.py", "taas_magic/kernel/commands.py", "taas_magic/kernel/session.py"):
+    for path in ("taas_magic/kernel/runs/execution.py", "taas_magic/kernel/magic/linecommands.py",
+                 "taas_magic/kernel/runs/session.py"):
         moved = _modules()[path]  # the magic's run step, line commands and session state: they never ask either
         assert not {node.id for node in ast.walk(moved) if isinstance(node, ast.Name)} & concrete, path
         assert not _imported(path, moved) & {"taas_magic.launch.local", "taas_magic.launch.ray"}, path

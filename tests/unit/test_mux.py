@@ -1,4 +1,4 @@
-"""The supervisor's I/O (kernel/mux.py) with a real listener and channel and a stand-in process
+"""The supervisor's I/O (kernel/supervision/mux.py) with a real listener and channel and a stand-in process
 (two pipes and an exit code): greeting then queued frames, output as events, and an exit
 reported only after the frames the process sent before it."""
 
@@ -7,8 +7,8 @@ import threading
 import time
 
 from taas_magic import protocol, wire
-from taas_magic.kernel.mux import FrameArrived, Mux, Output, OutputEnded, PeerConnected, PeerExited
-from taas_magic.kernel.server import PeerServer
+from taas_magic.kernel.supervision.mux import FrameArrived, Mux, Output, OutputEnded, PeerConnected, PeerExited
+from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.peers import RANK, Peer, PeerIds
 from taas_magic.protocol import Elements, RankError, Released
 

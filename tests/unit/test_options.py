@@ -1,4 +1,4 @@
-"""The options are defined once (pragma.OPTIONS): the usage line, %taas help and the README cannot drift."""
+"""The options are defined once (cell/options.py's OPTIONS): the usage line, %taas help and the README cannot drift."""
 
 import re
 from pathlib import Path
@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 from traitlets import TraitError
 
-from taas_magic.cell.pragma import OPTIONS, PragmaError, PragmaOptions, parse_options, usage
-from taas_magic.kernel.magics import TaasMagics
-from taas_magic.kernel.status import HELP, LINE_COMMANDS
+from taas_magic.cell.options import OPTIONS, PragmaError, usage
+from taas_magic.cell.pragma import PragmaOptions, parse_options
+from taas_magic.kernel.magic.magics import TaasMagics
+from taas_magic.kernel.magic.status import HELP, LINE_COMMANDS
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
@@ -107,8 +108,8 @@ def test_every_session_default_is_a_setting_made_from_its_options_row():
 
 
 def test_status_shows_every_options_session_default_from_the_table():
-    from taas_magic.cell.pragma import shown_defaults
-    from taas_magic.kernel.status import status_text
+    from taas_magic.cell.options import shown_defaults
+    from taas_magic.kernel.magic.status import status_text
 
     defaults = shown_defaults(dict(SESSION, cache_ram=""))
     line = next(line for line in status_text(None, 0, defaults).splitlines() if line.startswith("defaults: "))
@@ -125,7 +126,7 @@ def test_the_readme_names_each_options_session_setting_in_its_row():
 
 @pytest.mark.parametrize(("text", "after_two_ranks"), [("off", 0), ("auto", 2), ("0", 0), ("5", 5)])
 def test_warm_is_parsed_in_one_place(text, after_two_ranks):
-    from taas_magic.kernel.settings import Warm
+    from taas_magic.kernel.runs.session import Warm
 
     assert Warm.parse(text).after(2) == after_two_ranks
     for bad in ("", "-1", "some", "2.5"):

@@ -44,7 +44,7 @@ def _cell_namespace() -> dict:
 def _load_and_fail(blob: bytes) -> str:
     """Load in a fresh interpreter (nothing of the cell there) and return the traceback's text."""
     script = textwrap.dedent(
-        f"""\
+        """\
         import pickle, sys, traceback
         Model, helper, square = pickle.loads(sys.stdin.buffer.read())
         assert square(3) == 9
@@ -54,8 +54,8 @@ def _load_and_fail(blob: bytes) -> str:
             sys.stdout.write(traceback.format_exc())
         sys.stdout.write("lines: %d %d %d" % (helper.__code__.co_firstlineno,
                          Model.forward.__code__.co_firstlineno, square.__code__.co_firstlineno))
-        sys.stdout.write(" files: " + " ".join(sorted({{helper.__code__.co_filename,
-                         Model.forward.__code__.co_filename}})))
+        sys.stdout.write(" files: " + " ".join(sorted({helper.__code__.co_filename,
+                         Model.forward.__code__.co_filename})))
         """
     )
     done = subprocess.run([sys.executable, "-c", script], input=blob, capture_output=True, timeout=60, check=True)

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from taas_magic.errors import ClusterError, LaunchError
-from taas_magic.kernel.cluster import import_ray
+from taas_magic.launch.attachment import import_ray
 from taas_magic.launch.placement import Node, plan_hosts, worker_blocks
 
 

@@ -1,6 +1,7 @@
 import pytest
 
-from taas_magic.cell.pragma import PragmaError, PragmaOptions, parse_cell, parse_options
+from taas_magic.cell.options import PragmaError
+from taas_magic.cell.pragma import PragmaOptions, parse_cell, parse_options
 from taas_magic.cell.transformer import await_taas_cell, route_taas_cell
 
 VALID = [

@@ -1,5 +1,5 @@
-"""The debugger's parts that need no kernel: the prompt desk's order and rules (kernel/prompts.py),
-the rank's inbox reader (rank/inbox.py), and the rank's pdb helpers (rank/debugger.py) on a real
+"""The debugger's parts that need no kernel: the prompt desk's order and rules (kernel/supervision/prompts.py),
+the rank's inbox reader (rank/inbox.py), and the rank's pdb helpers (rank/cellpdb.py) on a real
 gloo process group."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import threading
 import pytest
 
 from taas_magic import protocol, wire
-from taas_magic.kernel.prompts import PromptDesk, RankPrompts
+from taas_magic.kernel.supervision.prompts import PromptDesk, RankPrompts
 from taas_magic.peers import Peer
 from taas_magic.protocol import Answer, Hold, PeerChannel, Prompt, Resumed, ToPeer
-from taas_magic.rank import debugger
+from taas_magic.rank import cellpdb
 from taas_magic.rank.inbox import Inbox
 
 
@@ -138,15 +138,15 @@ def test_frames_of_a_failure_carry_each_frames_locals_cut_short():
     try:
         inner([1, 2], 0)
     except ZeroDivisionError as error:
-        frames = debugger.frames_with_locals(error, __file__)
+        frames = cellpdb.frames_with_locals(error, __file__)
     place, line, function, names = frames[-1]
     assert function == "inner" and names["values"] == "[1, 2]" and names["factor"] == "0"
-    assert len(names["big"]) == debugger.REPR_CHARS and names["big"].endswith("...")
+    assert len(names["big"]) == cellpdb.REPR_CHARS and names["big"].endswith("...")
 
 
 def test_a_cell_file_is_named_as_ipython_names_it():
-    assert debugger.cell_label("<taas In[12]>") == "Cell In[12]"
-    assert debugger.cell_label("/usr/lib/python3/x.py") == "/usr/lib/python3/x.py"
+    assert cellpdb.cell_label("<taas In[12]>") == "Cell In[12]"
+    assert cellpdb.cell_label("/usr/lib/python3/x.py") == "/usr/lib/python3/x.py"
 
 
 def test_a_hold_raises_every_groups_timeout_and_its_release_puts_the_cells_back(tmp_path):
@@ -155,11 +155,11 @@ def test_a_hold_raises_every_groups_timeout_and_its_release_puts_the_cells_back(
                             timeout=datetime.timedelta(seconds=3))
     try:
         group = dist.distributed_c10d._get_default_group()  # private API: see taas_magic/private.py
-        assert debugger._timeout_of(group) == datetime.timedelta(seconds=3)
-        debugger.on_hold(Hold(True))
-        assert debugger._timeout_of(group) == debugger.HELD_TIMEOUT
-        debugger.on_hold(Hold(False))
-        assert debugger._timeout_of(group) == datetime.timedelta(seconds=3)
+        assert cellpdb._timeout_of(group) == datetime.timedelta(seconds=3)
+        cellpdb.on_hold(Hold(True))
+        assert cellpdb._timeout_of(group) == cellpdb.HELD_TIMEOUT
+        cellpdb.on_hold(Hold(False))
+        assert cellpdb._timeout_of(group) == datetime.timedelta(seconds=3)
     finally:
         dist.destroy_process_group()
 
@@ -168,7 +168,7 @@ def test_an_answer_reaches_pdb_and_its_output_comes_back_with_the_next_prompt():
     asked: list[Prompt] = []
     lines = iter(["p value * 2", "c"])
 
-    class Link(debugger.DebugLink):
+    class Link(cellpdb.DebugLink):
         def ask(self, prompt: Prompt) -> str | None:
             asked.append(prompt)
             return next(lines)
@@ -222,8 +222,8 @@ def test_dist_breakpoint_passes_its_first_skip_calls_then_stops_on_the_callers_l
         def stop_at(self, frame):
             stops.append((frame.f_code.co_name, frame.f_lineno))
 
-    monkeypatch.setattr(debugger, "_link", Link())
-    debugger.distributed_breakpoint(dist)
+    monkeypatch.setattr(cellpdb, "_link", Link())
+    cellpdb.distributed_breakpoint(dist)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         for _ in range(3):

@@ -13,8 +13,8 @@ import pytest
 from taas_magic import checkpoints
 from taas_magic.autopsy import stacks
 from taas_magic.errors import Failure, PeerFailed, RankFailed, RunTimeout, WorkerFailed
+from taas_magic.kernel.supervision.restarts import how, refusal, restart_line
 from taas_magic.peers import RANK, WORKER, Peer
-from taas_magic.kernel.restarts import how, refusal, restart_line
 from taas_magic.procs import kill_tagged
 
 

@@ -1,4 +1,4 @@
-"""One object owns a run (kernel/run.py): every part it takes is released on leaving it, whatever
+"""One object owns a run (kernel/runs/run.py): every part it takes is released on leaving it, whatever
 happened, and the ranks receive run data in the spec, not in their environment."""
 
 import os
@@ -8,8 +8,8 @@ import pytest
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import PragmaOptions, settle
-from taas_magic.kernel.run import Run
-from taas_magic.kernel.status import LastRun
+from taas_magic.kernel.runs.run import Run
+from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch.backend import LocalBackend
 from taas_magic.runspec import RunSpec
 from taas_magic.writes.rule import choose_rule

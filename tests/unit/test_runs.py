@@ -1,8 +1,8 @@
-"""kernel/background.py's Runs: a bounded history, and a run that lets go of what it held."""
+"""kernel/runs/background.py's Runs: a bounded history, and a run that lets go of what it held."""
 
 from __future__ import annotations
 
-from taas_magic.kernel.background import KEEP_ENDED, Runs, RunThread
+from taas_magic.kernel.runs.background import KEEP_ENDED, Runs, RunThread
 from taas_magic.output.runlog import RunLog
 
 

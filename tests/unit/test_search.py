@@ -10,10 +10,11 @@ import threading
 
 import pytest
 
-from taas_magic.cell.pragma import PragmaError, parse_options, settle
+from taas_magic.cell.options import PragmaError
+from taas_magic.cell.pragma import parse_options, settle
 from taas_magic.errors import SearchError
-from taas_magic.kernel.searchplan import search_slots
-from taas_magic.output.trials import TrialRow, search_display, table_text
+from taas_magic.kernel.trials.searchplan import search_slots
+from taas_magic.output.trialtable import TrialRow, search_display, table_text
 from taas_magic.protocol import Suggest
 from taas_magic.search.space import grid_space
 from taas_magic.search.trial import FixedTrial, RemoteTrial, Suggested

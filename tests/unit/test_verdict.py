@@ -1,9 +1,9 @@
-"""The supervisor's failure policy (kernel/verdict.py), fed events as the mux would make them:
+"""The supervisor's failure policy (kernel/supervision/verdict.py), fed events as the mux would make them:
 no process is started, no socket opened, no clock read."""
 
 from taas_magic.errors import RankFailed, RunTimeout, WorkerFailed
-from taas_magic.kernel.mux import FrameArrived, FrameRefused, Output, PeerConnected, PeerExited
-from taas_magic.kernel.verdict import SETTLE_SECONDS, TimedOut, Verdict
+from taas_magic.kernel.supervision.mux import FrameArrived, FrameRefused, Output, PeerConnected, PeerExited
+from taas_magic.kernel.supervision.verdict import SETTLE_SECONDS, TimedOut, Verdict
 from taas_magic.peers import RANK, WORKER, Peer
 from taas_magic.protocol import Done, RankError, Report, WorkerFailure
 

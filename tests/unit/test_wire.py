@@ -6,7 +6,7 @@ import time
 import pytest
 
 from taas_magic import wire
-from taas_magic.kernel.server import PeerServer
+from taas_magic.kernel.supervision.server import PeerServer
 
 
 class _Detonator:

@@ -4,7 +4,7 @@
 - ``allocation.py``: the allocation the session holds (``salloc`` with a lifeline), or the
   one the kernel runs inside; its nodes, GPUs and time left; its queue state while it waits;
 - ``step.py``: one attempt's ranks as one ``srun`` step, its tasks' output and exits back
-  through the kernel's output hub, as the Ray engine's agents send theirs (launch/ray.py);
+  through the kernel's output hub (launch/outputhub.py), as the Ray engine's agents send theirs;
 - ``task.py``: what each task of the step runs (``python -m taas_magic.launch.slurm.task``):
   it says where Slurm put it, takes its rank's plan, and starts and serves the rank with the
   local machinery (launch/agent.py's HostAgent);

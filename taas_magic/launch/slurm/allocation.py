@@ -8,7 +8,7 @@ stdin is the kernel's lifeline: when the kernel releases the allocation, exits o
 keeper closes ``cat``'s pipe (``salloc`` then relinquishes a granted allocation) and sends
 ``salloc`` SIGTERM (which revokes one still queued). No process of ours runs on a node between
 cells, and nothing depends on ``KillWait``. ``--no-kill``: a node that fails does not end the
-allocation; the next attempt runs on the nodes left (launch/slurm/backend.py).
+allocation; the next attempt runs on the nodes left (launch/slurm/engine.py).
 
 While queued, :meth:`Allocation.request` shows the job's state, reason, place in the queue
 and the time waited, refreshed, and an interrupt cancels it (nothing is left in ``squeue``).

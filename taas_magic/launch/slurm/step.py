@@ -32,10 +32,10 @@ from typing import Callable, Sequence
 
 from taas_magic.errors import LaunchError
 from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.ray import HostControl, OutputHub
+from taas_magic.launch.outputhub import HostControl, OutputHub
 from taas_magic.launch.slurm import slurmcli
-from taas_magic.launch.slurm.commands import TaskCommands
 from taas_magic.launch.slurm.task import COMMAND
+from taas_magic.launch.slurm.taskcommands import TaskCommands
 from taas_magic.peers import StepChannels
 
 START_PATIENCE = 120.0  # seconds for Slurm to start the step's tasks and each to connect

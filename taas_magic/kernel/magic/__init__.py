@@ -1,0 +1,8 @@
+"""The IPython face: ``%%taas`` and ``%taas``, the session's settings, and what a person reads.
+
+``magics.py`` is the magic (parse -> plan -> run -> show); ``linecommands.py`` the ``%taas``
+line commands, ``runcommands.py`` those about one run (attach, wait, stop); ``settings.py`` the
+``TaasMagics`` traits made from the option table; ``status.py`` ``%taas help``, ``status`` and
+``runs``; ``debug.py`` ``%debug`` and ``%taas debug`` after a rank failed; ``fromcode.py``
+what ``taas.last()``/``taas.wait()`` read from the notebook's own code.
+"""

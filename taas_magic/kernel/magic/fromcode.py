@@ -1,0 +1,52 @@
+"""What ``taas`` calls in the notebook read from the loaded extension's session.
+
+- ``taas.wait()``, ``taas.trials()``, ``taas.study()``: the loaded magic's line command run in
+  the notebook's shell, exactly as ``%taas wait``, ``%taas trials`` and ``%taas study`` do
+  (kernel/magic/runcommands.py, kernel/magic/linecommands.py);
+- ``taas.metrics()`` and, in the notebook, ``taas.load_checkpoint()`` / ``taas.checkpoint_path()``:
+  the session's last run (kernel/magic/status.py's LastRun), its one owner: nothing process-wide.
+
+This module imports nothing at load (IPython when called): ``import taas`` imports it, in a rank
+too, where there is no session (no metrics, and the rank's own checkpoint folder is used).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def line_command(command: str, argument: str = "") -> Any:
+    """``%taas COMMAND [ARGUMENT]``'s value, run in this kernel's shell.
+
+    Raises:
+        RuntimeError: outside an IPython kernel with the taas_magic extension loaded.
+    """
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None or shell.find_line_magic("taas") is None:
+        raise RuntimeError(f"taas.{command}(): the taas_magic extension is not loaded here (%load_ext taas_magic)")
+    return shell.run_line_magic("taas", f"{command} {argument}" if argument else command)
+
+
+def _last_run() -> Any:
+    """The loaded extension's session's last run (kernel/magic/status.py's LastRun), None without one: the magic
+    this process's shell registered (IPython's registry of magics, by class name)."""
+    ipython = sys.modules.get("IPython")  # not imported by this call: a rank's import builds its shell (rank/shell.py)
+    shell = ipython.get_ipython() if ipython is not None else None
+    magics = None if shell is None else shell.magics_manager.registry.get("TaasMagics")
+    session = getattr(magics, "session", None)
+    return None if session is None else session.last_run
+
+
+def last_metrics() -> list[dict]:
+    """The last run's rank-0 reports (a copy: the person may change it), ``[]`` before any run or outside a kernel."""
+    last = _last_run()
+    return [dict(item) for item in last.metrics] if last is not None else []
+
+
+def last_checkpoints() -> str | None:
+    """The last run's checkpoint folder, None before any run or outside a kernel."""
+    last = _last_run()
+    return (last.checkpoints or None) if last is not None else None

@@ -1,0 +1,199 @@
+"""``%%taas`` and ``%taas``: orchestration only (parse -> plan -> run -> render).
+
+Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
+``ipython_config.py`` work (kernel/magic/settings.py makes them from the option table);
+``pragma.settle`` decides each run's settings once, a pragma option always winning over a
+default. The plan step (kernel/runs/runplan.py) builds the run object (kernel/runs/run.py), which holds
+every part of the run and releases all of them, in reverse order, however the cell ends; the
+run step (kernel/runs/execution.py) starts and supervises its ranks on the run's own thread
+(kernel/runs/background.py) while the cell shows its log and waits (kernel/runs/foreground.py), or
+returns at once (``--detach``). ``_backend`` is the one place that chooses a backend
+(local processes or the attached cluster).
+
+The session's state (kernel/runs/session.py: repository, isolation, warm spares, cluster, last
+run) is the magic's ``session``; ``%taas`` line commands (kernel/magic/linecommands.py) change it and
+are given the traitlets they read or set, never the magic.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from traitlets import Int, Unicode, validate
+
+from taas_magic.cell.cellcode import translate
+from taas_magic.cell.closure import select_closure
+from taas_magic.cell.options import SETTINGS
+from taas_magic.cell.pragma import PragmaOptions, RunSettings, parse_cell, settle
+from taas_magic.checkpoints import DEFAULT_KEEP
+from taas_magic.errors import RunInterrupted
+from taas_magic.kernel.magic import linecommands
+from taas_magic.kernel.magic.debug import no_ipython_post_mortem
+from taas_magic.kernel.magic.settings import VALIDATED, option_trait, refuse
+from taas_magic.kernel.runs.background import BackgroundRun, RunThread, give_back_memory
+from taas_magic.kernel.runs.foreground import STOP, open_console, wait_async, wait_blocking
+from taas_magic.kernel.runs.frontend import Frontend
+from taas_magic.kernel.runs.runplan import PlanContext, plan
+from taas_magic.kernel.runs.session import Session, Warm
+from taas_magic.kernel.runs.views import Started, Viewing, show_run
+from taas_magic.kernel.trials.searchplan import plan_search
+from taas_magic.launch.backend import Backend, GpuSlice, LocalBackend
+from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
+from taas_magic.launch.spares import SparePool
+from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
+from taas_magic.transfer.handoff import HANDOFF_BYTES
+
+
+@magics_class
+class TaasMagics(Magics):
+    output = option_trait("--output", "Default for --output.")
+    timeout = option_trait("--timeout", "Default for --timeout, in seconds.")
+    cache_ram = option_trait("--cache-ram", "Default for --cache-ram (e.g. '4G'); empty: min(4G, half of /dev/shm free).")
+    ahead = option_trait("--ahead", "Default for --ahead: elements per rank that may wait before workers pause.")
+    place_timeout = option_trait("--place-timeout", "Default for --place-timeout: seconds to wait for a cluster's GPUs.")
+    restarts = option_trait("--restarts", "Default for --restarts: times a failed run starts again within its cell.")
+    max_output_lines = Int(HEAD_LINES, config=True, help="Lines of rank output a cell shows before the rest goes to a log file.")
+    max_output_bytes = Int(HEAD_BYTES, config=True, help="Bytes of rank output a cell shows before the rest goes to a log file.")
+    tail_output_lines = Int(TAIL_LINES, config=True, help="Last lines shown at the end of a cell whose output was elided.")
+    closure_file_bytes = Int(HANDOFF_BYTES, config=True, help="Closures this large reach the ranks as one shared file.")
+    warm = Unicode("auto", config=True, help="Warm spares: 'auto' (as many as the last cell's --gpus), 'off', or a number.")
+    checkpoint_dir = Unicode("", config=True, help="Where taas.save_checkpoint writes, a folder per run; "
+                             "empty: <repository>/.taas/checkpoints.")
+    keep_checkpoints = Int(DEFAULT_KEEP, config=True,
+                           help="Checkpoints kept per run, the newest; older ones go as new ones land.")
+    view = Unicode("auto", config=True, help="How a run is shown: 'widget' (a live view a reloaded page restores), "
+                   "'stream' (the cell's output), 'auto' (the widget where the page restores widgets).")
+
+    @validate(*VALIDATED)
+    def _valid_setting(self, proposal: dict[str, Any]) -> object:
+        return refuse(proposal["trait"].name, proposal["value"])
+
+    def __init__(self, shell: InteractiveShell | None = None, **kwargs: Any) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self.session = Session.start(self._warm)  # what %taas commands set and cells read (kernel/runs/session.py)
+        self.frontend = Frontend(shell)  # whether a page that restores widgets shows this kernel
+
+    def close(self) -> None:
+        """Unloading: every run stopped, the spares, the widget probe and the cluster (a Slurm
+        allocation this session made is given back) gone."""
+        self.session.runs.close()
+        self.spares.close(wait=5.0)
+        self.frontend.close()
+        if self.session.cluster is not None:
+            cluster, self.session.cluster = self.session.cluster, None
+            cluster.detach()
+
+    @property
+    def spares(self) -> SparePool:
+        """The warm spares (the extension closes them when it is unloaded)."""
+        return self.session.spares
+
+    @property
+    def _warm(self) -> Warm:
+        return Warm.parse(self.warm)  # validated when set
+
+    @property
+    def _shell(self) -> InteractiveShell:
+        assert self.shell is not None, "TaasMagics is registered with a shell"
+        return self.shell
+
+    @cell_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
+    def taas_cell(self, line: str, cell: str) -> object:
+        """Run this cell as N DDP ranks: ``%%taas --gpus N [...]`` (see ``%taas help``).
+
+        Where the kernel runs cells as coroutines, the input transformer sends taas cells to
+        :meth:`taas_cell_async` instead, so the kernel answers the page while the run lasts."""
+        started = self._start(line, cell)
+        if started.run.detached:
+            return None
+        wait_blocking(started.run, started.shown, STOP, started.console)
+        return self._take(started.run)
+
+    async def taas_cell_async(self, line: str, cell: str) -> object:
+        """:meth:`taas_cell` as a coroutine (kernel/runs/foreground.py)."""
+        started = self._start(line, cell)
+        if started.run.detached:
+            return None
+        await wait_async(started.run, started.shown, STOP, started.console)
+        return self._take(started.run)
+
+    def _take(self, run: RunThread) -> object:
+        try:
+            return run.take(self._shell.user_ns)
+        except KeyboardInterrupt:  # every rank is stopped and the autopsy shown: one line, not our frames
+            no_ipython_post_mortem(self._shell)
+            raise RunInterrupted() from None
+        except BaseException:
+            no_ipython_post_mortem(self._shell)
+            raise
+
+    def _start(self, line: str, cell: str) -> Started:
+        """Parse, plan (the header into the run's log), start the run's thread and its view."""
+        parsed = parse_cell(cell, line)
+        give_back_memory()  # what the notebook freed since the last run (kernel/runs/background.py)
+        settings, why = self._settle(parsed.options)
+        code = translate(self._shell, parsed.source)
+        closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
+        if settings.trials is not None:  # a search: its trials are planned on its thread (kernel/trials/searchrun.py)
+            search = self.session.runs.add(plan_search(settings, code, closure, why, self.session, self._context))
+            search.start()
+            return Started(search, show_run(search, self._viewing(search, widget=False)))
+        run = plan(settings, code, closure, why, self._context())  # holds everything it took; its thread releases it
+        background = self.session.runs.add(BackgroundRun(run, settings.detach))
+        console = None if settings.detach else open_console(background)  # its prompts are this cell's from the start
+        background.start()
+        return Started(background, show_run(background, self._viewing(background)), console)
+
+    def _context(self, slot: int | None = None, slots: int = 1) -> PlanContext:
+        """What planning a run reads; a search's trial on ``slot`` of ``slots`` is placed there."""
+        backend = functools.partial(self._backend, slot=slot, slots=slots)
+        return PlanContext(self.session, self._shell, backend, self.checkpoint_dir, self.keep_checkpoints,
+                           self.closure_file_bytes)
+
+    def _viewing(self, run: RunThread, widget: bool = True) -> Viewing:
+        """The view a run gets in this cell; a search's table is a display the widget would not draw: a stream."""
+        budget = OutputBudget(run.id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
+        return Viewing(self._shell, widget and self.frontend.choose(self.view), budget)
+
+    def _settle(self, options: PragmaOptions) -> tuple[RunSettings, str | None]:
+        """The run's settings (the pragma over the session), ``--gpus auto`` made a number against this
+        host's GPUs or the cluster's, before anything is held; and why that number, for the header."""
+        cluster = self.session.cluster
+        if cluster is None:
+            choice = choose_ranks(options.gpus, options.device, visible_gpu_count())
+        else:
+            if options.device == "cpu":
+                raise UsageError("taas: --device cpu runs the ranks on this host's CPU, but a cluster is attached "
+                                 "(its ranks run on its GPUs); %taas cluster local runs cells on this host again")
+            gpus = sum(node.gpus_total for node in cluster.nodes())
+            choice = choose_ranks(options.gpus, options.device, gpus, where="the cluster")
+        return settle(options, self._session(), choice.ranks), choice.why
+
+    def _session(self) -> dict[str, object]:
+        """This session's value of every setting that is an option's default."""
+        return {name: getattr(self, name) for name in SETTINGS}
+
+    def _backend(self, settings: RunSettings, slot: int | None = None, slots: int = 1) -> Backend:
+        """Where a run's ranks go; a search's trial on ``slot`` of ``slots`` on GPUs gets its own slice of them."""
+        cluster = self.session.cluster
+        if cluster is not None:
+            return cluster.place(settings.gpus, settings.per_host, settings.place_timeout)
+        side_by_side = slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count() > 0
+        spares = None if self._warm.off else self.spares
+        return LocalBackend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots), settings.device,
+                            GpuSlice(slot, slots) if side_by_side and slot is not None else None)
+
+    @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
+    def taas_line(self, line: str) -> object:
+        """``%taas help`` | ``status`` | ``runs`` | ``attach|wait|stop [RUN]`` | ``config repo PATH`` |
+        ``config isolation auto|python`` | ``warm off|auto|N`` | ``cluster [ADDRESS|slurm [OPTIONS]|off]``."""
+        settings = linecommands.MagicSettings(self.warm, self._set_warm, self._session(), self._shell.user_ns,
+                                          self._viewing, self._take)
+        return linecommands.run(line, self.session, settings)
+
+    def _set_warm(self, text: str) -> None:
+        self.warm = text  # validated as %config's is

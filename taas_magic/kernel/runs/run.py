@@ -1,0 +1,203 @@
+"""One cell's run as one object: everything it holds, released in reverse order, whatever happens.
+
+The plan step (magics.py) builds a :class:`Run` and hands it each part as it takes it; the
+run registers that part's release on one ``contextlib.ExitStack`` there and then, as
+trio's nursery does, so nothing is released by a list of calls that a new part could be
+left out of. In the order they are taken:
+
+1. the data run (its cache folders), when the cell reads registered loaders;
+2. the backend (a reserved port; a cluster's placement and agents), a context manager;
+3. the run spec, with its checkpoint folder (the session's record of the last run names it) and its
+   stacks folder (the ranks' autopsy files);
+4. the ranks' scratch layers (what the write rule diverted is reported, then removed);
+5. the rank server, and the closure handoff (its memory files, its CUDA IPC handles; it
+   answers the ranks that ask for those tensors in host memory until it is released);
+6. last, so released first: the moment the ranks are gone, whatever they started is
+   killed by its owner tag and the backend is released (the spares start warming before
+   the rest is cleaned up).
+
+Leaving the run (``with run:``) records how it ended for ``%taas status`` and releases all
+of it; a run that failed also removes any results file rank 0 had written. The last entry
+of its log (output/runlog.py) says how it ended, written after everything was released. A release that
+raises does not stop the others (``ExitStack``); the first error is the one raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import traceback as traceback_module
+from contextlib import ExitStack
+from types import TracebackType
+from typing import Callable, TypeVar
+
+from taas_magic import protocol, wire
+from taas_magic.autopsy import stacks
+from taas_magic.autopsy.dump import stack_file
+from taas_magic.cell.pragma import RunSettings
+from taas_magic.kernel.runs.summary import LastRun
+from taas_magic.kernel.supervision.dataplane import DataRun
+from taas_magic.kernel.supervision.prompts import PromptDesk
+from taas_magic.kernel.supervision.server import PeerServer
+from taas_magic.launch.backend import Backend, rank_environments
+from taas_magic.launch.base import LaunchPlan
+from taas_magic.output.runlog import RunLog
+from taas_magic.peers import PeerIds
+from taas_magic.procs import OWNER_VARIABLE, kill_tagged
+from taas_magic.protocol import Result
+from taas_magic.runspec import RunSpec
+from taas_magic.search.link import TrialLink
+from taas_magic.tempdirs import remove_tree
+from taas_magic.transfer import memfile
+from taas_magic.transfer.handoff import ClosureHandoff
+from taas_magic.transfer.pack import Packing
+from taas_magic.transfer.results import apply_results
+from taas_magic.writes.rule import ScratchLayers, WriteRule
+
+BackendT = TypeVar("BackendT", bound=Backend)
+
+
+OK, FAILED, STOPPED = "ok", "failed", "stopped"
+
+
+def ending(error: BaseException | None) -> str:
+    """How a run that raised ``error`` (None: nothing) ended, in a word."""
+    if error is None:
+        return OK
+    return STOPPED if isinstance(error, KeyboardInterrupt) else FAILED
+
+
+def error_lines(error: BaseException | None) -> tuple[str, ...]:
+    """The error as the cell shows it (taas's errors render themselves)."""
+    if error is None:
+        return ()
+    if isinstance(error, KeyboardInterrupt):
+        return ("KeyboardInterrupt: the run was stopped",)
+    render = getattr(error, "_render_traceback_", None)
+    if render is not None:
+        return tuple(render())
+    return tuple("".join(traceback_module.format_exception_only(type(error), error)).splitlines())
+
+
+class Run:
+    """One cell's run: its settings, the closure as shipped, and each part it holds."""
+
+    def __init__(self, settings: RunSettings, packing: Packing, registered: list) -> None:
+        self.settings = settings
+        self.packing = packing  # the closure as shipped: rank 0's results refer to its untouched tensors
+        self.registered = registered  # the registered loaders, by index
+        self.data: DataRun | None = None
+        self.record: LastRun | None = None  # for %taas status, once the plan has printed the header
+        self.trial: TrialLink | None = None  # a search's trial: its suggestions and its pruning (search/link.py)
+        self.on_ranks_gone: list[Callable[[], None]] = []  # called the moment its ranks are gone (a search's slot)
+        self._stack = ExitStack()
+        self._stack.push(self._drop_results_on_failure)
+        self._started = time.monotonic()
+
+    # -- taking, in the plan step: each part's release is registered where it is taken -------
+    def hold_data(self, data: DataRun | None) -> None:
+        self.data = data
+        if data is not None:
+            self._stack.callback(data.close)
+
+    def hold_backend(self, backend: BackendT) -> BackendT:
+        self.backend: Backend = self._stack.enter_context(backend)
+        return backend
+
+    def open(self, spec: RunSpec, rule: WriteRule, record: LastRun) -> None:
+        """The log, the folders, the scratch layers, the server and the closure handoff, in that order."""
+        self.rule, self.record = rule, record
+        self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
+        self.prompts = PromptDesk(self.log.say, self.log.debugger)  # the ranks' pdb prompts (kernel/supervision/prompts.py)
+        stacks_dir = stacks.make_dir(spec.run_id)
+        self._stack.callback(remove_tree, stacks_dir)
+        self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)
+        self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
+        self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
+        self._stack.callback(self._remove_layers)
+        self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
+        self._stack.callback(self.server.close)
+        self.handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
+        self._stack.callback(self.handoff.remove)
+        self.bodies = [protocol.encode(protocol.Spec(self.spec)), self.handoff.body]
+        self._stack.callback(self._ranks_gone)
+
+    # -- what the ranks are started with -------------------------------------------------------
+    @property
+    def owner(self) -> str:
+        """The ``TAAS_OWNER`` tag of the ranks (and of what they start), for the sweeps."""
+        return f"{os.getpid()}-{self.spec.run_id}-ranks"
+
+    def launch_plan(self, handshake: str, attempt: int) -> LaunchPlan:
+        """Attempt ``attempt``'s ranks: torchrun's variables (restarts too) and the owner tag in
+        their environments; each one's place (its id and write rule, applied before it has the
+        spec: rank/startup.py) on its stdin; the rest of the run's data is in the spec."""
+        envs = rank_environments(self.backend, dict(os.environ), self.spec.run_id)
+        for env in envs:
+            env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.settings.restarts))
+            env[OWNER_VARIABLE] = self.owner
+        places = [self._place(rank) for rank in range(self.peers.ranks)]
+        files = [stack_file(self.spec.stacks_dir, rank) for rank in range(self.peers.ranks)]
+        return LaunchPlan(self.peers.ranks, envs, os.getcwd(), handshake, places, files)
+
+    def _place(self, rank: int) -> wire.Placement:
+        layer = self.layers.dirs.get(rank)  # rank 0 has none: it writes to the repository
+        if layer is None:
+            return wire.Placement(rank, f"rank {rank}")
+        return wire.Placement(rank, f"rank {rank}", self.rule.repository, layer, self.rule.mode)
+
+    # -- the end ---------------------------------------------------------------------------------
+    def __enter__(self) -> "Run":
+        self._started = time.monotonic()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if self.record is not None:
+            self.record.seconds = time.monotonic() - self._started
+            self.record.outcome = "ok" if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
+        try:
+            self._stack.__exit__(kind, error, traceback)
+        except BaseException as release_error:
+            self._log_end(release_error)
+            raise
+        self._log_end(error)
+
+    def _log_end(self, error: BaseException | None) -> None:
+        """The log's last entry, once everything was released: how the run ended, its error as the cell shows it."""
+        if hasattr(self, "log"):
+            self.log.end(ending(error), error_lines(error))
+
+    def close(self) -> None:
+        """Release everything taken so far (a plan step that failed half-way)."""
+        self._stack.close()
+        if hasattr(self, "log"):
+            self.log.close()
+
+    def drop_results(self) -> None:
+        """Rank 0's results will never be bound (a search's trial that is not the best): their files go now."""
+        memfile.remove_run(os.getpid(), self.spec.run_id)
+
+    def bind_results(self, result: Result | None, namespace: dict) -> object:
+        """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""
+        try:
+            return apply_results(namespace, result, self.packing, self.registered)
+        finally:
+            memfile.remove_run(os.getpid(), self.spec.run_id)
+
+    def _ranks_gone(self) -> None:
+        kill_tagged(f"{os.getpid()}-{self.spec.run_id}-")  # what the ranks and workers started and left
+        self.backend.release()  # no rank is left: the spares start warming now, not after the clean-up
+        for callback in self.on_ranks_gone:
+            callback()
+
+    def _remove_layers(self) -> None:
+        for line in self.layers.report(self.rule.repository):
+            self.log.say(line, "stderr")
+        self.layers.remove()
+
+    def _drop_results_on_failure(self, kind: type[BaseException] | None, *_: object) -> bool:
+        if kind is not None and hasattr(self, "spec"):  # rank 0 may have written its results before the run failed
+            memfile.remove_run(os.getpid(), self.spec.run_id)
+        return False

@@ -1,0 +1,89 @@
+"""The notebook session's state that ``%taas`` line commands set and every cell reads.
+
+:class:`Session` holds the repository and the isolation (so the write rule), the warm
+spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers)
+and the last run, for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is
+made and hands it to the line commands (kernel/magic/linecommands.py); the session's settings are
+not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from taas_magic.errors import ClusterError
+from taas_magic.kernel.runs.background import Runs
+from taas_magic.kernel.runs.summary import LastRun
+from taas_magic.launch.attachment import Attachment, Cluster, address_from_environment
+from taas_magic.launch.spares import SparePool
+from taas_magic.writes.rule import WriteRule, choose_rule, find_repository, probe_overlay_soon
+
+
+@dataclass
+class Session:
+    """What ``%taas config``, ``warm`` and ``cluster`` changed, and what the last cell left."""
+
+    spares: SparePool = field(default_factory=SparePool)
+    repository: str | None = None  # %taas config repo PATH
+    isolation: str = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
+    cluster: Attachment | None = None  # %taas cluster ADDRESS|slurm, or $TAAS_CLUSTER at load
+    last_run: LastRun | None = None
+    runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/runs/background.py)
+
+    @classmethod
+    def start(cls, warm: Warm) -> Session:
+        """A new session: ``warm``'s spares warming (``auto``: the spare factory importing), attached
+        to ``$TAAS_CLUSTER`` if it is set."""
+        session = cls()
+        probe_overlay_soon()  # the write rule's probe, off the first cell's path
+        if warm.count is not None:
+            session.spares.keep(warm.count)
+        address = address_from_environment()
+        if address is not None:
+            try:
+                session.cluster = _attach_at_load(address)
+            except ClusterError as exc:  # the extension still loads: the local mode works
+                print(f"{exc} ($TAAS_CLUSTER); cells run as local processes", file=sys.stderr)
+        if warm.count is None and not warm.off and session.cluster is None:
+            session.spares.prepare()  # the first cell's ranks are forks, not fresh interpreters
+        return session
+
+    def write_rule(self) -> WriteRule:
+        """The write rule for a cell run now: the repository holding the working directory (or the
+        one set), and the isolation set."""
+        return choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
+
+
+def _attach_at_load(address: str) -> Attachment:
+    """``$TAAS_CLUSTER``: a Ray address, or ``slurm``: the Slurm job the kernel runs inside."""
+    if address == "slurm":
+        from taas_magic.launch.slurm.engine import SlurmCluster
+
+        return SlurmCluster.current()
+    return Cluster.attach(address)
+
+
+@dataclass(frozen=True)
+class Warm:
+    """``TaasMagics.warm`` and ``%taas warm``: ``off``, ``auto`` (after each cell, as many warm
+    spares as its ranks) or N spares."""
+
+    count: int | None  # N; None: auto (or off)
+    off: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Warm":
+        """Raises ValueError for anything but off, auto or a number."""
+        if text == "off":
+            return cls(None, off=True)
+        if text == "auto":
+            return cls(None)
+        if text.isdigit():
+            return cls(int(text))
+        raise ValueError(text)
+
+    def after(self, ranks: int) -> int:
+        """The spares to keep after a cell of ``ranks`` ranks."""
+        return 0 if self.off else self.count if self.count is not None else ranks

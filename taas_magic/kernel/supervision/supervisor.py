@@ -1,0 +1,354 @@
+"""The run loop: start, feed, watch and always reap the ranks of one cell.
+
+It runs in the kernel's main thread, inside the magic, and installs no signal handler:
+the kernel's interrupt arrives here as ``KeyboardInterrupt``, and the ``finally`` of
+:func:`run_ranks` stops every rank. It is three parts and the loop that wires them, as
+torch's elastic agent keeps its process context, its restart loop and its log tailing apart:
+
+- mux.py, the mechanism: one selector over the listener, the handshakes, every process's
+  pipes, channel and exit (a pidfd per local process, so the run ends the moment its last
+  rank does), read as typed events; no threads to race;
+- verdict.py, the policy: which failure is the root cause, when it has settled, whether to
+  retry; a pure function of the events;
+- attempts.py, the restart loop (``--restarts``, kernel/supervision/restarts.py).
+
+:class:`Supervisor` routes each event: pipe output to the relay, frames to the board,
+rank 0's results, a request for the closure's host copy to the run's handoff (given in the
+run's parts, as ``host_copy``), the data plane's coordinator (whose answers go back out), and
+everything to the verdict; a display waits for its marker in the rank's text (output/displays.py).
+
+The first failure stops every rank; the cell's error names that process, with what it
+printed last. ``--timeout`` stops every rank and names those still running, and where each
+was (the hang autopsy). Data workers are peers on the same channel (peers.py numbers them
+after the ranks); a worker's failure stops the run like a rank's. The run ends when the
+ranks end: workers still extracting then are stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from taas_magic import protocol
+from taas_magic.errors import RunError, TrialPruned
+from taas_magic.feed.coordinator import Send
+from taas_magic.kernel.supervision import attempts as attempt_loop
+from taas_magic.kernel.supervision.dataplane import DataPlane
+from taas_magic.kernel.supervision.mux import Event, FrameArrived, Greeting, Mux, Output, OutputEnded, PeerConnected, PeerExited
+from taas_magic.kernel.supervision.prompts import PromptDesk, RankPrompts
+from taas_magic.kernel.supervision.restarts import Attempts
+from taas_magic.kernel.supervision.server import PeerServer
+from taas_magic.kernel.supervision.verdict import TimedOut, Verdict
+from taas_magic.launch.base import ProcessGroup
+from taas_magic.output.board import Board
+from taas_magic.output.displays import HeldDisplays
+from taas_magic.output.relay import OutputRelay, Publish
+from taas_magic.peers import RANK, WORKER, Peer, PeerIds
+from taas_magic.protocol import (
+    ClearOutput,
+    ClosureHostWanted,
+    Display,
+    Done,
+    Exhausted,
+    Prompt,
+    Ready,
+    Report,
+    Result,
+    Resumed,
+    Suggest,
+    Suggested,
+    Want,
+)
+from taas_magic.transfer.results import keep_result
+
+POLL_SECONDS = 0.05
+COURIER_POLL_SECONDS = 0.005
+PIPE_GRACE_SECONDS = 2.0  # after every rank exited, how long to wait for pipes to close
+SETTLE_STEP_SECONDS = 0.01
+
+MarkerHook = Callable[[Peer, int], None]  # a rank's display ``n`` belongs here in its text
+Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps, running ranks -> the autopsy's lines
+HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
+SuggestAnswer = Callable[[int, Suggest], Suggested]  # a search's trial answering a rank's suggestion (search/link.py)
+
+
+def _not_a_search(rank: int, frame: Suggest) -> Suggested:
+    return Suggested(frame.name, error="this run is not a search's trial")
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What supervising one cell's run takes, made from the run's parts (kernel/runs/execution.py)."""
+
+    server: PeerServer
+    ids: PeerIds
+    greeting: Greeting  # the encoded frames each peer gets once connected
+    relay: Callable[[MarkerHook], OutputRelay]  # the cell's relay, made with the supervisor's marker hook
+    publish: Publish
+    host_copy: HostCopy  # the run's closure handoff, answering a rank that cannot open its CUDA IPC handles
+    board: Board | None = None  # the live chart and health line (output/board.py)
+    timeout: float | None = None  # --timeout
+    explain: Explain | None = None  # the hang autopsy (autopsy/stacks.py)
+    stop_asked: Callable[[], bool] = lambda: False  # %taas stop, or an interrupt of the cell that waits for it
+    suggest: SuggestAnswer = _not_a_search  # a search's trial: the value of each suggestion, the same for every rank
+    prune_asked: Callable[[], bool] = lambda: False  # a search's pruner stopped this trial: every rank, at once
+    prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/supervision/prompts.py)
+
+
+@dataclass
+class RunOutcome:
+    result: Result | None  # rank 0's results; None if rank 0 ended with sys.exit(0)
+    exit_codes: dict[int, int]
+
+
+class Supervisor:
+    """One cell's supervision over the data workers and the current attempt's ranks."""
+
+    def __init__(self, parts: RunParts, data: DataPlane | None):
+        self.parts, self.data = parts, data
+        self.mux = Mux(parts.server, parts.ids, parts.greeting)
+        self.relay = parts.relay(self._on_marker)
+        loader_name = data.coordinator.name_of if data is not None else _no_feed
+        self.verdict = Verdict(parts.ids.ranks, functools.partial(_host, self), loader_name)
+        self.displays = HeldDisplays(self.relay, parts.publish, parts.ids)
+        self.group: ProcessGroup | None = None  # the current attempt's ranks (attach / detach)
+        self.result: Result | None = None
+        self.running: Callable[[], None] | None = None  # once per attempt, when every rank has connected
+        self.debugging = RankPrompts(parts.prompts, parts.ids.ranks, self.mux)
+        for worker in data.workers.children if data is not None else ():
+            self.mux.watch(Peer(WORKER, worker.index), worker)
+
+    # -- the attempt's ranks (attempts.py) -------------------------------------------------------
+    def attach(self, group: ProcessGroup, running: Callable[[], None]) -> None:
+        self.group, self.running = group, running
+        for rank in group.children:
+            self.mux.watch(Peer(RANK, rank.index), rank)
+
+    def detach(self) -> None:
+        """After an attempt's ranks were stopped: their last output, then forget them."""
+        self._handle_all(self.mux.forget_ranks())
+        self.verdict.next_attempt()
+        self.debugging.next_attempt()
+        self.displays.forget_ranks()
+        self.result, self.group = None, None
+        if self.data is not None:
+            self.data.restart_ranks()
+
+    def last_words(self, notes: tuple[str, ...]) -> RunError:
+        """The root cause as the cell shows it: with what the failing process printed before it
+        reported it (its pipes drained now), and ``notes`` after it."""
+        assert self.verdict.failure is not None
+        self._handle_all(self.mux.drain_pipes(self.verdict.cause))
+        self.relay.flush(force=True)
+        return self.verdict.failure.with_output(self.relay.last_lines(self.verdict.cause), notes)
+
+    def stop_everything(self, group: ProcessGroup) -> None:
+        self.relay.mute()
+        group.stop()
+        if self.data is not None:
+            self.data.workers.stop()
+
+    # -- events -------------------------------------------------------------------------------
+    def _handle_all(self, events: Iterable[Event]) -> None:
+        for event in events:  # one at a time: a handler may read more (a display's marker drains its channel)
+            self._handle(event)
+
+    def _handle(self, event: Event) -> None:
+        self.verdict.saw(event)
+        match event:
+            case Output(peer=peer, stream=stream, data=data):
+                self.relay.feed(peer, stream, data)
+            case OutputEnded(peer=peer, stream=stream):
+                self.relay.end_of_stream(peer, stream)
+            case FrameArrived(peer=peer, frame=frame):
+                self._route(peer, frame) if peer.is_rank else self._route_worker(peer, frame)
+            case PeerExited(peer=peer) if peer.is_rank:
+                self.debugging.exited(peer.index)
+            case PeerConnected() if self.running is not None and self.mux.connected_ranks() == self.parts.ids.ranks:
+                self.running()
+                self.running = None
+
+    def _route(self, rank: Peer, frame: protocol.ToKernel) -> None:
+        match frame:
+            case Display() | ClearOutput():
+                self.displays.keep(rank, frame)
+            case Report() if self.parts.board is not None:
+                self.parts.board.add(rank.index, frame)
+            case Result() if rank.index == 0:
+                # CUDA storages sent as IPC handles are copied now, while rank 0 waits with them alive;
+                # if they cannot be, it sends them again through host memory and that result is kept.
+                kept, reply = keep_result(frame)
+                if reply is not None:
+                    self.mux.send(rank, reply)
+                self.result = kept if kept is not None else self.result
+            case ClosureHostWanted():
+                reply, line = self.parts.host_copy(rank.index, frame)
+                self.relay.notice(line)
+                self.mux.send(rank, reply)
+            case Suggest():
+                self.mux.send(rank, protocol.encode(self.parts.suggest(rank.index, frame)))
+            case Want() if self.data is not None:
+                self._send_all(self.data.coordinator.on_rank(rank.index, frame))
+            case Prompt() | Resumed():
+                self.debugging.route(rank.index, frame)
+
+    def _route_worker(self, worker: Peer, frame: protocol.ToKernel) -> None:
+        if isinstance(frame, (Ready, Exhausted, Done)) and self.data is not None:
+            self._send_all(self.data.coordinator.on_worker(worker.index, frame))
+
+    def _send_all(self, sends: list[Send]) -> None:
+        """What the coordinator answered; in the cluster mode deliveries wait for their elements to
+        reach their rank's host (launch/raycourier.py)."""
+        if self.data is not None and self.data.courier is not None:
+            sends = self.data.courier.route(sends)
+        for send in sends:
+            self.mux.deliver(send.to, protocol.encode(send.frame))
+
+    def _on_marker(self, peer: Peer, number: int) -> None:
+        """A rank's display ``number`` belongs here in its text: publish it now."""
+        if not self.displays.has(peer, number):
+            self._handle_all(self.mux.drain_channel(peer))  # sent before the marker was written: it is buffered
+        self.displays.show(peer, number)
+
+    # -- one attempt ----------------------------------------------------------------------------
+    def step(self, wait: float) -> None:
+        self._handle_all(self.mux.events(wait))
+        self.debugging.step()
+        if self.data is not None and self.data.courier is not None:
+            self._send_all([])  # deliveries whose elements reached their rank's host
+        self._handle_all(self.mux.exits())
+        self.relay.flush()
+        if self.data is not None:
+            self.data.progress.show()
+        if self.parts.board is not None:
+            self.parts.board.show()
+
+    def settle(self) -> None:
+        """After a failure: a moment for a silent death that caused it to be seen (verdict.py)."""
+        failed_at = time.monotonic()
+        while not self.verdict.settled(time.monotonic() - failed_at):
+            self._handle_all(self.mux.events(SETTLE_STEP_SECONDS))
+            self._handle_all(self.mux.exits())
+
+    def autopsy(self) -> tuple[tuple[int, ...], list[str]]:
+        """The ranks still running, and where each of them is (stacks.py): one summary line, then the stacks."""
+        assert self.group is not None
+        running = self.verdict.running()
+        if self.parts.explain is None or not running:
+            return running, []
+        return running, self.parts.explain(self.group.stacks(running), running)
+
+    def watch(self) -> RunOutcome | None:
+        """One attempt, until every rank finished (its outcome) or it failed (None; the verdict says how)."""
+        try:
+            return _watch(self)
+        except KeyboardInterrupt:
+            self.relay.flush(force=True)
+            for line in self.debugging.stopped_lines() or self.autopsy()[1]:  # at a prompt nothing is hung
+                self.relay.notice(line)
+            raise
+
+    def outcome(self) -> RunOutcome:
+        self.displays.show_leftovers()
+        return RunOutcome(self.result, dict(self.verdict.exit_codes))
+
+
+def _host(supervisor: Supervisor, peer: Peer) -> str:
+    """Where a rank or data worker of the run runs."""
+    if peer.is_rank:
+        assert supervisor.group is not None  # a rank's frames and exits arrive only while its attempt is attached
+        return supervisor.group.children[peer.index].host
+    assert supervisor.data is not None
+    return supervisor.data.workers.children[peer.index].host
+
+
+def _no_feed(feed: int | None) -> str:
+    return "the registered loaders"
+
+
+def _close(supervisor: Supervisor) -> None:
+    """Whatever happened: the last output, the last chart, the data line with the cache's size."""
+    relay, board, data = supervisor.relay, supervisor.parts.board, supervisor.data
+    relay.flush(force=True)
+    if board is not None:
+        board.show(force=True)  # the last reports, drawn
+    if data is not None:
+        data.workers.close()  # before measuring the cache: nothing writes to it any more
+        data.progress.show(force=True, usage=data.usage())
+    supervisor.debugging.close()  # before the mux: a line typed at a prompt now is not sent
+    supervisor.mux.close()
+
+
+def _wait(supervisor: Supervisor, deadline: float | None) -> float:
+    """How long the next select may wait: until a flush, the deadline, or a courier's copies."""
+    now = time.monotonic()
+    wait = min(POLL_SECONDS, supervisor.relay.seconds_until_flush(now))
+    if deadline is not None:
+        wait = min(wait, max(0.0, deadline - now))
+    data = supervisor.data
+    if data is not None and data.courier is not None and data.courier.busy:
+        wait = min(wait, COURIER_POLL_SECONDS)  # its copies complete off the selector
+    return wait
+
+
+def _watch(supervisor: Supervisor) -> RunOutcome | None:
+    timeout, verdict = supervisor.parts.timeout, supervisor.verdict
+    deadline = None if timeout is None else time.monotonic() + timeout
+    all_exited_at: float | None = None
+    before = time.monotonic()
+    while True:
+        supervisor.step(_wait(supervisor, deadline))
+        if deadline is not None and supervisor.debugging.in_pdb:  # --timeout does not count the time a rank is at a prompt
+            deadline += time.monotonic() - before
+        before = time.monotonic()
+        if verdict.failure is not None:
+            supervisor.settle()
+            return None
+        if verdict.ranks_exited() and not supervisor.mux.rank_streams_open():
+            return supervisor.outcome()
+        now = time.monotonic()
+        if verdict.ranks_exited():
+            all_exited_at = all_exited_at or now
+            if now - all_exited_at > PIPE_GRACE_SECONDS:
+                return supervisor.outcome()  # something the cell started still holds a pipe open: the group's close ends it
+        if supervisor.parts.stop_asked():
+            raise KeyboardInterrupt  # as the person's interrupt: the autopsy, then every rank stopped
+        if supervisor.parts.prune_asked():
+            _pruned(supervisor)
+        if deadline is not None and now >= deadline:
+            assert timeout is not None  # a deadline exists only with a timeout
+            running, lines = supervisor.autopsy()
+            verdict.saw(TimedOut(timeout, running, tuple(lines)))
+            return None
+
+
+def _pruned(supervisor: Supervisor) -> None:
+    """A search's pruner stopped this trial: every rank at once (TERM, then KILL), no autopsy,
+    so its GPUs go to the next trial now."""
+    supervisor.relay.mute()
+    if supervisor.group is not None:
+        supervisor.group.stop(graceful=False)
+    raise TrialPruned("taas: the search's pruner stopped this trial")
+
+
+def run_ranks(
+    parts: RunParts,
+    start: Callable[[int], ProcessGroup],
+    data: Callable[[], DataPlane] | None = None,
+    attempts: Attempts | None = None,
+) -> RunOutcome:
+    """Start the data workers (if any), then the ranks (``start(attempt)``), and supervise them;
+    a failed attempt starts again as ``attempts`` allows (attempts.py). Whatever happens, no rank
+    or worker outlives the call."""
+    plane = data() if data is not None else None
+    supervisor = Supervisor(parts, plane)
+    try:
+        if plane is not None:
+            plane.progress.show(force=True)
+        if parts.board is not None:
+            parts.board.start()
+        return attempt_loop.run(supervisor, start, attempts or Attempts())
+    finally:
+        _close(supervisor)
