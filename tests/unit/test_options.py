@@ -1,7 +1,6 @@
-"""The options are defined once (cell/options.py's OPTIONS): the usage line, %taas help and the README cannot drift."""
+"""The options are defined once (cell/options.py's OPTIONS): the usage line, %taas help and the session's settings are
+made from it (the docs' reference too: tests/unit/test_docs_pages.py)."""
 
-import re
-from pathlib import Path
 
 import pytest
 from traitlets import TraitError
@@ -11,29 +10,16 @@ from taas_magic.cell.pragma import PragmaOptions, parse_options
 from taas_magic.kernel.magic.magics import TaasMagics
 from taas_magic.kernel.magic.status import HELP, LINE_COMMANDS
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
-
-def _readme_option_rows() -> list[str]:
-    """The first cell of every row of the README's option table, as written (`--gpus N`)."""
-    table = README.split("| option | meaning |", 1)[1].split("\n\n", 1)[0]
-    return [match.replace("\\|", "|") for match in re.findall(r"^\| `(--[^`]+)` \|", table, flags=re.MULTILINE)]
-
-
-def test_the_readme_table_lists_exactly_the_grammars_options():
-    assert _readme_option_rows() == [option.signature for option in OPTIONS]
+def test_every_line_command_is_in_help():
+    for command, _ in LINE_COMMANDS:
+        assert command in HELP
 
 
 def test_help_and_usage_name_every_option_with_its_value():
     for option in OPTIONS:
         assert option.signature in HELP and option.help in HELP
         assert option.signature in usage()
-
-
-def test_every_line_command_is_in_help_and_in_the_readme():
-    for command, _ in LINE_COMMANDS:
-        assert command in HELP
-        assert f"`{command}" in README, command
 
 
 def test_every_option_parses_and_sets_its_own_field():
@@ -114,14 +100,6 @@ def test_status_shows_every_options_session_default_from_the_table():
     defaults = shown_defaults(dict(SESSION, cache_ram=""))
     line = next(line for line in status_text(None, 0, defaults).splitlines() if line.startswith("defaults: "))
     assert line == "defaults: --cache-ram auto, --ahead 8, --timeout 30.0, --restarts 1, --place-timeout 5.0, --output all"
-
-
-def test_the_readme_names_each_options_session_setting_in_its_row():
-    table = README.split("| option | meaning |", 1)[1].split("\n\n", 1)[0]
-    for option in OPTIONS:
-        if option.setting is not None:
-            row = next(line for line in table.splitlines() if line.startswith(f"| `{option.flag} "))
-            assert f"`TaasMagics.{option.setting}`" in row, option.flag
 
 
 @pytest.mark.parametrize(("text", "after_two_ranks"), [("off", 0), ("auto", 2), ("0", 0), ("5", 5)])
