@@ -16,10 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
 GIB = 1 << 30
 DEADLINE_SECONDS = 180.0  # a torchrun run or a floor: past it, what it started is killed
 SECTIONS = ("launch", "transfer", "throughput", "reports", "restart")

@@ -15,10 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.gpucells import (  # noqa: E402
+from bench.gpucells import (
     CLOSURE_CELL,
     DEADLINE_SECONDS,
     DYING,
