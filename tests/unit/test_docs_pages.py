@@ -120,3 +120,10 @@ def test_the_command_table_is_the_codes_own():
 def test_a_page_naming_what_the_code_lacks_fails_the_build(page, text, named):
     with pytest.raises(PluginError, match=re.escape(named)):
         _hook().check_page(page, text)
+
+
+def test_the_readme_is_at_most_two_hundred_lines_and_its_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200  # the rest is the docs site's
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    assert links and not [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
