@@ -17,7 +17,7 @@ as Ray Train's ``storage_path`` does.
 
 Which folder is "this run's" is a rank's process state, set once by its bootstrap from the
 run spec (:func:`use_run`, rank/main.py). In the kernel the last run's folder is the
-session's (kernel/magic/status.py's LastRun), given to :func:`load` and :func:`newest` by the face.
+session's (kernel/runs/summary.py's LastRun), given to :func:`load` and :func:`newest` by the face.
 Nothing is read from the environment, so a process the cell starts (which inherits it) never
 writes into the run's folder by mistake.
 """

@@ -75,8 +75,9 @@ class SpareFactory:
         before CUDA starts), or None if it broke (start one the slow way). While the factory
         still imports: None at once, or, ``for_cell`` (the rank of a cell that has no spare),
         the request waits in its socket and is the first thing it answers, within
-        ``IMPORT_SECONDS``; such a spare (and the factory, when the request waits as it finishes
-        importing) skips the first CPU step: the cell is waiting. One spare at a time."""
+        ``IMPORT_SECONDS``; such a spare skips the first CPU step (the cell is waiting), and a factory
+        that finds the request waiting as it finishes importing takes the step later, once its forks
+        have ended (rank/factory.py). One spare at a time."""
         self.collect()
         if self.broken or self.retired or not (self.ready or (for_cell and self.alive())):
             return None

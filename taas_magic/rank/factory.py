@@ -7,9 +7,10 @@ process once, with OpenMP and OpenBLAS at one thread; it imports what a spare im
 on a host without GPUs, takes the spare's first CPU training step (about 1 s of lazy
 imports and first-call set-up) and nothing else. When a cell's rank already waits for a fork
 as its imports end, the step waits instead: the factory serves the waiting forks first and
-takes the step the first time no request waits, so that only those first forks take the step
-themselves (IMPORTANT: skipping it for good made every later spare pay about 0.8 s of its own
-step, which a cell sent right after another waited for). No CUDA (a forked
+takes the step once they have ended (the cell no longer needs the CPU) and no request waits, so
+that only those first forks take the step themselves (IMPORTANT: skipping it for good made every
+later spare pay about 0.8 s of its own step, which a cell sent right after another waited for;
+with no child alive, a step that left threads behind ends only the factory). No CUDA (a forked
 CUDA context is broken, an imported CUDA library is not; on a GPU host even the CPU step
 would start the driver, so there each spare takes it). It stays single-threaded, and a fork of it is a
 warm spare in a few milliseconds, as ``multiprocessing``'s forkserver with preloaded modules is.
@@ -94,15 +95,16 @@ def serve(control: socket.socket, step: bool) -> NoReturn:
         if control in readable:
             retiring = _answer(control, children, retiring) or retiring
         _report_exits(control, children)
-        if step and not retiring and not _request_waiting(control):
-            _take_first_step()  # the forks a cell waited for are served: the spares forked from now on skip it
+        if step and not children and not retiring and not _request_waiting(control):
+            _take_first_step()  # the forks a cell waited for have ended: the spares forked from now on skip it
             step = False
     os._exit(0)
 
 
 def _take_first_step() -> None:
     """The spare's first CPU step, in the factory (once: a failed step is not tried again, and each spare
-    then takes its own); the factory must still be single-threaded after it, since it forks."""
+    then takes its own); the factory must still be single-threaded after it, since it forks. Taken with
+    no child alive, so that an exit here leaves no spare without the parent that reports its exit."""
     spare.first_step_taken = spare.first_step("cpu")
     if _threads() != 1:
         os._exit(3)  # as at start: the kernel starts spares fresh

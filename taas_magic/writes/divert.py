@@ -18,7 +18,7 @@ outside into the repository is not followed.
 This module is the patched functions and :func:`install`; the layer's bookkeeping (where a
 path is read and written, copy-up, tombstones, the changes log) is writes/layer.py.
 
-NOT covered (the header says which mode is in force; the README repeats this): any
+NOT covered (the header says which mode is in force; docs/guide/write-rule.md repeats this): any
 process the rank starts (``!cmd``, ``subprocess``), C extensions other than torch.save
 that open files themselves, file descriptors opened before the cell, ``os.link``/
 ``symlink``/``truncate(path)``/``utime``, and ``dir_fd=`` arguments.

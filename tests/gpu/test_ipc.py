@@ -128,7 +128,7 @@ def test_with_cuda_ipc_off_the_memory_file_serves_the_same_values(new_kernel):
     assert ran.reply["status"] == "ok", ran.error_text()
     out, err = ran.stream("stdout"), ran.stream("stderr")
     assert "RANK cuda:0 True" in out and "(one shared file)" in out and "CUDA IPC)" not in out, out
-    # `back`, and `shipped` too: rank 0 cannot yet tell an unchanged captured CUDA tensor (README, Limits)
+    # `back`, and `shipped` too: rank 0 cannot yet tell an unchanged captured CUDA tensor (docs/limits.md)
     assert "taas: 2 CUDA tensor(s), 536.9 MB, came back through host memory (TAAS_CUDA_IPC=0)" in err, err
     check = kernel.execute(f"print(back.device, bool((back == torch.arange({N}, device='cuda', dtype=torch.float32) + 1).all()))")
     assert check.stream("stdout") == "cuda:0 True\n", check.error_text()

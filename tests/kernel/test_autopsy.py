@@ -50,7 +50,7 @@ def test_an_interrupt_shows_where_every_running_rank_is_and_never_restarts(kerne
     assert ran.error["ename"] == "KeyboardInterrupt"
     assert ran.error["traceback"] == ["KeyboardInterrupt"]  # the autopsy above it, and none of taas's own frames
     err = ran.stream("stderr")
-    assert not any(ours in err for ours in ("magics.py", "execute.py", "supervisor.py", "selectors.py"))
+    assert not any(ours in err for ours in ("magics.py", "execute.py", "execution.py", "supervisor.py", "selectors.py"))
     assert "where the running ranks were: rank 0 waits in all_reduce (line 8); rank 1 is at line 6 in time.sleep" in err
     assert "Cell, line 6, in <module>" in err
     assert "restarting" not in err  # an interrupt is the person's: it stops everything

@@ -119,16 +119,19 @@ def test_a_cells_ranks_with_no_spare_wait_for_the_importing_factory_and_are_its_
 
 
 def test_after_a_cells_waiting_forks_the_factory_takes_the_first_step_for_the_spares_after_them():
-    """The forks a cell waited for skip the warm-up step; the factory then takes it itself, once
-    no request waits, so the spares forked after it are warm at once rather than each paying the
-    step (about 0.8 s here) while the next cell waits for them (the soak test's slow runs)."""
+    """The forks a cell waited for skip the warm-up step; the factory then takes it itself, once they
+    have ended and no request waits, so the spares forked after it are warm at once rather than each
+    paying the step (about 0.8 s here) while the next cell waits for them (the soak test's slow runs)."""
     pool = SparePool()
     taken, later = [], None
     try:
         pool.prepare()
         assert pool.factory is not None and not pool.forks_ready()  # still importing
         taken = pool.take([CPU, CPU])
-        time.sleep(2.0)  # no request waits: the factory takes the step (about 0.7 s); a request meanwhile waits
+        for process in taken:  # the cell's ranks end
+            _end(process)
+        taken = []
+        time.sleep(2.0)  # no child, no request: the factory takes the step (about 0.7 s); a request meanwhile waits
         later = pool.factory.spawn(CPU)
         child = psutil.Process(later.pid)
         assert _until(lambda: child.name() == "taas-spare", timeout=30), child.name()

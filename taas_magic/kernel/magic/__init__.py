@@ -4,5 +4,6 @@
 line commands, ``runcommands.py`` those about one run (attach, wait, stop); ``settings.py`` the
 ``TaasMagics`` traits made from the option table; ``status.py`` ``%taas help``, ``status`` and
 ``runs``; ``debug.py`` ``%debug`` and ``%taas debug`` after a rank failed; ``fromcode.py``
-what ``taas.last()``/``taas.wait()`` read from the notebook's own code.
+what ``taas.wait()``, ``taas.trials()``, ``taas.metrics()`` and the notebook's ``taas.load_checkpoint()``
+read from the loaded extension's session.
 """

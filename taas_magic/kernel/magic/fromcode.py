@@ -4,7 +4,7 @@
   the notebook's shell, exactly as ``%taas wait``, ``%taas trials`` and ``%taas study`` do
   (kernel/magic/runcommands.py, kernel/magic/linecommands.py);
 - ``taas.metrics()`` and, in the notebook, ``taas.load_checkpoint()`` / ``taas.checkpoint_path()``:
-  the session's last run (kernel/magic/status.py's LastRun), its one owner: nothing process-wide.
+  the session's last run (kernel/runs/summary.py's LastRun), its one owner: nothing process-wide.
 
 This module imports nothing at load (IPython when called): ``import taas`` imports it, in a rank
 too, where there is no session (no metrics, and the rank's own checkpoint folder is used).
@@ -31,7 +31,7 @@ def line_command(command: str, argument: str = "") -> Any:
 
 
 def _last_run() -> Any:
-    """The loaded extension's session's last run (kernel/magic/status.py's LastRun), None without one: the magic
+    """The loaded extension's session's last run (kernel/runs/summary.py's LastRun), None without one: the magic
     this process's shell registered (IPython's registry of magics, by class name)."""
     ipython = sys.modules.get("IPython")  # not imported by this call: a rank's import builds its shell (rank/shell.py)
     shell = ipython.get_ipython() if ipython is not None else None

@@ -170,7 +170,7 @@ class BackgroundRun(RunThread):
         on_gpus = run.backend.devices.device == "cuda" and run.backend.loopback_only
         super().__init__(run.log, run.spec.run_id, run.settings.gpus, on_gpus, detached)
         self.run: Run | None = run  # None once it let go
-        self.record = run.record  # the session's record of it (kernel/magic/status.py): small, kept
+        self.record = run.record  # the session's record of it (kernel/runs/summary.py): small, kept
         self.prompts = run.prompts
         self.outcome: RunOutcome | None = None
 

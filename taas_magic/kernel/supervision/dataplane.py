@@ -44,7 +44,7 @@ class DataPlane:
     workers: ProcessGroup  # worker w is ``workers.children[w]``, peer id N + w
     progress: ProgressLine
     usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
-    courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/ray.py Courier)
+    courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/raycourier.py's Courier)
 
     def restart_ranks(self) -> None:
         """The ranks start again (--restarts): they read from the beginning, served from the cache;

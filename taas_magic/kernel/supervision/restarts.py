@@ -51,7 +51,7 @@ def refusal(attempt: int, restarts: int, failure: RunError, previous: RunError |
     if not restarts:
         return ""
     if isinstance(failure, PeerFailed) and not failure.peer.is_rank:
-        return "a data worker's failure is not restarted (see --restarts in the README)"
+        return "a data worker's failure is not restarted (the docs' Restarts and checkpoints page says why)"
     if attempt >= restarts:
         return f"all {restarts} restart{'s' if restarts != 1 else ''} (--restarts {restarts}) were used"
     if (

@@ -8,5 +8,8 @@
 - ``task.py``: what each task of the step runs (``python -m taas_magic.launch.slurm.task``):
   it says where Slurm put it, takes its rank's plan, and starts and serves the rank with the
   local machinery (launch/agent.py's HostAgent);
-- ``backend.py``: the run's :class:`~taas_magic.launch.backend.Backend` on an allocation.
+- ``taskcommands.py``: the kernel's end of each task's command channel (numbered JSON lines);
+- ``courier.py``: prepared elements copied to a rank's node through the kernel, once per node;
+- ``engine.py``: the run's :class:`~taas_magic.launch.backend.Backend` on an allocation, and the
+  :class:`SlurmCluster` attachment (launch/attachment.py's ``Attachment``).
 """
