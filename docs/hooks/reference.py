@@ -28,6 +28,7 @@ taas_magic/ or taas.py) is documented in reference/environment.md.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 from pathlib import Path
@@ -114,14 +115,16 @@ def _variables_read() -> dict[str, list[str]]:
     return found
 
 
-def _variables_known() -> set[str]:
-    """``TAAS_*`` anywhere in the code, the tests and the benchmarks (what a page may name)."""
+@functools.cache
+def _variables_known() -> frozenset[str]:
+    """``TAAS_*`` anywhere in the code, the tests and the benchmarks (what a page may name): read once
+    a build (on_pre_build clears it, for ``mkdocs serve``'s rebuilds), not once a page."""
     known: set[str] = set()
     for folder in ("taas_magic", "tests", "bench"):
         for path in (ROOT / folder).rglob("*.py"):
             known.update(TAAS_VARIABLE.findall(path.read_text()))
     known.update(TAAS_VARIABLE.findall((ROOT / "taas.py").read_text()))
-    return known
+    return frozenset(known)
 
 
 # ---------------------------------------------------------------- generated tables
@@ -309,6 +312,7 @@ def check_environment(docs_dir: Path) -> None:
 
 
 def on_pre_build(config: Any) -> None:
+    _variables_known.cache_clear()  # the code may have changed since the last build (mkdocs serve)
     check_environment(Path(config["docs_dir"]))
 
 
