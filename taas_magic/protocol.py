@@ -33,6 +33,7 @@ Peer -> kernel::
     Suggest         a trial's taas.trial().suggest_*: asked once per trial, the same value to every rank  a rank
     Prompt          pdb's output since its last command, and its prompt: a line is wanted    a rank
     Resumed         the rank left pdb (continue, or nobody to prompt)                          a rank
+    CheckpointSaved a collective save's folder, written in place by every rank (writes/savers.py)  a rank
 
 IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a
 body whose MAC wire.py verified; it refuses a kind it does not know or that travels the
@@ -276,6 +277,16 @@ class Suggest(ToKernel, kind="suggest"):
     name: str
     kind: str  # "float", "int" or "categorical"
     args: dict  # low, high, step, log; or choices
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(ToKernel, kind="checkpoint"):
+    """A rank began a collective save into ``folder`` (writes/savers.py): the kernel checks it once the
+    ranks are gone (writes/completeness.py)."""
+
+    folder: str  # absolute, as the rank sees it (under the repository)
+    saver: str  # who saves: "torch.distributed.checkpoint", "accelerate save_state", ...
+    layout: str  # "dcp": a .metadata lists its parts; "files": per-rank files only
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
 from taas_magic.transfer import cudaipc, memfile, returns
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
+from taas_magic.writes import savers
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
@@ -74,6 +75,7 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
     identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     reports.start(channel)
+    savers.install(channel.send, spec.shared)  # collective checkpoints: every rank's part in place (writes/)
     search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
     cellpdb.install(cellpdb.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
@@ -204,6 +206,7 @@ def main() -> None:
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
     before = returns.snapshot(module.__dict__) if rank == 0 else {}
     final = _run(spec, channel, module)
+    savers.finish()  # a pending async_save's parts are whole before the rank ends
     reports.flush()  # the last reports reach the chart before the results
     if rank == 0:
         _send_results(spec, inbox, _cell_results(spec, module.__dict__, before, final), closure, received, loaders)

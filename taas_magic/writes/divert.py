@@ -146,8 +146,10 @@ class Diversion:
 def install(repository: str, layer: str) -> Diversion:
     """Divert this process's Python-level writes under ``repository`` into ``layer``."""
     from taas_magic.import_hooks import when_imported
+    from taas_magic.writes import shared
 
     diversion = Diversion(repository, layer)
+    shared.use_layer(repository, diversion.layer)
     patched: list[tuple[ModuleType, str, Callable[..., Any]]] = [
         (builtins, "open", diversion.open), (io, "open", diversion.open), (os, "open", diversion.os_open),
         (os, "remove", diversion.remove), (os, "unlink", diversion.remove),

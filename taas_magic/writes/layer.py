@@ -7,7 +7,9 @@ reads from ``<layer>/upper`` once it is there, else from the repository unless a
 hides it; it is written in ``upper``, its file or tree copied up first when the write
 changes what exists. A delete removes the upper copy and leaves a tombstone (a set in this
 process: a deleted directory hides everything under it). Every path written or deleted is
-appended once to ``<layer>/changes.log``, which the kernel reports (writes/rule.py).
+appended once to ``<layer>/changes.log``, which the kernel reports (writes/rule.py). A
+path under a shared directory (writes/shared.py: a collective checkpoint's folder) is
+not the layer's: it is read and written in place.
 
 It patches nothing. It calls the ``os``/``shutil`` functions of the moment (patched by
 divert.py while the diversion is installed: its own paths are outside the repository, so
@@ -37,6 +39,7 @@ class Layer:
         self.log_path = os.path.join(layer, "changes.log")
         self.deleted: set[str] = set()
         self.logged: set[str] = set()
+        self.shared: tuple[str, ...] = ()  # directories written in place (writes/shared.py), relative
         os.makedirs(self.upper, exist_ok=True)
         self.real_open = builtins.open  # taken now, before divert.py patches them
         self.real_unlink = os.unlink
@@ -53,7 +56,10 @@ class Layer:
             return None
         if not inside(full, self.repository) or inside(full, self.root):
             return None
-        return os.path.relpath(full, self.repository)
+        relative = os.path.relpath(full, self.repository)
+        if any(inside(relative, shared) or shared == "." for shared in self.shared):
+            return None  # written in place: a collective checkpoint's folder
+        return relative
 
     def is_deleted(self, relative: str) -> bool:
         return any(inside(relative, gone) for gone in self.deleted)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from taas_magic.writes import shared
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 MS_REC = 0x4000
@@ -71,7 +73,12 @@ def mount_overlay(repository: str, scratch: str) -> None:
     os.makedirs(work, exist_ok=True)
     # userxattr: in a user namespace overlayfs must keep its opaque/whiteout marks in user.* xattrs.
     options = f"lowerdir={repository},upperdir={upper},workdir={work},userxattr".encode()
-    _check(libc.mount(b"overlay", repository.encode(), b"overlay", 0, options), "overlay mount")
+    shared.keep_repository(repository)  # a way below the mount, for the directories written in place
+    try:
+        _check(libc.mount(b"overlay", repository.encode(), b"overlay", 0, options), "overlay mount")
+    except IsolationUnavailable:
+        shared.forget_repository()
+        raise
     # The old cwd still points at the directory below the mount: enter the overlay.
     os.chdir(cwd)
 

@@ -9,7 +9,8 @@ left out of. In the order they are taken:
 2. the backend (a reserved port; a cluster's placement and agents), a context manager;
 3. the run spec, with its checkpoint folder (the session's record of the last run names it) and its
    stacks folder (the ranks' autopsy files);
-4. the ranks' scratch layers (what the write rule diverted is reported, then removed);
+4. the ranks' scratch layers (what the write rule diverted is reported, then removed), after the
+   collective checkpoints the ranks named are checked (writes/completeness.py: an incomplete one is named);
 5. the rank server, and the closure handoff (its memory files, its CUDA IPC handles; it
    answers the ranks that ask for those tensors in host memory until it is released);
 6. last, so released first: the moment the ranks are gone, whatever they started is
@@ -53,6 +54,7 @@ from taas_magic.transfer import memfile
 from taas_magic.transfer.handoff import ClosureHandoff
 from taas_magic.transfer.pack import Packing
 from taas_magic.transfer.results import apply_results
+from taas_magic.writes.completeness import Ledger
 from taas_magic.writes.rule import ScratchLayers, WriteRule
 
 BackendT = TypeVar("BackendT", bound=Backend)
@@ -91,6 +93,7 @@ class Run:
         self.record: LastRun | None = None  # for %taas status, once the plan has printed the header
         self.trial: TrialLink | None = None  # a search's trial: its suggestions and its pruning (search/link.py)
         self.on_ranks_gone: list[Callable[[], None]] = []  # called the moment its ranks are gone (a search's slot)
+        self.saves = Ledger()  # the collective checkpoints its ranks named (writes/savers.py), checked at the end
         self._stack = ExitStack()
         self._stack.push(self._drop_results_on_failure)
         self._started = time.monotonic()
@@ -193,6 +196,8 @@ class Run:
             callback()
 
     def _remove_layers(self) -> None:
+        for line in self.saves.report(self.rule.repository, self.peers.ranks):
+            self.log.say(line, "stderr")
         for line in self.layers.report(self.rule.repository):
             self.log.say(line, "stderr")
         self.layers.remove()

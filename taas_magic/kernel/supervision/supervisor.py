@@ -47,6 +47,7 @@ from taas_magic.output.displays import HeldDisplays
 from taas_magic.output.relay import OutputRelay, Publish
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
 from taas_magic.protocol import (
+    CheckpointSaved,
     ClearOutput,
     ClosureHostWanted,
     Display,
@@ -95,6 +96,7 @@ class RunParts:
     suggest: SuggestAnswer = _not_a_search  # a search's trial: the value of each suggestion, the same for every rank
     prune_asked: Callable[[], bool] = lambda: False  # a search's pruner stopped this trial: every rank, at once
     prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/supervision/prompts.py)
+    saves: Callable[[int, CheckpointSaved], None] | None = None  # a collective save's folder, named by a rank (writes/)
 
 
 @dataclass
@@ -193,6 +195,8 @@ class Supervisor:
                 self._send_all(self.data.coordinator.on_rank(rank.index, frame))
             case Prompt() | Resumed():
                 self.debugging.route(rank.index, frame)
+            case CheckpointSaved() if self.parts.saves is not None:
+                self.parts.saves(rank.index, frame)
 
     def _route_worker(self, worker: Peer, frame: protocol.ToKernel) -> None:
         if isinstance(frame, (Ready, Exhausted, Done)) and self.data is not None:

@@ -1,0 +1,126 @@
+"""In a rank other than 0: a directory of the repository written in place, through the write rule.
+
+The write rule gives a rank other than 0 a private layer over the repository (namespace.py's
+overlay, or divert.py's Python layer). A collective checkpoint needs the opposite for its own
+folder: every rank writes its own part there (DCP's ``__1_0.distcp``, accelerate's
+``random_states_1.pkl``), and a part left in a layer is a checkpoint nobody can load.
+:func:`share` makes one directory of the repository written in place by this process and
+everything it starts; every other path stays diverted.
+
+- **Overlay.** Before the overlay is mounted, :func:`keep_repository` keeps a ``O_PATH`` descriptor
+  of the repository itself (the directory under the mount). Sharing ``ckpt/step3`` makes the
+  directory there (``/proc/self/fd/N/ckpt/step3``) and bind-mounts it over the same path of the
+  overlay, in the rank's own mount namespace: every write below it, by Python, C++ or a
+  subprocess (DCP's process executor), reaches the repository; the host's mounts are untouched.
+- **Python.** The layer passes paths under a shared directory through (writes/layer.py).
+- **Rank 0, and processes without the rule.** Nothing to do: they write in place already.
+
+A deletion under a shared directory acts on the repository too, so rotating checkpoints is
+rank 0's job, as torchtitan, accelerate, the HF Trainer and Lightning do it.
+
+Runs on whichever thread makes the save (a mount is per process); :data:`_lock` serialises it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+MS_BIND = 0x1000
+MS_REC = 0x4000
+
+_lock = threading.Lock()
+_repository: str | None = None  # the repository, where this process's writes are diverted
+_real: int | None = None  # overlay: an O_PATH descriptor of the repository below the mount
+_layer: object | None = None  # python: the divert.py Layer
+_shared: list[str] = []  # the relative directories shared so far, in order
+
+
+class ShareRefused(OSError):
+    """The directory cannot be written in place (outside the repository, or the bind mount was refused)."""
+
+
+def keep_repository(repository: str) -> None:
+    """Overlay, before its mount: keep a way to the repository below it (namespace.py calls this)."""
+    global _repository, _real
+    _repository = os.path.realpath(repository)
+    _real = os.open(_repository, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def forget_repository() -> None:
+    """The overlay was refused after :func:`keep_repository`: the Python fallback takes over."""
+    global _repository, _real
+    if _real is not None:
+        os.close(_real)
+    _repository = _real = None
+
+
+def use_layer(repository: str, layer: object) -> None:
+    """Python fallback: shared directories pass through ``layer`` (divert.py calls this)."""
+    global _repository, _layer
+    _repository, _layer = os.path.realpath(repository), layer
+
+
+def diverted() -> bool:
+    """Whether this process's writes under the repository are diverted (a rank other than 0, a data worker)."""
+    return _repository is not None
+
+
+def relative(path: str | os.PathLike) -> str | None:
+    """``path`` relative to the repository this process diverts, or None when it diverts nothing or
+    ``path`` is outside it (an absolute path is compared after ``abspath``, as the layer does)."""
+    if _repository is None:
+        return None
+    full = os.path.abspath(os.fsdecode(os.fspath(path)))
+    if full != _repository and not full.startswith(_repository + os.sep):
+        return None
+    return os.path.relpath(full, _repository)
+
+
+def is_shared(rel: str) -> bool:
+    return any(rel == done or rel.startswith(done + os.sep) or done == "." for done in _shared)
+
+
+def share(path: str | os.PathLike) -> bool:
+    """Let this process write ``path`` (a directory, made if missing) in place; True when it was diverted
+    before. Idempotent; a directory under one already shared costs nothing.
+
+    Raises:
+        ShareRefused: the bind mount was refused (the message says why).
+    """
+    rel = relative(path)
+    if rel is None:
+        return False
+    with _lock:
+        if is_shared(rel):
+            return True
+        if _real is not None:
+            _bind(rel)
+        elif _layer is not None:
+            os.makedirs(os.path.join(_repository or "", rel), exist_ok=True)  # the layer passes it through
+        _shared.append(rel)
+        if _layer is not None:
+            _layer.shared = tuple(_shared)  # type: ignore[attr-defined]
+    return True
+
+
+def shared() -> tuple[str, ...]:
+    """The directories shared so far, relative to the repository."""
+    return tuple(_shared)
+
+
+def _bind(rel: str) -> None:
+    assert _repository is not None and _real is not None
+    below = f"/proc/self/fd/{_real}/{rel}" if rel != "." else f"/proc/self/fd/{_real}"
+    view = os.path.join(_repository, rel)
+    try:
+        os.makedirs(below, exist_ok=True)  # in the repository itself
+        os.makedirs(view, exist_ok=True)  # the mount point, in the overlay (there already, through the lower layer)
+    except OSError as exc:
+        raise ShareRefused(exc.errno, f"could not make {rel} to write it in place: {exc.strerror}") from exc
+    libc = ctypes.CDLL(None, use_errno=True)
+    # MS_REC: a plain bind of a tree holding mounts this namespace may not reveal is refused.
+    if libc.mount(below.encode(), view.encode(), None, MS_BIND | MS_REC, None) != 0:
+        errno = ctypes.get_errno()
+        raise ShareRefused(errno, f"could not bind {rel} of the repository in place: {os.strerror(errno)}")

@@ -1,0 +1,183 @@
+"""Every rank's checkpoint lands whole: collective saves reach the repository, in both isolation modes.
+
+Each test runs a real 2-rank CPU cell (gloo) in a real kernel, with a scratch repository, and
+loads what landed: DCP's ``dcp.load`` on the ranks in the next cell, ``dcp_to_torch_save`` in the
+notebook. The stray writes of the same run stay diverted and reported, an incomplete checkpoint is
+named in the cell, and rank 0's rotation of old checkpoints works.
+"""
+
+import os
+
+import pytest
+
+from tests.kernel.test_write_rule import HEADERS
+
+FSDP_SETUP = """
+import os, torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+mesh = init_device_mesh("cpu", (2,))
+for layer in (model[0], model[2]):
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    optimizer.zero_grad()
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+"""
+
+
+@pytest.fixture(params=["overlay", "python"])
+def mode(request, kernel):
+    ran = kernel.execute(f"%taas config isolation {request.param}")
+    assert ran.reply["status"] == "ok", ran.stream()
+    yield request.param
+    kernel.execute("%taas config isolation auto")
+
+
+@pytest.fixture()
+def repo(kernel, tmp_path, mode):
+    root = tmp_path / "repo"
+    (root / ".git").mkdir(parents=True)
+    ran = kernel.execute(f"%taas config repo {root}\nimport os\nos.chdir({str(root)!r})")
+    assert ran.reply["status"] == "ok", ran.stream()
+    yield root
+    kernel.execute(f"%taas config repo {os.getcwd()}\nos.chdir({os.getcwd()!r})")
+
+
+def _ok(ran) -> None:
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+
+
+def test_fsdp2_dcp_save_lands_whole_and_loads_on_the_ranks_and_in_the_notebook(kernel, repo, mode):
+    ran = kernel.execute(
+        "#pragma taas --device cpu --gpus 2\n" + FSDP_SETUP
+        + "dcp.save({'model': model.state_dict()}, checkpoint_id='ckpt/step3')\n"
+        "with open(f'stray-{rank}.txt', 'w') as f:\n    f.write('stray')\n"
+        "full = {k: v.full_tensor() for k, v in model.state_dict().items()}\n"
+        "dist.destroy_process_group()\n"
+    )
+    _ok(ran)
+    assert HEADERS[mode] in ran.stream("stdout")
+    assert sorted(os.listdir(repo / "ckpt" / "step3")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # the stray write of rank 1 in the same run: diverted and reported, as before
+    assert (repo / "stray-0.txt").exists() and not (repo / "stray-1.txt").exists()
+    report = [line for line in ran.stream("stderr").splitlines() if "tried to change" in line]
+    assert len(report) == 1 and report[0].startswith("taas: rank 1 tried to change 1 path(s)"), ran.stream("stderr")
+    assert "stray-1.txt" in report[0]
+    assert "incomplete" not in ran.stream("stderr")
+
+    loaded = kernel.execute(
+        "#pragma taas --device cpu --gpus 2\n" + FSDP_SETUP.replace("for step in range(3)", "for step in range(0)")
+        + "state = {'model': model.state_dict()}\n"
+        "dcp.load(state, checkpoint_id='ckpt/step3')\n"
+        "model.load_state_dict(state['model'])\n"
+        "reloaded = {k: v.full_tensor() for k, v in model.state_dict().items()}\n"
+        "dist.destroy_process_group()\n"
+    )
+    _ok(loaded)
+    check = kernel.execute(
+        "import torch\n"
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        "dcp_to_torch_save('ckpt/step3', 'whole.pt')\n"
+        "whole = torch.load('whole.pt')['model']\n"
+        "assert sorted(whole) == sorted(full) == sorted(reloaded), (sorted(whole), sorted(full))\n"
+        "assert all(torch.equal(whole[k], full[k]) and torch.equal(reloaded[k], full[k]) for k in full)\n"
+        "print('same', len(full))"
+    )
+    _ok(check)
+    assert "same 4" in check.stream("stdout")
+
+
+def test_a_ddp_model_saved_with_dcp_loads(kernel, repo, mode):
+    ran = kernel.execute(
+        "#pragma taas --device cpu --gpus 2\n"
+        "import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp\n"
+        "dist.init_process_group('gloo')\n"
+        "torch.manual_seed(0)\n"
+        "ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))\n"
+        "state = {'model': ddp.module.state_dict(), 'extra': {'note': 'hello', 'step': 7}}\n"
+        "dcp.save(state, checkpoint_id='ckpt/ddp')\n"
+        "dist.destroy_process_group()\n"
+    )
+    _ok(ran)
+    names = sorted(os.listdir(repo / "ckpt" / "ddp"))
+    assert "__1_0.distcp" in names and ".metadata" in names, names
+    check = kernel.execute(
+        "import torch\n"
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        "dcp_to_torch_save('ckpt/ddp', 'ddp.pt')\n"
+        "back = torch.load('ddp.pt', weights_only=False)\n"
+        "torch.manual_seed(0)\n"
+        "reference = torch.nn.Linear(64, 64).state_dict()\n"
+        "assert all(torch.equal(back['model'][k], reference[k]) for k in reference)\n"
+        "assert back['extra'] == {'note': 'hello', 'step': 7}, back['extra']\n"
+        "print('ddp ok')"
+    )
+    _ok(check)
+    assert "ddp ok" in check.stream("stdout")
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_async_save_lands_whole_with_either_executor(kernel, repo, mode, executor):
+    kind = "THREAD" if executor == "thread" else "PROCESS"
+    ran = kernel.execute(
+        "#pragma taas --device cpu --gpus 2\n" + FSDP_SETUP
+        + "from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType\n"
+        f"future = dcp.async_save({{'model': model.state_dict()}}, checkpoint_id='ckpt/async',"
+        f" async_checkpointer_type=AsyncCheckpointerType.{kind})\n"
+        "full = {k: v.full_tensor() for k, v in model.state_dict().items()}\n"
+        "del future\n"  # the cell ends without waiting: taas waits for the save before the rank ends
+    )
+    _ok(ran)
+    assert sorted(os.listdir(repo / "ckpt" / "async")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert "incomplete" not in ran.stream("stderr")
+    check = kernel.execute(
+        "import torch\n"
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        "dcp_to_torch_save('ckpt/async', 'async.pt')\n"
+        "whole = torch.load('async.pt')['model']\n"
+        "assert all(torch.equal(whole[k], full[k]) for k in full)\n"
+        "print('async ok')"
+    )
+    _ok(check)
+
+
+def test_an_incomplete_checkpoint_is_named_with_its_files_and_ranks(kernel, repo, mode):
+    ran = kernel.execute(
+        "#pragma taas --device cpu --gpus 2\n" + FSDP_SETUP
+        + "dcp.save({'model': model.state_dict()}, checkpoint_id='ckpt/torn')\n"
+        "dist.barrier()\n"
+        "if rank == 0:\n    os.remove('ckpt/torn/__1_0.distcp')\n"  # rank 1's part, gone after the save
+        "dist.destroy_process_group()\n"
+    )
+    _ok(ran)
+    lines = [line for line in ran.stream("stderr").splitlines() if "incomplete" in line]
+    assert lines == ["taas: checkpoint ckpt/torn is incomplete: .metadata lists __1_0.distcp (rank 1), missing"], \
+        ran.stream("stderr")
+
+
+def test_a_rank_killed_mid_save_leaves_a_checkpoint_named_incomplete(kernel, repo, mode):
+    ran = kernel.execute(
+        "#pragma taas --device cpu --gpus 2 --timeout 20\n" + FSDP_SETUP
+        + "from torch.distributed.checkpoint import FileSystemWriter\n"
+        "write = FileSystemWriter.write_data\n"
+        "def write_then_die(self, *args, **kwargs):\n"
+        "    done = write(self, *args, **kwargs)\n"
+        "    if rank == 1:\n"
+        "        os.kill(os.getpid(), 9)\n"
+        "    return done\n"
+        "FileSystemWriter.write_data = write_then_die\n"
+        "dcp.save({'model': model.state_dict()}, checkpoint_id='ckpt/killed')\n"
+    )
+    assert ran.reply["status"] == "error"
+    lines = [line for line in ran.stream("stderr").splitlines() if "incomplete" in line]
+    assert len(lines) == 1, ran.stream("stderr")
+    assert lines[0].startswith("taas: checkpoint ckpt/killed is incomplete: no .metadata: the save did not finish"), lines
+    assert "__1_0.distcp (rank 1)" in lines[0]
