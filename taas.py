@@ -14,7 +14,10 @@ need it (:func:`get_worker_info` and the checkpoint calls).
 - :func:`in_rank` / :func:`get_worker_info`: inside a rank, torch's ``WorkerInfo`` with
   ``id=RANK`` and ``num_workers=WORLD_SIZE``; outside a rank, ``None`` (taas_magic/rank/identity.py).
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
-  restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py, via rank/identity.py).
+  restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py, via rank/identity.py);
+  a sharded state is saved by every rank together (DCP).
+- :func:`shared`: a folder every rank writes in place, for a saver taas does not recognise
+  (taas_magic/writes/savers.py, via rank/identity.py).
 - :func:`report` / :func:`metrics`: metrics drawn live in the cell (taas_magic/output/board.py;
   the last run's kept by the session, read through taas_magic/kernel/magic/fromcode.py).
 - :func:`wait`: a detached run's names and value, once it ends (``%taas wait``; taas_magic/kernel/magic/fromcode.py).
@@ -32,7 +35,7 @@ from taas_magic.kernel.magic import fromcode as _fromcode
 from taas_magic.rank import identity as _identity
 
 __all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",
-           "save_checkpoint", "load_checkpoint", "checkpoint_path", "report", "metrics", "lightning_logger", "wait",
+           "save_checkpoint", "load_checkpoint", "checkpoint_path", "shared", "report", "metrics", "lightning_logger", "wait",
            "trial", "trials", "study"]
 
 
@@ -67,26 +70,45 @@ def get_worker_info() -> Any:
     return _identity.get_worker_info()
 
 
-def save_checkpoint(obj: Any) -> str | None:
+def save_checkpoint(obj: Any, sharded: bool | None = None) -> str | None:
     """Save ``obj`` (anything ``torch.save`` takes) as this run's newest checkpoint.
 
     Every rank may call it; only rank 0's lands, written atomically (temporary file, fsync,
     rename), so a rank killed mid-save never leaves a torn checkpoint. Returns the file's
     path on rank 0 and None on the others.
 
+    A sharded ``obj`` (one holding DTensors, such as an FSDP2 model's state dict; or ``sharded=True``)
+    is saved by every rank together with ``torch.distributed.checkpoint``, each rank writing its own
+    part into the checkpoint's folder; every rank must call it, and every rank gets the folder back.
+    A sharded save that did not finish (no ``.metadata``) is never resumed from.
+
     Raises:
-        RuntimeError: outside a taas cell (use ``torch.save`` there).
+        RuntimeError: outside a taas cell (use ``torch.save`` there); a sharded save outside a process group.
     """
-    return _identity.save_checkpoint(obj)
+    return _identity.save_checkpoint(obj, sharded)
 
 
-def load_checkpoint(map_location: Any = None) -> Any:
-    """The newest object rank 0 saved with :func:`save_checkpoint` in this run, or None before the first.
+def load_checkpoint(map_location: Any = None, into: Any = None) -> Any:
+    """The newest whole checkpoint saved with :func:`save_checkpoint` in this run, or None before the first.
 
     In a rank its tensors land on the rank's own device (``map_location`` overrides that);
-    in the notebook, after a cell, it is the last run's newest checkpoint, on the CPU.
+    in the notebook, after a cell, it is the last run's newest checkpoint, on the CPU. A sharded
+    checkpoint is loaded into ``into`` (your state dict, sharded as you want it), which is returned;
+    in the notebook, without ``into``, it comes back whole as one state dict.
     """
-    return _identity.load_checkpoint(map_location, None if _identity.in_rank() else _fromcode.last_checkpoints())
+    notebook = None if _identity.in_rank() else _fromcode.last_checkpoints()
+    return _identity.load_checkpoint(map_location, notebook, into)
+
+
+def shared(path: Any) -> str:
+    """Let this rank write ``path``, a folder of the repository, in place from now on; returns it, absolute.
+
+    For a saver taas does not recognise, in which every rank writes its own files into one folder
+    (torch's DCP, accelerate's ``save_state``, the HF Trainer and Lightning are recognised): call it on
+    every rank before the save, or give the folder to the pragma as ``--shared DIR``. Every other
+    write of the ranks other than 0 stays diverted. Outside a taas cell it does nothing.
+    """
+    return _identity.shared(path)
 
 
 def checkpoint_path() -> str | None:

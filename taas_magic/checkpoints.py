@@ -29,7 +29,8 @@ import re
 from typing import Any
 
 PREFIX, SUFFIX = "checkpoint-", ".pt"
-_NAME = re.compile(rf"^{PREFIX}(\d+){re.escape(SUFFIX)}$")
+_NAME = re.compile(rf"^{PREFIX}(\d+)({re.escape(SUFFIX)})?$")  # a file, or a sharded checkpoint's folder
+DCP_MARKER = ".metadata"  # DCP writes it last, through a rename: a folder without it is not whole
 
 DEFAULT_KEEP = 2
 
@@ -53,32 +54,68 @@ def kept() -> int:
     return _keep
 
 
-def _numbered(folder: str) -> list[tuple[int, str]]:
+def _numbered(folder: str, whole: bool = True) -> list[tuple[int, str]]:
+    """The folder's checkpoints by number: files, and sharded folders (only those whose save finished,
+    unless ``whole`` is False)."""
     try:
         names = os.listdir(folder)
     except OSError:
         return []
-    found = [(int(match.group(1)), os.path.join(folder, name)) for name in names if (match := _NAME.match(name))]
+    found = []
+    for name in names:
+        match = _NAME.match(name)
+        if match is None:
+            continue
+        path = os.path.join(folder, name)
+        if match.group(2) is None and whole and not os.path.exists(os.path.join(path, DCP_MARKER)):
+            continue  # a sharded save that did not finish (a rank killed mid-save): never resumed from
+        found.append((int(match.group(1)), path))
     return sorted(found)
 
 
 def newest(folder: str | None) -> str | None:
-    """The path of the folder's newest whole checkpoint, or None."""
+    """The path of the folder's newest whole checkpoint (a file, or a sharded checkpoint's folder), or None."""
     found = _numbered(folder) if folder else []
     return found[-1][1] if found else None
+
+
+def is_sharded(path: str) -> bool:
+    """Whether a checkpoint :func:`newest` named is a sharded (DCP) one: a folder."""
+    return os.path.isdir(path)
+
+
+def next_path(folder: str, sharded: bool) -> str:
+    """Where the folder's next checkpoint goes (a file, or a folder for a sharded save); the folder is made,
+    owner-only, with a ``.gitignore`` of ``*``."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    ignore = os.path.join(folder, ".gitignore")
+    if not os.path.exists(ignore):
+        with open(ignore, "w") as file:
+            file.write("*\n")
+    found = _numbered(folder, whole=False)
+    return os.path.join(folder, f"{PREFIX}{(found[-1][0] + 1 if found else 1):06d}{'' if sharded else SUFFIX}")
+
+
+def rotate(folder: str, keep: int) -> None:
+    """After a save: keep the newest ``keep`` whole checkpoints, remove the older ones and every sharded save
+    that did not finish (saves of a run are one after another, so none is under way)."""
+    import shutil
+
+    kept = {path for _, path in _numbered(folder)[-keep:]}
+    for _, path in _numbered(folder, whole=False):
+        if path in kept:
+            continue
+        if is_sharded(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _remove(path)
 
 
 def save(obj: Any, folder: str, keep: int) -> str:
     """Write ``obj`` atomically as the folder's next checkpoint; keep the newest ``keep``. Returns its path."""
     import torch
 
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    ignore = os.path.join(folder, ".gitignore")
-    if not os.path.exists(ignore):
-        with open(ignore, "w") as file:
-            file.write("*\n")
-    found = _numbered(folder)
-    final = os.path.join(folder, f"{PREFIX}{(found[-1][0] + 1 if found else 1):06d}{SUFFIX}")
+    final = next_path(folder, sharded=False)
     temporary = os.path.join(folder, f".{os.path.basename(final)}.tmp-{os.getpid()}")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -94,8 +131,7 @@ def save(obj: Any, folder: str, keep: int) -> str:
             pass
         raise
     _sync_folder(folder)
-    for _, old in (found + [(0, final)])[:-keep]:
-        _remove(old)
+    rotate(folder, keep)
     for name in os.listdir(folder):  # what a rank killed mid-save left
         if name.startswith(".") and ".tmp-" in name and not name.endswith(f".tmp-{os.getpid()}"):
             _remove(os.path.join(folder, name))
@@ -118,13 +154,71 @@ def _remove(path: str) -> None:
         pass
 
 
-def load(folder: str | None, map_location: Any) -> Any:
-    """The newest checkpoint in ``folder`` (None if there is none), tensors on ``map_location``."""
+def load(folder: str | None, map_location: Any, into: Any = None) -> Any:
+    """The newest checkpoint in ``folder`` (None if there is none), tensors on ``map_location``.
+
+    A sharded checkpoint (DCP's folder) is loaded into ``into`` (your state dict, sharded as you
+    want it: ``dcp.load`` reshards) and ``into`` is returned; without ``into``, outside a process
+    group (the notebook), it comes back whole, as one state dict on the CPU.
+
+    Raises:
+        ValueError: a sharded checkpoint, no ``into``, inside a process group.
+    """
     path = newest(folder)
     if path is None:
         return None
     import torch
 
+    if is_sharded(path):
+        return _load_sharded(path, into)
+
     # weights_only=False: a checkpoint is any object the cell saved (a model, an optimizer, a
     # dataclass), and this file is the run's own, written by its rank 0 into an owner-only folder.
     return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def _load_sharded(path: str, into: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    grouped = dist.is_available() and dist.is_initialized()
+    if into is not None:
+        dcp.load(into, checkpoint_id=path, no_dist=not grouped)  # the notebook: no process group, no warning
+        return into
+    if grouped:
+        raise ValueError(f"{path} is a sharded checkpoint: every rank loads its part into its own state, "
+                         "taas.load_checkpoint(into=state)")
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="taas-whole-") as scratch:
+        whole = os.path.join(scratch, "whole.pt")
+        dcp_to_torch_save(path, whole)
+        # weights_only=False: as load's; the folder is the run's own.
+        return torch.load(whole, map_location="cpu", weights_only=False)
+
+
+def save_sharded(state: Any, folder: str, keep: int) -> str:
+    """Every rank, together: ``state`` (DTensors, or objects whose ``state_dict`` holds them) saved with DCP as
+    the folder's next checkpoint, each rank writing its own part (writes/savers.py shares the folder); rank 0
+    then keeps the newest ``keep``. Returns the checkpoint's folder on every rank.
+
+    Raises:
+        RuntimeError: no process group (a sharded save is a collective).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("a sharded checkpoint is saved by every rank together: call taas.save_checkpoint "
+                           "on every rank after init_process_group")
+    chosen = [next_path(folder, sharded=True) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)  # one number for every rank, whatever each one lists
+    path = chosen[0]
+    assert isinstance(path, str)
+    dcp.save(state, checkpoint_id=path)  # returns once the coordinator wrote .metadata: every part is there
+    if dist.get_rank() == 0:
+        rotate(folder, keep)
+    return path

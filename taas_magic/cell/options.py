@@ -170,6 +170,22 @@ class Name:
         return value
 
 
+class Folders:
+    """Folders, comma-separated (``ckpt,outputs/zero``): kept as written, resolved against the repository by the plan."""
+
+    def parse(self, flag: str, token: str) -> tuple[str, ...]:
+        folders = tuple(folder for folder in token.split(",") if folder)
+        if not folders:
+            raise PragmaError(f"{flag} needs a folder, or folders separated by commas, got {token!r}")
+        return folders
+
+    def refusal(self, value: object) -> str | None:
+        return None if isinstance(value, tuple) and all(isinstance(folder, str) for folder in value) else "folders"
+
+    def from_setting(self, value: object) -> object:
+        return value
+
+
 def parse_size(token: str) -> int | None:
     """``4G``, ``512MiB``, ``1.5g``, ``1000`` -> bytes (K/M/G/T are powers of 1024); None if malformed."""
     match = _SIZE.match(token.strip())
@@ -178,7 +194,7 @@ def parse_size(token: str) -> int | None:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-Value = Union[Count, Seconds, Size, Choice, Flag, Name]
+Value = Union[Count, Seconds, Size, Choice, Flag, Name, Folders]
 
 
 @dataclass(frozen=True)
@@ -230,6 +246,10 @@ OPTIONS: tuple[Option, ...] = (
            "cluster mode: at most G ranks on any host"),
     Option("--place-timeout", "SECONDS", "place_timeout", Seconds(),
            "cluster mode: how long to wait for the cluster's GPUs (default 60)", default=60.0, setting="place_timeout"),
+    Option("--shared", "DIR[,DIR]", "shared", Folders(),
+           "folders of the repository every rank writes in place, for a saver taas does not recognise "
+           "(DCP, accelerate, the HF Trainer and Lightning are recognised): each rank's own files land there",
+           default=()),
     Option("--output", "rank0|all", "output", Choice(*OUTPUT_MODES),
            "rank0 (default): only rank 0's output reaches the cell; all: every rank's, prefixed [rank k]",
            default="rank0", setting="output"),

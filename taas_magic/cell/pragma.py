@@ -47,6 +47,7 @@ class PragmaOptions:
     sampler: str = "tpe"  # Optuna's sampler
     prune: str = "median"  # Optuna's pruner
     study: str | None = None  # a study kept in <repository>/.taas/studies.db, continued by a rerun
+    shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (writes/savers.py)
     configs: tuple[str, ...] = field(default=())
 
 
@@ -74,6 +75,7 @@ class RunSettings:
     sampler: str = "tpe"
     prune: str = "median"
     study: str | None = None
+    shared: tuple[str, ...] = ()  # --shared, as written: the plan resolves them against the repository
     configs: tuple[str, ...] = ()
 
 

@@ -55,33 +55,56 @@ def get_worker_info() -> Any:
     )
 
 
-def save_checkpoint(obj: Any) -> str | None:
+def save_checkpoint(obj: Any, sharded: bool | None = None) -> str | None:
     """``taas.save_checkpoint``: rank 0 saves ``obj`` as the run's newest checkpoint and returns its path;
-    the other ranks return None.
+    the other ranks return None. A sharded ``obj`` (``sharded``, or None: it holds DTensors) is saved by
+    every rank together with DCP, each writing its part, and every rank returns the folder.
 
     Raises:
-        RuntimeError: outside a taas cell (use ``torch.save`` there).
+        RuntimeError: outside a taas cell (use ``torch.save`` there); a sharded save without a process group.
     """
     if not _in_rank:
         raise RuntimeError("taas.save_checkpoint works inside a taas cell; in the notebook, use torch.save")
-    if os.environ.get("RANK") != "0":
-        return None
     from taas_magic import checkpoints
 
     folder = checkpoints.run_folder()
     assert folder is not None  # the kernel names it in every rank's spec
+    if sharded if sharded is not None else holds_dtensors(obj):
+        return checkpoints.save_sharded(obj, folder, checkpoints.kept())
+    if os.environ.get("RANK") != "0":
+        return None
     return checkpoints.save(obj, folder, checkpoints.kept())
 
 
-def load_checkpoint(map_location: Any = None, notebook_folder: str | None = None) -> Any:
+def holds_dtensors(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` (a state dict, nested dicts and lists, modules and optimizers in them) holds a DTensor."""
+    import sys
+
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None or depth > 8:
+        return False  # nothing made a DTensor without importing their module
+    if isinstance(obj, tensor.DTensor):
+        return True
+    if isinstance(obj, dict):
+        return any(holds_dtensors(value, depth + 1) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(holds_dtensors(value, depth + 1) for value in obj)
+    parameters = getattr(obj, "parameters", None)
+    if callable(parameters):  # a module
+        return any(isinstance(parameter, tensor.DTensor) for parameter in parameters())
+    return False
+
+
+def load_checkpoint(map_location: Any = None, notebook_folder: str | None = None, into: Any = None) -> Any:
     """``taas.load_checkpoint``: the run's newest checkpoint (None before the first), on the rank's own
-    device in a rank and on the CPU in the notebook, unless ``map_location`` says otherwise. Outside a
-    rank the folder is ``notebook_folder`` (the session's last run's, which the face reads)."""
+    device in a rank and on the CPU in the notebook, unless ``map_location`` says otherwise; a sharded one
+    is loaded into ``into``. Outside a rank the folder is ``notebook_folder`` (the session's last run's,
+    which the face reads)."""
     from taas_magic import checkpoints
 
     if map_location is None:
         map_location = own_device() if _in_rank else "cpu"
-    return checkpoints.load(checkpoints.run_folder() if _in_rank else notebook_folder, map_location)
+    return checkpoints.load(checkpoints.run_folder() if _in_rank else notebook_folder, map_location, into)
 
 
 def checkpoint_path(notebook_folder: str | None = None) -> str | None:
@@ -89,6 +112,15 @@ def checkpoint_path(notebook_folder: str | None = None) -> str | None:
     from taas_magic import checkpoints
 
     return checkpoints.newest(checkpoints.run_folder() if _in_rank else notebook_folder)
+
+
+def shared(path: Any) -> str:
+    """``taas.shared``: in a rank, ``path`` is written in place by this rank from now on (writes/savers.py)."""
+    if not _in_rank:
+        return os.path.abspath(os.fsdecode(os.fspath(path)))
+    from taas_magic.writes import savers
+
+    return savers.share(path, "taas.shared")
 
 
 def own_device() -> Any:

@@ -80,6 +80,26 @@ def _probe_overlay_once() -> str | None:
     return output[-1] if output else f"the probe exited with code {run.returncode}"
 
 
+def resolve_shared(folders: tuple[str, ...], repository: str, cwd: str) -> tuple[str, ...]:
+    """``--shared``'s folders, absolute (relative ones from ``cwd``, the kernel's working directory).
+
+    Raises:
+        ValueError: a folder is outside the repository (where no write is diverted), or is the
+            repository itself (the write rule would be gone); the message names it.
+    """
+    resolved = []
+    for folder in folders:
+        full = os.path.realpath(os.path.join(cwd, os.path.expanduser(folder)))
+        if full == repository:
+            raise ValueError(f"--shared {folder}: that is the whole repository {repository}; "
+                             "name the folder of the checkpoint")
+        if not full.startswith(repository + os.sep):
+            raise ValueError(f"--shared {folder}: {full} is outside the repository {repository}, "
+                             "where every rank writes in place already")
+        resolved.append(full)
+    return tuple(resolved)
+
+
 def choose_rule(repository: str, wanted: str) -> "WriteRule":
     """The overlay where the host allows it (or ``wanted`` says python), else Python's."""
     if wanted == PYTHON:

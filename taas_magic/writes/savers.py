@@ -120,7 +120,7 @@ def _patch_dcp(module: ModuleType) -> None:
         _share_quietly(_writer_folder(self), DCP, _layout(self))
         return plan(self, *args, **kwargs)
 
-    writer_class.prepare_local_plan = prepare_local_plan  # type: ignore[method-assign]
+    writer_class.prepare_local_plan = prepare_local_plan  # type: ignore[method-assign]  # wrapped: the point
     async_save = state_dict_saver.async_save
 
     @functools.wraps(async_save)
@@ -137,7 +137,7 @@ def _patch_dcp(module: ModuleType) -> None:
         return response
 
     state_dict_saver.async_save = recognised_async_save
-    module.async_save = recognised_async_save  # type: ignore[attr-defined]
+    module.async_save = recognised_async_save  # type: ignore[attr-defined]  # the package's re-export, wrapped too
 
 
 # -- accelerate and the HF Trainer ----------------------------------------------------------------
@@ -151,7 +151,7 @@ def _patch_accelerate(module: ModuleType) -> None:
         _share_quietly(output_dir, "accelerate save_state", FILES_LAYOUT)
         return save_state(output_dir, *args, **kwargs)
 
-    module.save_accelerator_state = save_accelerator_state  # type: ignore[attr-defined]
+    module.save_accelerator_state = save_accelerator_state  # type: ignore[attr-defined]  # what save_state calls
 
 
 def _patch_trainer(module: ModuleType) -> None:

@@ -181,3 +181,101 @@ def test_a_rank_killed_mid_save_leaves_a_checkpoint_named_incomplete(kernel, rep
     assert len(lines) == 1, ran.stream("stderr")
     assert lines[0].startswith("taas: checkpoint ckpt/killed is incomplete: no .metadata: the save did not finish"), lines
     assert "__1_0.distcp (rank 1)" in lines[0]
+
+
+UNRECOGNISED = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+os.makedirs("parts", exist_ok=True)
+with open(f"parts/part-{rank}.bin", "wb") as f:   # a saver taas does not know: one file per rank
+    f.write(bytes([rank]) * 16)
+with open(f"stray-{rank}.txt", "w") as f:
+    f.write("stray")
+dist.destroy_process_group()
+"""
+
+
+def test_an_unrecognised_saver_lands_whole_with_shared(kernel, repo, mode):
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2 --shared parts\n" + UNRECOGNISED)
+    _ok(ran)
+    assert "written in place by every rank: parts" in ran.stream("stdout")
+    assert sorted(os.listdir(repo / "parts")) == ["part-0.bin", "part-1.bin"]
+    assert (repo / "parts" / "part-1.bin").read_bytes() == bytes([1]) * 16
+    assert not (repo / "stray-1.txt").exists()
+    assert "rank 1 tried to change 1 path(s)" in ran.stream("stderr")
+
+
+def test_taas_shared_from_the_cell_does_the_same(kernel, repo, mode):
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\nimport taas\ntaas.shared('parts')\n" + UNRECOGNISED)
+    _ok(ran)
+    assert sorted(os.listdir(repo / "parts")) == ["part-0.bin", "part-1.bin"]
+    assert not (repo / "stray-1.txt").exists()
+
+
+def test_without_shared_the_unrecognised_saver_keeps_rank_0s_file_only(kernel, repo, mode):
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\n" + UNRECOGNISED)
+    _ok(ran)
+    assert sorted(os.listdir(repo / "parts")) == ["part-0.bin"]
+
+
+def test_shared_outside_the_repository_is_one_line_and_launches_nothing(kernel, repo, mode):
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2 --shared /tmp\nprint('ran')")
+    assert ran.reply["status"] == "error"
+    assert "--shared /tmp: /tmp is outside the repository" in ran.error_text(), ran.error_text()
+    assert "ran" not in ran.stream("stdout")
+
+
+RESUMING = """
+import os, taas, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint import FileSystemWriter
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+state = {"model": model.state_dict(), "step": 0}
+resumed = taas.load_checkpoint(into=state) is not None
+model.load_state_dict(state["model"])
+start = state["step"]
+print(f"attempt {attempt} resumed at step {start}", flush=True)
+write = FileSystemWriter.write_data
+def write_then_die(self, *args, **kwargs):
+    done = write(self, *args, **kwargs)
+    if rank == 1 and attempt == 0 and state["step"] == 3:
+        os.kill(os.getpid(), 9)   # rank 1 dies mid-save: its part is written, .metadata never is
+    return done
+FileSystemWriter.write_data = write_then_die
+for step in range(start, 4):
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    state = {"model": model.state_dict(), "step": step + 1}
+    path = taas.save_checkpoint(state)
+final = {k: v.full_tensor() for k, v in model.state_dict().items()}
+dist.destroy_process_group()
+"""
+
+
+def test_restarts_resume_from_the_newest_whole_sharded_checkpoint(kernel, repo, mode):
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2 --restarts 1\n" + RESUMING)
+    _ok(ran)
+    out = ran.stream("stdout")
+    assert "attempt 0 resumed at step 0" in out and "attempt 1 resumed at step 2" in out, out
+    assert "incomplete" not in ran.stream("stderr")  # the torn step was removed by the next save
+    check = kernel.execute(
+        "import taas, torch\n"
+        "whole = taas.load_checkpoint()\n"
+        "assert whole['step'] == 4, whole['step']\n"
+        "assert all(torch.equal(whole['model'][k], final[k]) for k in final)\n"
+        "torch.manual_seed(0)\n"
+        "reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).state_dict()\n"
+        "for _ in range(4):\n    reference = {k: v + 1.0 for k, v in reference.items()}\n"
+        "assert all(torch.equal(final[k], reference[k]) for k in reference)\n"  # four steps, none twice
+        "print(sorted(name for name in os.listdir(os.path.dirname(taas.checkpoint_path())) if name[0] != '.'))"
+    )
+    _ok(check)
+    # steps 1 and 2 whole, the torn save of step 3 (number 3) removed by the next save; the newest two kept
+    assert "['checkpoint-000004', 'checkpoint-000005']" in check.stream("stdout"), check.stream("stdout")

@@ -26,12 +26,13 @@ def test_every_option_parses_and_sets_its_own_field():
     samples = {"--gpus": "2", "--device": "cpu", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
                "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": "",
                "--trials": "8", "--parallel": "2", "--objective": "acc", "--maximize": "", "--sampler": "grid",
-               "--prune": "halving", "--study": "s1"}
+               "--prune": "halving", "--study": "s1", "--shared": "ckpt,out/zero"}
     assert set(samples) == {option.flag for option in OPTIONS}
     searching = {"--trials", "--parallel", "--objective", "--maximize", "--sampler", "--prune", "--study"}
     parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items() if flag not in searching))
     assert (parsed.gpus, parsed.device, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.restarts,
-            parsed.per_host, parsed.place_timeout, parsed.output, parsed.detach) == (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all", True)
+            parsed.per_host, parsed.place_timeout, parsed.output, parsed.detach, parsed.shared) == \
+        (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all", True, ("ckpt", "out/zero"))
     search = parse_options("--gpus 2 " + " ".join(f"{flag} {samples[flag]}" for flag in sorted(searching)))
     assert (search.trials, search.parallel, search.objective, search.maximize, search.sampler, search.prune,
             search.study) == (8, 2, "acc", True, "grid", "halving", "s1")

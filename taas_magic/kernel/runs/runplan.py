@@ -35,7 +35,8 @@ from taas_magic.runspec import RunSpec
 from taas_magic.search.link import TrialLink
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import closure_route
-from taas_magic.writes.rule import WriteRule
+from taas_magic.transfer.sharded import gather_limit
+from taas_magic.writes.rule import WriteRule, resolve_shared
 
 INLINE_ALWAYS = 1 << 62  # a threshold no closure reaches: its bytes travel in the frames
 
@@ -72,11 +73,17 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         if holder is not None:
             raise LaunchError(gpus_held_text(holder.summary()))
         rule = session.write_rule()
-        spec = _spec(run, code, rule, context)
+        try:
+            shared = resolve_shared(settings.shared, rule.repository, os.getcwd())
+        except ValueError as exc:
+            raise LaunchError(f"taas: {exc}") from None
+        spec = _spec(run, code, rule, context, shared)
         tensor_bytes = memfile.layout([blob.nbytes for blob in run.packing.blobs])[1]
         route = closure_route(run.packing, spec.cuda_ipc, spec.result_file_bytes)
         closure_text = closure_size(len(run.packing.skeleton) + tensor_bytes, route)
+        in_place = "written in place by every rank: " + ", ".join(os.path.relpath(f, rule.repository) for f in shared)
         lines = [header_line(settings, backend.devices, spec.run_id, closure_text, why), rule.header(),
+                 in_place if shared else None,
                  backend.layout(), run.data.header() if run.data is not None else None]
         session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
         run.open(spec, rule, session.last_run)
@@ -85,12 +92,13 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
     return run
 
 
-def _spec(run: Run, code: CellCode, rule: WriteRule, context: PlanContext) -> RunSpec:
-    """What every rank receives: the cell, where it runs, and the run's data (checkpoints, seed)."""
+def _spec(run: Run, code: CellCode, rule: WriteRule, context: PlanContext, shared: tuple[str, ...]) -> RunSpec:
+    """What every rank receives: the cell, where it runs, and the run's data (checkpoints, seed, the gather's limit)."""
     run_id = secrets.token_hex(6)
     memfile.sweep_all()  # what a killed kernel left in /dev/shm
     backend, data = run.backend, run.data
     root = context.checkpoint_dir or os.path.join(rule.repository, ".taas", "checkpoints")
+    limit, why = gather_limit()
     return RunSpec(
         run_id=run_id, sys_path=tuple(sys.path), source=code.source, display_source=code.display_source,
         filename=code.filename, device=backend.devices.device, output=run.settings.output,
@@ -102,5 +110,6 @@ def _spec(run: Run, code: CellCode, rule: WriteRule, context: PlanContext) -> Ru
         checkpoints=os.path.join(os.path.realpath(os.path.expanduser(root)), run_id),
         trial=run.trial.number if run.trial is not None else None,
         post_mortem=bool(getattr(context.shell, "call_pdb", False)) and run.trial is None,  # IPython's %pdb on
-        keep_checkpoints=context.keep_checkpoints, seed=data.seed if data is not None else secrets.randbits(31),
+        gather_bytes=limit, gather_why=why,  # how much of a sharded name may come back whole to this host
+        keep_checkpoints=context.keep_checkpoints, shared=shared, seed=data.seed if data is not None else secrets.randbits(31),
     )

@@ -53,6 +53,7 @@ from taas_magic.protocol import (
     Display,
     Done,
     Exhausted,
+    FilePart,
     Prompt,
     Ready,
     Report,
@@ -96,7 +97,8 @@ class RunParts:
     suggest: SuggestAnswer = _not_a_search  # a search's trial: the value of each suggestion, the same for every rank
     prune_asked: Callable[[], bool] = lambda: False  # a search's pruner stopped this trial: every rank, at once
     prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/supervision/prompts.py)
-    saves: Callable[[int, CheckpointSaved], None] | None = None  # a collective save's folder, named by a rank (writes/)
+    # a collective save's folder, named by a rank; a piece of a file from a host that does not see the repository (writes/)
+    saves: Callable[[int, CheckpointSaved | FilePart], None] | None = None
 
 
 @dataclass
@@ -164,8 +166,10 @@ class Supervisor:
                 self.relay.feed(peer, stream, data)
             case OutputEnded(peer=peer, stream=stream):
                 self.relay.end_of_stream(peer, stream)
-            case FrameArrived(peer=peer, frame=frame):
-                self._route(peer, frame) if peer.is_rank else self._route_worker(peer, frame)
+            case FrameArrived(peer=peer, frame=frame) if peer.is_rank:
+                self._route(peer, frame)
+            case FrameArrived(peer=worker, frame=Ready() | Exhausted() | Done() as frame) if self.data is not None:
+                self._send_all(self.data.coordinator.on_worker(worker.index, frame))
             case PeerExited(peer=peer) if peer.is_rank:
                 self.debugging.exited(peer.index)
             case PeerConnected() if self.running is not None and self.mux.connected_ranks() == self.parts.ids.ranks:
@@ -195,12 +199,8 @@ class Supervisor:
                 self._send_all(self.data.coordinator.on_rank(rank.index, frame))
             case Prompt() | Resumed():
                 self.debugging.route(rank.index, frame)
-            case CheckpointSaved() if self.parts.saves is not None:
+            case CheckpointSaved() | FilePart() if self.parts.saves is not None:
                 self.parts.saves(rank.index, frame)
-
-    def _route_worker(self, worker: Peer, frame: protocol.ToKernel) -> None:
-        if isinstance(frame, (Ready, Exhausted, Done)) and self.data is not None:
-            self._send_all(self.data.coordinator.on_worker(worker.index, frame))
 
     def _send_all(self, sends: list[Send]) -> None:
         """What the coordinator answered; in the cluster mode deliveries wait for their elements to
