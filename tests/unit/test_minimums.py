@@ -2,16 +2,11 @@
 its second venv (tests/unit and the kernel tests marked ``minimums`` run there), names the same
 releases as pyproject.toml's ``>=`` for the package's dependencies and its [torch] extra."""
 
+import tomllib
 from pathlib import Path
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[2]
 
