@@ -80,6 +80,16 @@ def feed_screen(screen: Screen, entries: list[Entry]) -> Entry | None:
     return ended
 
 
+def error_pointer(ended: Entry, run_id: str) -> tuple[str, ...]:
+    """What a view says of a run that ended in an error: that it did, and where its error is. Never the
+    error itself: the cell (or ``%taas wait`` for a detached run) shows it once, and a page, or a notebook
+    saved and reopened, must not read the same traceback twice."""
+    if not ended.lines:
+        return ()
+    return (f"taas: the run {ended.text}; its error is in the cell's output (below this view, or where "
+            f"%taas wait {run_id} ran)",)
+
+
 def status_lines(displays: list[Entry]) -> tuple[dict[str, str], str]:
     """From the newest display of each id: the status lines (health, data) and the chart's SVG."""
     lines, chart = {}, ""
@@ -149,7 +159,7 @@ class TextView:
     def push(self, entries: list[Entry]) -> None:
         ended = feed_screen(self.screen, entries)
         if ended is not None:
-            self.state, self.error = ended.text, ended.lines
+            self.state, self.error = ended.text, error_pointer(ended, self.log.run_id)
         if time.monotonic() - self._shown_at >= 0.5:
             self._show(update=True)
 

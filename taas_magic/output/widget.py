@@ -26,7 +26,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from taas_magic.output.liveview import KEEP_LINES, Screen, entry_text, feed_screen, status_lines
+from taas_magic.output.liveview import KEEP_LINES, Screen, entry_text, error_pointer, feed_screen, status_lines
 from taas_magic.output.runlog import END, Entry, RunLog
 
 SNAPSHOT_SECONDS = 1.0
@@ -74,7 +74,7 @@ class LiveView(anywidget.AnyWidget):
     def push(self, entries: list[Entry]) -> None:
         ended = feed_screen(self._screen, entries)
         if ended is not None:
-            self.error = list(ended.lines)
+            self.error = list(error_pointer(ended, self.run_id))
             self.state = ended.text
         self._state_from_displays()
         self.send({"entries": shown_entries(entries)})

@@ -160,3 +160,35 @@ def _shell_replies(kernel, timeout: float = 0.01) -> list[dict]:
         return [kernel.client.get_shell_msg(timeout=timeout)]
     except queue.Empty:
         return []
+
+
+def test_a_failing_runs_view_points_at_its_error_and_does_not_repeat_it(new_kernel):
+    """The cell's error box shows the traceback once; the live view above it says the run failed and
+    where the error is (on a JupyterLab page, and in a notebook saved with its widget state)."""
+    kernel = new_kernel()
+    _as_a_widget_page(kernel)
+    kernel.execute("1")
+    msg_id, _ = kernel.submit("#pragma taas --device cpu --gpus 2\nimport os\n"
+                              "if os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n")
+    comm_id, state, error = None, {}, None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "comm_open" and "run_id" in content["data"].get("state", {}):
+            comm_id = content["comm_id"]
+            state.update(content["data"]["state"])
+        elif kind == "comm_msg" and content["comm_id"] == comm_id and content["data"].get("method") == "update":
+            state.update(content["data"]["state"])
+        elif kind == "error" and msg["parent_header"].get("msg_id") == msg_id:
+            error = "\n".join(content["traceback"])
+        if error is not None and state.get("state") == "failed":  # the view's last update may follow the error
+            break
+    assert error is not None and "rank 1 fails on purpose" in error  # the cell's error box: the traceback, once
+    assert state.get("state") == "failed", state
+    assert state["error"] == [f"taas: the run failed; its error is in the cell's output (below this view, or where "
+                              f"%taas wait {state['run_id']} ran)"], state["error"]
+    assert "fails on purpose" not in "\n".join(state["lines"])  # nor in the view's text
