@@ -41,15 +41,15 @@ def _label(name: str) -> str:
 
 
 def report(failed: Sequence[tuple[str, str, str]], notes: Sequence[tuple[str, str, str]]) -> None:
-    """One line for what did not come back, one for what came back as something else."""
+    """One line for what did not come back (a warning: stderr), one for what came back as something else
+    (information: stdout, which Jupyter does not paint as an error)."""
     if failed:
         listed = ", ".join(f"{_label(name)} ({type_name}: {reason})" for name, type_name, reason in failed)
         noun = "name" if len(failed) == 1 else "names"
         print(f"taas: {len(failed)} {noun} could not come back from rank 0 (the notebook keeps what it had): {listed}",
               file=sys.stderr)
     if notes:
-        print("taas: " + "; ".join(f"{_label(name)}: {_short(type_name)}, {note}" for name, type_name, note in notes),
-              file=sys.stderr)
+        print("taas: " + "; ".join(f"{_label(name)}: {_short(type_name)}, {note}" for name, type_name, note in notes))
 
 
 def take_device_copies(message: Result) -> tuple[bytes, Result | None] | None:
@@ -105,7 +105,7 @@ def apply_results(user_ns: dict[str, Any], message: Result | None, shipped: Pack
         return None
     line = cuda_line(message)  # before anything here initialises CUDA (the reason may be that it was not)
     if line is not None:
-        print(line, file=sys.stderr)
+        print(line)  # how the CUDA tensors came (information, not an error)
     data = message.data
     try:
         buffer = memfile.open_data(data, private=False)

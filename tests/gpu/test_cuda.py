@@ -100,7 +100,7 @@ ddp_model
 """
     )
     assert ran.reply["status"] == "ok", ran.error_text()
-    assert "ddp_model: DistributedDataParallel, came back as its module" in ran.stream("stderr")
+    assert "ddp_model: DistributedDataParallel, came back as its module" in ran.stream("stdout")
     check = gpu_kernel.execute(
         "assert ddp_model is model and opt.param_groups[0]['params'][0] is model.weight\n"
         "print(model.weight.device, big.device, float(big.sum()))"

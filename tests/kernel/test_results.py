@@ -163,8 +163,8 @@ def test_what_rank_0_binds_arrives_in_the_notebook(kernel, case):
         assert CASES_REASONS[case] in reported, reported
     else:
         assert "could not come back" not in stderr, stderr
-    if note is not None:
-        assert f"taas: {note}" in stderr, stderr
+    if note is not None:  # information, not an error: stdout, which Jupyter does not paint red
+        assert f"taas: {note}" in ran.stream("stdout") and note not in stderr, ran.stream()
     checked = kernel.execute(check.replace("{out}", f"Out[{ran.reply['execution_count']}]"))
     assert checked.reply["status"] == "ok", checked.error_text()
 
