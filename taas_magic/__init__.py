@@ -3,6 +3,11 @@
 ``%load_ext taas_magic`` registers the ``%%taas``/``%taas`` magics and the input
 transformer that routes ``#pragma taas`` cells to ``%%taas``; ``%unload_ext taas_magic``
 removes all of it. This module imports nothing heavy: ranks import the package too.
+
+The kernel **Python 3 (taas)** calls :func:`load_ipython_extension` from its start-up lines
+(jupyter-config/kernels/taas/kernel.json), not as ``--ext=taas_magic``: IPython's extension
+manager would then remember the name, and a notebook's own first cell, ``%load_ext taas_magic``,
+would print "already loaded". Called again for a shell it serves, it does nothing, silently.
 """
 
 from __future__ import annotations

@@ -5,6 +5,5 @@ line commands, ``runcommands.py`` those about one run (attach, wait, stop); ``se
 ``TaasMagics`` traits made from the option table; ``status.py`` ``%taas help``, ``status`` and
 ``runs``; ``debug.py`` ``%debug`` and ``%taas debug`` after a rank failed; ``fromcode.py``
 what ``taas.wait()``, ``taas.trials()``, ``taas.metrics()`` and the notebook's ``taas.load_checkpoint()``
-read from the loaded extension's session; ``preload.py`` the name the taas kernel loads the
-extension by, so that a notebook's own ``%load_ext taas_magic`` prints nothing there.
+read from the loaded extension's session.
 """
