@@ -104,8 +104,8 @@ def apply_results(user_ns: dict[str, Any], message: Result | None, shipped: Pack
     if message is None:
         return None
     line = cuda_line(message)  # before anything here initialises CUDA (the reason may be that it was not)
-    if line is not None:
-        print(line)  # how the CUDA tensors came (information, not an error)
+    if line is not None:  # device to device is information; a fall-back through host memory, a warning
+        print(line, file=sys.stderr if message.cuda_host[0] else sys.stdout)
     data = message.data
     try:
         buffer = memfile.open_data(data, private=False)

@@ -215,7 +215,7 @@ def test_results_copied_device_to_device_are_bound_on_the_kernels_copies(monkeyp
     apply_results(ns, whole)
     assert torch.equal(ns["t"], t) and ns["t"].untyped_storage().data_ptr() == copies[0].data_ptr()
     assert ns["alias"].untyped_storage().data_ptr() == copies[0].data_ptr()  # views of one storage stay views
-    assert "taas: 1 CUDA tensor(s), 262.1 kB, came back device to device (CUDA IPC)" in capsys.readouterr().err
+    assert "taas: 1 CUDA tensor(s), 262.1 kB, came back device to device (CUDA IPC)" in capsys.readouterr().out
 
 
 def test_the_supervisor_keeps_only_a_whole_result_and_answers_rank_0(monkeypatch):
