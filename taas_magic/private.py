@@ -32,6 +32,8 @@ ANYWIDGET = "0.9.0, 0.11.0"
 IPYWIDGETS = "8.1.9"
 TORCH = "2.13.0 (the CPU build: the CUDA IPC calls' results only by tests/gpu, on a GPU host)"
 RAY = "2.60.0"
+ACCELERATE = "1.15.0"
+TRANSFORMERS = "5.24.0"
 PYTHON = "3.10.13, 3.11.7"
 
 
@@ -183,6 +185,24 @@ PRIVATE: tuple[Private, ...] = (
             "comes back as its .module when whole in rank 0 (NO_SHARD or a world of one, use_orig_params=True)",
             "transfer/unwrap.py", attributes=("module", "_use_orig_params", "sharding_strategy", "world_size"),
             by_path=True, set_in=("torch.distributed.fsdp._init_utils",)),
+    # -- torch: a sharded module made ordinary again in rank 0, once its DTensors are gathered (FSDP2, tensor parallel)
+    Private("torch.nn.Module", "torch", TORCH,
+            "its hook tables, by key: the hooks sharding attached (FSDP2's forward, state dict and load hooks, tensor "
+            "parallel's) taken off a module that comes back whole, with their with-kwargs and always-called flags",
+            "transfer/unshard.py",
+            attributes=("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+                        "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                        "_load_state_dict_post_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                        "_forward_hooks_always_called")),
+    Private("torch.nn.modules.module._WrappedHook", "torch", TORCH,
+            "a load_state_dict hook's wrapper: its .hook is the function we ask sharding attached or not",
+            "transfer/unshard.py", attributes=("hook",)),
+    Private("torch.distributed._composable.contract.generate_state_key", "torch", TORCH,
+            "the prefix of the __dict__ keys where fully_shard keeps its state on a module: removed with it",
+            "transfer/unshard.py", params=("string",), mentions=("__composable_api_state_key",)),
+    Private("torch.distributed.fsdp._fully_shard._fully_shard", "torch", TORCH,
+            "fully_shard sets these flags on every module it manages (for dynamo): removed with its state",
+            "transfer/unshard.py", mentions=("_is_fsdp_managed_module", "_fsdp_use_orig_params")),
     # -- torch.distributed: nccl served by gloo on a host without GPUs (the functions are replaced on the module)
     Private("torch.distributed.distributed_c10d.init_process_group", "torch", TORCH,
             "replaced on torch.distributed and distributed_c10d: backend 'nccl' becomes 'gloo'", "rank/devices.py",
@@ -202,6 +222,20 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch._C._distributed_c10d.Backend.Options", "torch", TORCH,
             "a backend's timeout now (gloo's and NCCL's options): put back once no rank is in pdb; "
             "without it the raised timeout stays", "rank/cellpdb.py", attributes=("_timeout",)),
+    # -- accelerate and the HF Trainer: the folder of their per-rank files, written in place (the [test] extra runs them)
+    Private("accelerate.accelerator.save_accelerator_state", "accelerate", ACCELERATE,
+            "replaced in accelerate.accelerator's namespace: Accelerator.save_state calls it with the folder where every "
+            "rank writes its random_states_{i}.pkl, which is shared first", "writes/savers.py",
+            params=("output_dir", "process_index")),
+    Private("accelerate.accelerator.Accelerator.save_state", "accelerate", ACCELERATE,
+            "calls save_accelerator_state by its name in the module (what we replace); without it rank 1's "
+            "random_states_1.pkl stays in its private layer", "writes/savers.py", mentions=("save_accelerator_state",)),
+    Private("transformers.trainer.Trainer._save_rng_state", "transformers", TRANSFORMERS,
+            "wrapped: its output_dir (a checkpoint-N folder) is shared before every rank writes its rng_state_{i}.pth",
+            "writes/savers.py", params=("output_dir",)),
+    Private("transformers.trainer.Trainer._save_checkpoint", "transformers", TRANSFORMERS,
+            "calls _save_rng_state for each checkpoint on every rank: where the wrapper is reached", "writes/savers.py",
+            mentions=("_save_rng_state",)),
     # -- Ray (the [ray] extra)
     Private("ray._private.state.state.available_resources_per_node", "ray", RAY,
             "each node's free GPUs and CPUs, for %taas status and placement", "launch/attachment.py"),

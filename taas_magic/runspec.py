@@ -96,5 +96,7 @@ class RunSpec:
     keep_checkpoints: int = 2  # the newest kept in it
     trial: int | None = None  # the search's trial number this run is (kernel/trials/searchrun.py); None: not a trial
     post_mortem: bool = False  # IPython's %pdb on: a rank that raises opens a prompt at its failing frame first
+    gather_bytes: int = 0  # sharded names come back whole up to this many bytes, then as handles (transfer/sharded.py); 0: no cap
+    gather_why: str = ""  # where that limit comes from, for the line that says a name became a handle
     shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (absolute; writes/savers.py)
     seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k

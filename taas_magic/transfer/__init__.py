@@ -25,4 +25,10 @@ kernel binding it in the notebook. ``records.py`` is the data workers' element f
 
 ``unwrap.py`` says which wrappers (DistributedDataParallel, ``torch.compile``'s
 OptimizedModule, FSDP) travel as the module they wrap.
+
+Sharded names (an FSDP2 or DTensor-sharded module, a state dict of DTensors) are made whole
+before rank 0 packs them: ``sharded.py`` is every rank's gather after the cell (the names agreed,
+then each DTensor's ``full_tensor()`` in turn, rank 0 keeping CPU copies), ``unshard.py`` makes
+rank 0's module an ordinary one again, and ``dcphandle.py`` is the handle a name too big for the
+notebook's host becomes, to the DCP checkpoint the ranks wrote for it.
 """

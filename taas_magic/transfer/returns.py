@@ -1,11 +1,12 @@
 """What rank 0 sends back: the names its cell bound or changed, and its final value.
 
-Before the cell, rank 0 notes the identity of every name in its namespace. After it, it
-pickles once (transfer/pack.py), in this order: every shipped value as the kernel
-shipped it (the object it received, whatever name holds it now), then the names that
-are new or rebound, then the final value. Because the shipped values come first and in
-the kernel's order, a shipped value the cell did not touch pickles to the very bytes
-the kernel sent: its segment's digest equals the one the kernel vouched for, and each
+Before the cell, every rank notes the identity of every name in its namespace (so every rank
+knows the names its cell bound, which the ranks gather whole when they are sharded:
+transfer/sharded.py). After it, rank 0 pickles once (transfer/pack.py), in this order: every
+shipped value as the kernel shipped it (the object it received, whatever name holds it now),
+then the names that are new or rebound, then the final value. Because the shipped values
+come first and in the kernel's order, a shipped value the cell did not touch pickles to the
+very bytes the kernel sent: its segment's digest equals the one the kernel vouched for, and each
 tensor it holds is still the shipped storage with the same bytes: no page of it was
 written (the page map of the copy-on-write mapping says so at once), or else its bytes
 equal the kernel's file (never pickled again). Such a value is not sent back, and the notebook
@@ -214,13 +215,24 @@ class Returns:
 @dataclass(frozen=True)
 class CellResults:
     """What rank 0's cell left to send back: its namespace, the names it bound or changed and
-    those it deleted (:func:`changed_names`), and its final value when it has one to show."""
+    those it deleted (:func:`changed_names`), and its final value when it has one to show; the
+    gather of sharded names (transfer/sharded.py) adds what it says of each, and those it left out."""
 
     namespace: dict[str, Any]
     changed: list[str]
     deleted: list[str]
     final: Any = None
     has_final: bool = False  # False: no last expression, or the cell ends with ";"
+    notes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # name -> (its type in the rank, a line)
+    failed: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (name, type, why): not sent
+
+
+def _noted(segment: Segment, notes: dict[str, tuple[str, str]]) -> Segment:
+    """``segment`` with its type and note as the gather of sharded names said them (none: as packed)."""
+    if segment.name not in notes:
+        return segment
+    type_name, note = notes[segment.name]
+    return dataclasses.replace(segment, type_name=type_name, note=note)
 
 
 def pack_returns(results: CellResults, closure: dict[str, Any], received: ReceivedClosure,
@@ -229,8 +241,9 @@ def pack_returns(results: CellResults, closure: dict[str, Any], received: Receiv
     the rank ``received`` (``loaders``: the registered loaders, by index); :meth:`Returns.message`
     is the ``Result`` frame."""
     namespace = results.namespace
+    left_out = {name for name, _, _ in results.failed}
     items = [(name if namespace.get(name, _ABSENT) is closure[name] else SHIPPED.format(name), closure[name])
-             for name in received.names]
+             for name in received.names if name not in left_out]
     items += [(name, namespace[name]) for name in results.changed]
     if results.has_final:
         items.append((FINAL, results.final))
@@ -243,8 +256,8 @@ def pack_returns(results: CellResults, closure: dict[str, Any], received: Receiv
     places, to_write = _places(packing, included, bound, shipped)
     head = {
         "skeleton": packing.skeleton[: included[-1].end] if included else b"",
-        "segments": [dataclasses.replace(segment, bind=b) for segment, b in zip(included, bound)],
-        "failed": packing.failed,
+        "segments": [_noted(dataclasses.replace(segment, bind=b), results.notes) for segment, b in zip(included, bound)],
+        "failed": [*results.failed, *packing.failed],
         "deleted": results.deleted,
     }
     return Returns(packing, head, places, to_write, spec)

@@ -1,0 +1,56 @@
+"""The default process group outlives the cell while its sharded names are gathered.
+
+Cells end with ``dist.destroy_process_group()``, but the ranks gather rank 0's sharded names
+after the cell (transfer/sharded.py), over that group. So in a rank, once ``torch.distributed``
+is imported (:func:`defer_destroy`, installed by rank/main.py), ``destroy_process_group()`` of
+the default group, in a cell that has imported ``torch.distributed.tensor`` (FSDP2 and DTensor
+import it), only notes that it was asked for; :func:`finish_destroy` does it for real once the
+gather is done. An ``init_process_group`` after a deferred destroy does the destroy first, so a
+cell that destroys and starts again works as before. Any other group, and any cell that never
+imported DTensor, is destroyed at once, as without taas.
+
+Runs on the cell's thread (the wrappers) and the rank's main thread after the cell.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+DTENSOR = "torch.distributed.tensor"
+
+_destroy: Callable[[], Any] | None = None  # the default group's destroy, asked for and deferred
+
+
+def defer_destroy(dist: ModuleType) -> None:
+    """Wrap ``dist.destroy_process_group`` and ``dist.init_process_group`` (see the module docstring)."""
+    original, init = dist.destroy_process_group, dist.init_process_group
+    if getattr(original, "__taas_deferred__", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        global _destroy
+        if (group is None or group is dist.group.WORLD) and DTENSOR in sys.modules and dist.is_initialized():
+            _destroy = original
+            return None
+        return original(group)
+
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        finish_destroy()
+        return init(*args, **kwargs)
+
+    destroy_process_group.__taas_deferred__ = True  # type: ignore[attr-defined]  # a marker: wrapped once only
+    for name, wrapper in (("destroy_process_group", destroy_process_group), ("init_process_group", init_process_group)):
+        setattr(dist, name, wrapper)  # on the module the cell calls them from, as rank/devices.py does
+
+
+def finish_destroy() -> None:
+    """The deferred destroy, done now (nothing when none waits)."""
+    global _destroy
+    destroy, _destroy = _destroy, None
+    if destroy is not None:
+        destroy()
