@@ -1,9 +1,8 @@
 """Every frame between the kernel and its peers (ranks, data workers), one frozen dataclass each.
 
-A frame says its direction by its base class: :class:`ToPeer` (the kernel sends it, a rank
-or worker reads it) or :class:`ToKernel`; its ``KIND`` is the short name written in the
-clear in the frame's body (wire.py: ``kind_len | kind | pickle``). Senders build frames and
-readers dispatch on their type (``match frame: case Report(): ...``), never on a string.
+A frame says its direction by its base class: :class:`ToPeer` (the kernel sends it, a rank or worker reads it) or
+:class:`ToKernel`; its ``KIND`` is the short name written in the clear in the frame's body (wire.py: ``kind_len | kind |
+pickle``). Senders build frames and readers dispatch on their type (``match frame: case Report(): ...``), never on a string.
 
 Kernel -> peer::
 
@@ -34,13 +33,12 @@ Peer -> kernel::
     Prompt          pdb's output since its last command, and its prompt: a line is wanted    a rank
     Resumed         the rank left pdb (continue, or nobody to prompt)                          a rank
     CheckpointSaved a collective save's folder, written in place by every rank (writes/savers.py)  a rank
+    FilePart        a piece of a file for the repository, from a host that does not see it (writes/outbox.py)  a rank
 
-IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a
-body whose MAC wire.py verified; it refuses a kind it does not know or that travels the
-other way (:class:`ProtocolError`) before anything is unpickled, and a pickle that is not
-the frame its kind names after. Frames are pickled whole (protocol 5, as the spec always
-was): a frame costs its pickle and nothing more, so the hot ones (Report, Elements, Want)
-pay no conversion on either side.
+IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a body whose MAC wire.py verified;
+it refuses a kind it does not know or that travels the other way (:class:`ProtocolError`) before anything is unpickled, and
+a pickle that is not the frame its kind names after. Frames are pickled whole (protocol 5, as the spec always was): a frame
+costs its pickle and nothing more, so the hot ones (Report, Elements, Want) pay no conversion on either side.
 """
 
 from __future__ import annotations
@@ -287,6 +285,16 @@ class CheckpointSaved(ToKernel, kind="checkpoint"):
     folder: str  # absolute, as the rank sees it (under the repository)
     saver: str  # who saves: "torch.distributed.checkpoint", "accelerate save_state", ...
     layout: str  # "dcp": a .metadata lists its parts; "files": per-rank files only
+
+
+@dataclass(frozen=True)
+class FilePart(ToKernel, kind="file-part"):
+    """Bytes ``offset``.. of a file an away rank wrote (writes/outbox.py), for the repository (writes/landing.py)."""
+
+    path: str  # relative to the repository
+    offset: int
+    data: bytes  # at most outbox.CHUNK: a file never sits whole in memory on either side
+    last: bool  # the file is whole: the kernel moves it into place
 
 
 @dataclass(frozen=True)

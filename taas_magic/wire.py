@@ -83,6 +83,8 @@ class Placement:
     repository: str | None = None
     layer: str | None = None  # its private scratch layer: writes under the repository land here
     write_mode: str | None = None  # "overlay" or "python" (writes/rule.py)
+    marker: str | None = None  # a cluster run's marker in the repository: a host that does not see it is away (writes/away.py)
+    away: str | None = None  # set by an away host's agent: the notebook's repository, where this rank's files are sent
 
     def line(self) -> str:
         return json.dumps(asdict(self))

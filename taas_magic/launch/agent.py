@@ -3,7 +3,9 @@
 The agent runs :class:`~taas_magic.launch.local.LocalProcessGroup` on its host, so ranks there
 are started, isolated (the write rule) and stopped exactly as in the local mode: fresh
 ``python -m taas_magic.rank`` processes in their own sessions, a stdin lifeline, the
-INT -> TERM -> KILL ladder. What the agent adds is the way back to the kernel:
+INT -> TERM -> KILL ladder. A host that does not see the notebook's repository (the run's marker
+is not there: writes/away.py) gives every rank a layer, rank 0's too, and the ranks send what is
+the repository's to the kernel as they end. What the agent adds is the way back to the kernel:
 
 - each rank's stdout and stderr are pumped, bytes unchanged, into one TCP connection each
   to the kernel's output hub (``launch/outputhub.py``), so the supervisor reads them as it reads
@@ -38,6 +40,7 @@ from taas_magic.launch.rankenv import reserve_port, visible_gpu_count
 from taas_magic.peers import STREAMS, HubChannels
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.tempdirs import remove_tree
+from taas_magic.writes.away import settle
 
 
 def connect_channel(hub: wire.Handshake, channel: int, timeout: float = 30) -> socket.socket:
@@ -58,6 +61,7 @@ class HostAgent:
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
         self._made_dirs: list[str] = []
+        self._away: list[str] = []  # this attempt's folders for a repository this host does not see (writes/away.py)
         self._mirror: tuple[CacheDirs, SegmentWriter] | None = None  # records copied to this host
         self._owners: set[str] = set()  # the TAAS_OWNER tags of what this agent started
         self._first_rank = 0
@@ -86,6 +90,11 @@ class HostAgent:
         made here too if this is another host, and removed at :meth:`close`.
         """
         cwd = plan.cwd if os.path.isdir(plan.cwd) else tempfile.gettempdir()
+        away = settle(list(plan.places), plan.cwd)  # None: this host sees the notebook's repository
+        if away is not None:  # its ranks write in layers here, and send what is the repository's (writes/away.py)
+            self._away.append(away.root)
+            cwd = away.cwd
+            plan = dataclasses.replace(plan, places=[away.place(place) for place in plan.places])
         layers = [place.layer for place in plan.places if place.layer]
         stacks = {os.path.dirname(path) for path in plan.stack_files}
         self._owners = {env[OWNER_VARIABLE] for env in plan.envs if env.get(OWNER_VARIABLE)}
@@ -174,6 +183,9 @@ class HostAgent:
             self.group = None
         for owner in self._owners:
             kill_tagged(owner)  # what they started and left, on this host
+        for path in self._away:  # what they wrote for the repository was sent as each ended; Ray kills agents unclosed
+            remove_tree(path)
+        self._away = []
         for sock in self._sockets:
             sock.close()
         self._threads, self._sockets = [], []

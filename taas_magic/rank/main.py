@@ -12,7 +12,10 @@ stdin. The rank then:
    spec on, the kernel can read where the rank is (the hang autopsy, autopsy/dump.py), and
    the run's data (checkpoint folder, seed) comes from the spec, never the environment;
 3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
-4. rank 0 sends back what the cell bound (transfer/returns.py); a failing rank sends its traceback;
+4. every rank gathers the sharded names its cell bound (transfer/sharded.py: the default group's
+   destroy waits for that, rank/groups.py), and rank 0 sends back what the cell bound
+   (transfer/returns.py); a failing rank sends its traceback; a rank on a host that does not see
+   the repository also sends what it wrote for it (writes/outbox.py): last, or before its traceback;
 5. exits through ``startup.finish`` (0, or 1 when the cell raised), so no atexit hook or
    non-daemon thread of the cell can hang the run.
 """
@@ -31,13 +34,13 @@ from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
 from taas_magic.protocol import Hold, PeerChannel, RankError, Spec, Suggest, Suggested
-from taas_magic.rank import cellpdb, execute, identity, lifeline, lightning, shell, startup
+from taas_magic.rank import cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
-from taas_magic.transfer import cudaipc, memfile, returns
+from taas_magic.transfer import cudaipc, memfile, returns, sharded
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
-from taas_magic.writes import savers
+from taas_magic.writes import outbox, savers
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
@@ -51,6 +54,7 @@ def _send_error(channel: PeerChannel, summary: str, text: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     startup.flush_output()
     reports.flush()
+    outbox.ship(channel.send)  # on a host that does not see the repository: its saves so far, before the report
     try:
         channel.send(RankError(summary, text, signature, frames))
     except OSError:
@@ -75,10 +79,11 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
     identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     reports.start(channel)
-    savers.install(channel.send, spec.shared)  # collective checkpoints: every rank's part in place (writes/)
+    savers.install(outbox.for_kernel(channel.send), spec.shared)  # collective checkpoints: every rank's part in place (writes/)
     search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
     cellpdb.install(cellpdb.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
+    when_imported("torch.distributed", groups.defer_destroy)  # the default group outlives the cell's sharded names' gather
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
@@ -156,12 +161,26 @@ def _frames(error: BaseException, filename: str) -> tuple:
 
 
 def _cell_results(spec: RunSpec, namespace: dict, before: dict[str, int], final: object) -> returns.CellResults:
-    """Rank 0: what the cell bound or changed since ``before`` (its snapshot), what it deleted, and
+    """Every rank: what the cell bound or changed since ``before`` (its snapshot), what it deleted, and
     its final value unless there is none or the cell ends with ``;``."""
     private = shell.hidden_names() | {"get_ipython", "__builtins__"}
     names, deleted = returns.changed_names(namespace, before, private)
     has_final = final is not execute.NO_VALUE and not spec.suppress_final
     return returns.CellResults(namespace, names, deleted, final, has_final)
+
+
+def _bring_whole(spec: RunSpec, channel: PeerChannel, results: returns.CellResults, closure: dict,
+                 rank: int) -> tuple[returns.CellResults, dict]:
+    """Every rank: sharded names gathered whole for rank 0 (transfer/sharded.py), then the
+    default group's deferred destroy done (rank/groups.py)."""
+    try:
+        return sharded.bring_whole(results, closure, spec, rank)
+    except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
+        _send_error(channel, f"could not gather its sharded names: {type(exc).__name__}: {exc}",
+                    execute.format_cell_traceback(exc, spec.filename))
+        startup.finish(EXIT_CELL_RAISED)
+    finally:
+        groups.finish_destroy()
 
 
 def _send_results(spec: RunSpec, inbox: Inbox, results: returns.CellResults, closure: dict,
@@ -193,7 +212,7 @@ def _send_results(spec: RunSpec, inbox: Inbox, results: returns.CellResults, clo
 def main() -> None:
     channel = startup.begin(spare="--spare" in sys.argv)
     rank = int(os.environ["RANK"])
-    spec = channel.expect(Spec).spec  # the kernel sends it as soon as we connect
+    spec = outbox.here(channel.expect(Spec).spec)  # the kernel sends it as soon as we connect (its folders as this host has them)
     stacks.arm(stacks.stack_file(spec.stacks_dir, rank) if spec.stacks_dir else "")  # the hang autopsy, from here on
     received = receive_closure(channel, keep_original=rank == 0, own_gpu=spec.device == "cuda")
     sys.path[:] = spec.sys_path
@@ -204,11 +223,13 @@ def main() -> None:
     closure, loaders = _load_closure(spec, channel, inbox, received)
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
-    before = returns.snapshot(module.__dict__) if rank == 0 else {}
+    before = returns.snapshot(module.__dict__)  # every rank: the names its cell binds, for the gather
     final = _run(spec, channel, module)
     savers.finish()  # a pending async_save's parts are whole before the rank ends
     reports.flush()  # the last reports reach the chart before the results
+    results, closure = _bring_whole(spec, channel, _cell_results(spec, module.__dict__, before, final), closure, rank)
     if rank == 0:
-        _send_results(spec, inbox, _cell_results(spec, module.__dict__, before, final), closure, received, loaders)
+        _send_results(spec, inbox, results, closure, received, loaders)
+    outbox.ship(channel.send)  # on a host that does not see the repository: what the rank wrote for it (writes/)
     channel.close()
     startup.finish(0)

@@ -9,7 +9,9 @@ each step needs the one before:
 1. forks the watchdog while the process is single-threaded (lifeline.py);
 2. reads the handshake (a spare first imports torch, then waits here) and its placement;
 3. applies the write rule when its placement has one (a private layer over the
-   repository: before any thread starts, since ``unshare`` needs a single thread);
+   repository: before any thread starts, since ``unshare`` needs a single thread); on a
+   host that does not see the notebook's repository, rank 0 too, and what is the
+   repository's is sent to the kernel as the rank ends (writes/outbox.py);
 4. holds the lifeline and dies with its parent (and, as a child subreaper, keeps what
    the cell starts among its descendants even when it leaves the session: finish ends them);
 5. connects to the kernel and proves the key (wire.py), as peer ``peer_id``; the channel
@@ -67,6 +69,10 @@ def begin(*, spare: bool = False) -> protocol.PeerChannel:
     place = wire.Placement.parse(lifeline.read_first_line())
     if place.layer and place.repository:
         isolate_writes(place.repository, place.layer, place.write_mode, place.who)
+    if place.away:  # a host that does not see the notebook's repository: what is its, sent as the rank ends
+        from taas_magic.writes import outbox
+
+        outbox.enter(place)
     if spare:
         spare_start.use_launch_threads()
     lifeline.hold_lifeline()

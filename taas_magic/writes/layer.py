@@ -43,6 +43,7 @@ class Layer:
         os.makedirs(self.upper, exist_ok=True)
         self.real_open = builtins.open  # taken now, before divert.py patches them
         self.real_unlink = os.unlink
+        self.real_mkdir = os.mkdir  # writes/shared.py makes a shared directory in the repository itself
         self.real_rmtree = shutil.rmtree
 
     def relative(self, path: Any) -> str | None:
@@ -114,8 +115,13 @@ class Layer:
         upper's, less the deleted (``listdir``: the unpatched one)."""
         names = set()
         base = os.path.join(self.repository, relative)
-        if os.path.isdir(base) and not self.is_deleted(relative):
-            names.update(listdir(base))
+        if not self.is_deleted(relative):
+            # IMPORTANT: not os.path.isdir(base): its stat is diverted, and sees the upper's copy of a
+            # directory this rank made that the repository lacks (yet: rank 0 makes it in a moment).
+            try:
+                names.update(listdir(base))
+            except (FileNotFoundError, NotADirectoryError):
+                pass
         upper = os.path.join(self.upper, relative)
         if os.path.isdir(upper):
             names.update(listdir(upper))

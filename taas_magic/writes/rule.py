@@ -140,11 +140,14 @@ class ScratchLayers:
         for path in (*self.dirs.values(), *self.worker_dirs.values()):
             os.mkdir(path, 0o700)
 
-    def report(self, repository: str) -> list[str]:
-        """One line per rank whose writes were diverted: how many changes, the first path."""
+    def report(self, repository: str, shared: tuple[str, ...] = ()) -> list[str]:
+        """One line per rank whose writes were diverted: how many changes, the first path. ``shared``: the
+        folders written in place (absolute; writes/savers.py), and the folders above them, are not changes:
+        the overlay's mount points for them stay in a rank's layer, also once rank 0 rotated them away."""
         lines = []
         named = [(f"rank {rank}", path) for rank, path in self.dirs.items()]
         named += [(f"data worker {worker}", path) for worker, path in self.worker_dirs.items()]
+        written_in_place = [os.path.relpath(folder, repository) for folder in shared]
         for who, path in named:
             log = os.path.join(path, "changes.log")  # kept by the Python diversion
             if os.path.exists(log):
@@ -152,6 +155,7 @@ class ScratchLayers:
                     changes = [line.rstrip("\n") for line in handle]
             else:
                 changes = _changes(os.path.join(path, "upper"), repository)
+            changes = [change for change in changes if not _in_or_above(change, written_in_place)]
             if changes:
                 lines.append(
                     f"taas: {who} tried to change {len(changes)} path(s) in the repository; "
@@ -161,6 +165,12 @@ class ScratchLayers:
 
     def remove(self) -> None:
         remove_tree(self.root)
+
+
+def _in_or_above(relative: str, folders: list[str]) -> bool:
+    """Whether ``relative`` is one of ``folders``, under one, or a folder above one."""
+    return any(relative == folder or relative.startswith(folder + os.sep) or folder.startswith(relative + os.sep)
+               for folder in folders)
 
 
 def _changes(upper: str, repository: str) -> list[str]:

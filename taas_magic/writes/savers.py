@@ -142,7 +142,7 @@ def _patch_dcp(module: ModuleType) -> None:
 
 # -- accelerate and the HF Trainer ----------------------------------------------------------------
 def _patch_accelerate(module: ModuleType) -> None:
-    save_state = getattr(module, "save_accelerator_state", None)
+    save_state = getattr(module, "save_accelerator_state", None)  # undocumented: see taas_magic/private.py
     if save_state is None:
         return
 

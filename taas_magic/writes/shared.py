@@ -14,6 +14,8 @@ everything it starts; every other path stays diverted.
   subprocess (DCP's process executor), reaches the repository; the host's mounts are untouched.
 - **Python.** The layer passes paths under a shared directory through (writes/layer.py).
 - **Rank 0, and processes without the rule.** Nothing to do: they write in place already.
+- **A host that does not see the repository** (writes/away.py): the folder is only recorded, and
+  stays in the rank's layer, from where writes/outbox.py sends it to the kernel.
 
 A deletion under a shared directory acts on the repository too, so rotating checkpoints is
 rank 0's job, as torchtitan, accelerate, the HF Trainer and Lightning do it.
@@ -26,6 +28,10 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from taas_magic.writes.layer import Layer
 
 MS_BIND = 0x1000
 MS_REC = 0x4000
@@ -33,8 +39,9 @@ MS_REC = 0x4000
 _lock = threading.Lock()
 _repository: str | None = None  # the repository, where this process's writes are diverted
 _real: int | None = None  # overlay: an O_PATH descriptor of the repository below the mount
-_layer: object | None = None  # python: the divert.py Layer
+_layer: Layer | None = None  # python: the divert.py Layer
 _shared: list[str] = []  # the relative directories shared so far, in order
+_held = False  # a rank on a host that does not see the repository: shared folders stay in its layer
 
 
 class ShareRefused(OSError):
@@ -56,7 +63,7 @@ def forget_repository() -> None:
     _repository = _real = None
 
 
-def use_layer(repository: str, layer: object) -> None:
+def use_layer(repository: str, layer: Layer) -> None:
     """Python fallback: shared directories pass through ``layer`` (divert.py calls this)."""
     global _repository, _layer
     _repository, _layer = os.path.realpath(repository), layer
@@ -95,19 +102,49 @@ def share(path: str | os.PathLike) -> bool:
     with _lock:
         if is_shared(rel):
             return True
+        if _held:  # a rank on an away host: the folder stays in its layer, sent as the rank ends (writes/outbox.py)
+            _shared.append(rel)
+            return True
         if _real is not None:
             _bind(rel)
         elif _layer is not None:
-            os.makedirs(os.path.join(_repository or "", rel), exist_ok=True)  # the layer passes it through
+            # IMPORTANT: in the repository itself, with the layer's unpatched mkdir: os.makedirs is diverted
+            # here, and would make the folder in the layer, where rank 1's parts then wait for rank 0 to make it.
+            _makedirs(os.path.join(_repository or "", rel), _layer.real_mkdir)
         _shared.append(rel)
         if _layer is not None:
-            _layer.shared = tuple(_shared)  # type: ignore[attr-defined]
+            _layer.shared = tuple(_shared)
     return True
+
+
+def hold_in_layer() -> None:
+    """A rank on a host that does not see the notebook's repository (writes/outbox.py): a shared folder
+    is only recorded; it stays in the rank's layer, from where it is sent to the kernel."""
+    global _held
+    _held = True
 
 
 def shared() -> tuple[str, ...]:
     """The directories shared so far, relative to the repository."""
     return tuple(_shared)
+
+
+def _makedirs(path: str, mkdir: Callable[[str], None]) -> None:
+    """``os.makedirs(path, exist_ok=True)`` with ``mkdir`` alone (no ``stat``: it is diverted): another
+    rank making the same folders at the same moment is no error."""
+    try:
+        mkdir(path)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        parent = os.path.dirname(path)
+        if parent == path:
+            raise
+        _makedirs(parent, mkdir)
+        try:
+            mkdir(path)
+        except FileExistsError:
+            pass
 
 
 def _bind(rel: str) -> None:

@@ -130,9 +130,10 @@ def test_async_save_lands_whole_with_either_executor(kernel, repo, mode, executo
     ran = kernel.execute(
         "#pragma taas --device cpu --gpus 2\n" + FSDP_SETUP
         + "from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType\n"
+        # before the save: a collective of the cell on the group the save's thread uses would race it
+        "full = {k: v.full_tensor() for k, v in model.state_dict().items()}\n"
         f"future = dcp.async_save({{'model': model.state_dict()}}, checkpoint_id='ckpt/async',"
         f" async_checkpointer_type=AsyncCheckpointerType.{kind})\n"
-        "full = {k: v.full_tensor() for k, v in model.state_dict().items()}\n"
         "del future\n"  # the cell ends without waiting: taas waits for the save before the rank ends
     )
     _ok(ran)

@@ -9,6 +9,11 @@ of its own (``AuthInfo=socket=``) and every file lives in one owner-only tempora
 nothing of the machine's own is touched; the daemons need root (``slurmd`` starts each job's
 ``slurmstepd``, which takes on the job's user), which CI has.
 
+Each node has a folder of its own disk, :meth:`MiniSlurm.node_local`: every ``slurmd`` runs in a
+mount namespace of its own (``unshare --mount``) where ``<dir>/node-local/<node>`` is an empty
+tmpfs, so what its jobs see there is theirs alone, while the kernel and the other nodes see this
+machine's folder. A repository in node1's folder is one node1 does not see (tests/slurm/test_slurm_away.py).
+
 Used by tests/slurm (one cluster per module) and bench/slurm.py::
 
     with MiniSlurm(nodes=3) as slurm:
@@ -51,6 +56,13 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def _can_unshare() -> bool:
+    """Whether a process may have a mount namespace of its own here (root, and a kernel that allows it)."""
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
@@ -73,6 +85,7 @@ class MiniSlurm:
         self.conf = self.dir / "slurm.conf"
         self.slurmd_timeout = slurmd_timeout
         self.daemons: dict[str, subprocess.Popen] = {}
+        self.own_folders = _can_unshare()  # each node's own folder (node_local)
 
     # -- the environment every Slurm command and every kernel of the tests runs with -----------
     def env(self, **extra: str) -> dict[str, str]:
@@ -95,7 +108,7 @@ class MiniSlurm:
             self._start_munge()
             self._start("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
             for name in self.names:
-                self._start(name, ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
+                self._start(name, self._slurmd(name))
             self.wait_idle(self.names)
         except BaseException:
             self.stop()
@@ -235,8 +248,22 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
         if slurmd is not None:
             slurmd.wait(10)
 
+    def node_local(self, name: str) -> Path | None:
+        """A folder that node ``name`` has of its own (the kernel and the other nodes see this machine's
+        folder there); None where mount namespaces are not allowed here."""
+        return self.dir / "node-local" / name if self.own_folders else None
+
+    def _slurmd(self, name: str) -> list[str]:
+        command = ["slurmd", "-D", "-N", name, "-f", str(self.conf)]
+        folder = self.node_local(name)
+        if folder is None:
+            return command
+        folder.mkdir(parents=True, exist_ok=True)
+        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                'mount -t tmpfs -o mode=0755 taas-node-local "$0" && exec "$@"', str(folder), *command]
+
     def restore_node(self, name: str) -> None:
-        self._start(name, ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
+        self._start(name, self._slurmd(name))
         self.run("scontrol", "update", f"NodeName={name}", "State=RESUME", check=False)
         self.wait_idle([name], timeout=60)
 

@@ -125,3 +125,24 @@ def test_shared_folders_resolve_from_the_working_directory(tmp_path):
     (tmp_path / "sub").mkdir()
     assert resolve_shared(("ckpt", "../out"), str(tmp_path), str(tmp_path / "sub")) == \
         (str(tmp_path / "sub" / "ckpt"), str(tmp_path / "out"))
+
+
+def test_the_diverted_writes_report_leaves_out_the_folders_written_in_place(tmp_path):
+    """The overlay's mount points for shared folders stay in rank 1's layer, also once rank 0 rotated the
+    folders away: they are not stray writes. A stray write beside them still is."""
+    from taas_magic.writes.rule import ScratchLayers
+
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    layers = ScratchLayers(world_size=2)
+    try:
+        upper = os.path.join(layers.dirs[1], "upper")
+        os.makedirs(os.path.join(upper, "outputs", "checkpoint", "step-1"))  # rotated away by rank 0
+        with open(os.path.join(upper, "outputs", "stray.txt"), "w") as stray:
+            stray.write("x")
+        shared = (str(repository / "outputs" / "checkpoint" / "step-1"),)
+        assert layers.report(str(repository), shared) == [
+            "taas: rank 1 tried to change 1 path(s) in the repository; diverted and discarded (first: outputs/stray.txt)"]
+        assert "first: outputs" in layers.report(str(repository))[0]  # without the shared folders: their mount points too
+    finally:
+        layers.remove()

@@ -84,7 +84,7 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
     parts = RunParts(server, peers, greeting,
                      lambda on_marker: OutputRelay(run.spec.output, peers, streams, on_marker=on_marker),
                      log.publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain, stop_asked,
-                     prompts=run.prompts, saves=run.saves.saw)
+                     prompts=run.prompts, saves=run.heard)
     if trial is not None:  # a search's trial: its ranks' suggestions, and its pruner's say
         parts = dataclasses.replace(parts, suggest=trial.answer, prune_asked=trial.pruned)
     try:

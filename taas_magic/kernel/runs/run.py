@@ -10,7 +10,9 @@ left out of. In the order they are taken:
 3. the run spec, with its checkpoint folder (the session's record of the last run names it) and its
    stacks folder (the ranks' autopsy files);
 4. the ranks' scratch layers (what the write rule diverted is reported, then removed), after the
-   collective checkpoints the ranks named are checked (writes/completeness.py: an incomplete one is named);
+   collective checkpoints the ranks named are checked (writes/completeness.py: an incomplete one is named),
+   after the files sent from hosts that do not see the repository are in it (writes/landing.py); on a
+   cluster, the run's marker in the repository, by which a host knows whether it sees it (writes/away.py);
 5. the rank server, and the closure handoff (its memory files, its CUDA IPC handles; it
    answers the ranks that ask for those tensors in host memory until it is released);
 6. last, so released first: the moment the ranks are gone, whatever they started is
@@ -46,7 +48,7 @@ from taas_magic.launch.base import LaunchPlan
 from taas_magic.output.runlog import RunLog
 from taas_magic.peers import PeerIds
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
-from taas_magic.protocol import Result
+from taas_magic.protocol import CheckpointSaved, FilePart, Result
 from taas_magic.runspec import RunSpec
 from taas_magic.search.link import TrialLink
 from taas_magic.tempdirs import remove_tree
@@ -54,7 +56,9 @@ from taas_magic.transfer import memfile
 from taas_magic.transfer.handoff import ClosureHandoff
 from taas_magic.transfer.pack import Packing
 from taas_magic.transfer.results import apply_results
+from taas_magic.writes.away import Marker
 from taas_magic.writes.completeness import Ledger
+from taas_magic.writes.landing import Landing
 from taas_magic.writes.rule import ScratchLayers, WriteRule
 
 BackendT = TypeVar("BackendT", bound=Backend)
@@ -119,6 +123,10 @@ class Run:
         self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
         self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
         self._stack.callback(self._remove_layers)
+        self.landing = Landing(rule.repository)  # files from hosts that do not see the repository, written into it
+        self.marker = None if self.backend.loopback_only else Marker(rule.repository)  # does each host see it
+        if self.marker is not None:
+            self._stack.callback(self.marker.remove)
         self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
         self._stack.callback(self.server.close)
         self.handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
@@ -146,9 +154,18 @@ class Run:
 
     def _place(self, rank: int) -> wire.Placement:
         layer = self.layers.dirs.get(rank)  # rank 0 has none: it writes to the repository
-        if layer is None:
+        marker = self.marker.name if self.marker is not None else None  # a host that does not see it: writes/away.py
+        if layer is None and marker is None:
             return wire.Placement(rank, f"rank {rank}")
-        return wire.Placement(rank, f"rank {rank}", self.rule.repository, layer, self.rule.mode)
+        return wire.Placement(rank, f"rank {rank}", self.rule.repository, layer, self.rule.mode, marker)
+
+    def heard(self, rank: int, frame: CheckpointSaved | FilePart) -> None:
+        """A rank's word on its writes: a collective save's folder (checked at the end), or a piece of a
+        file from a host that does not see the repository (written into it now)."""
+        if isinstance(frame, FilePart):
+            self.landing.receive(rank, frame)
+        else:
+            self.saves.saw(rank, frame)
 
     # -- the end ---------------------------------------------------------------------------------
     def __enter__(self) -> "Run":
@@ -196,9 +213,11 @@ class Run:
             callback()
 
     def _remove_layers(self) -> None:
+        for line in self.landing.close():  # first: the checkpoints' parts sent from hosts that do not see the repository
+            self.log.say(line, "stderr")
         for line in self.saves.report(self.rule.repository, self.peers.ranks):
             self.log.say(line, "stderr")
-        for line in self.layers.report(self.rule.repository):
+        for line in self.layers.report(self.rule.repository, tuple(self.saves.folders)):
             self.log.say(line, "stderr")
         self.layers.remove()
 

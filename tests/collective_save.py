@@ -1,0 +1,93 @@
+"""A 2-rank FSDP2 ``dcp.save`` for the cluster tests (tests/ray/test_away.py, tests/slurm/test_slurm_away.py),
+and the checks that it landed whole in the notebook's repository.
+
+The cell prints, for each rank, whether its host sees the repository's path (``REPO``, set in the
+notebook), saves with DCP into ``ckpt/step3``, writes one stray file per rank (only rank 0's may
+land), and binds rank 0's full tensors, against which the notebook then reads the checkpoint back
+(``dcp_to_torch_save``: every part and the ``.metadata``, in the kernel's own process).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from tests.kernel_client import Execution, Kernel
+
+SAVE = """\
+#pragma taas --gpus 2 OPTIONS--output all
+import os, torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print("sees", rank, os.path.isdir(REPO), os.environ.get("SLURMD_NODENAME", ""), flush=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+mesh = init_device_mesh("cpu", (2,))
+for layer in (model[0], model[2]):
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    optimizer.zero_grad()
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+dcp.save({"model": model.state_dict()}, checkpoint_id="ckpt/step3")
+with open(f"stray-{rank}.txt", "w") as f:
+    f.write("stray")
+full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+dist.destroy_process_group()
+del model, optimizer, mesh
+"""
+
+LOAD = """\
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save("ckpt/step3", "whole.pt")
+whole = torch.load("whole.pt")["model"]
+assert sorted(whole) == sorted(full), (sorted(whole), sorted(full))
+assert all(torch.equal(whole[k], full[k]) for k in full)
+print("same", len(full))
+"""
+
+LANDED = re.compile(r"taas: (\d+) file\(s\), [\d.]+ (?:bytes|kB|MB), written by rank\(s\) ([\d, ]+) on hosts that do not see the "
+                    r"repository, sent to it")
+
+
+def use_repository(kernel: Kernel, repo: Path) -> None:
+    """The notebook's repository and working folder are ``repo`` (a folder with ``.git``)."""
+    (repo / ".git").mkdir(parents=True, exist_ok=True)
+    ran = kernel.execute(f"%taas config repo {repo}\nimport os\nos.chdir({str(repo)!r})\nREPO = {str(repo)!r}")
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+
+
+def save(kernel: Kernel, options: str = "") -> tuple[Execution, dict[int, bool]]:
+    """The save, run; whether each rank's host saw the repository's path."""
+    ran = kernel.execute(SAVE.replace("OPTIONS", options), timeout=300)
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    seen = {int(rank): sees == "True" for rank, sees in re.findall(r"\[rank (\d)\] sees \d (True|False)", ran.stream())}
+    assert sorted(seen) == [0, 1], ran.stream()
+    return ran, seen
+
+
+def assert_whole(kernel: Kernel, repo: Path, ran: Execution, away: set[int]) -> None:
+    """The checkpoint is whole in ``repo`` and reads back as rank 0's tensors; rank 0's stray file landed, rank
+    1's did not; the ranks in ``away`` (on hosts that do not see the repository) sent their files, no other did."""
+    stderr = ran.stream("stderr")
+    assert sorted(os.listdir(repo / "ckpt" / "step3")) == [".metadata", "__0_0.distcp", "__1_0.distcp"], stderr
+    assert "incomplete" not in stderr and "did not reach" not in stderr, stderr
+    assert (repo / "stray-0.txt").read_text() == "stray" and not (repo / "stray-1.txt").exists()
+    landed = LANDED.search(stderr)
+    if away:
+        assert landed is not None, stderr
+        assert {int(rank) for rank in landed.group(2).split(", ")} == away, stderr
+        # rank 0: its part, the .metadata and its stray file; rank 1: its part
+        assert int(landed.group(1)) == (3 if 0 in away else 0) + (1 if 1 in away else 0), stderr
+    else:
+        assert landed is None, stderr
+    check = kernel.execute(LOAD)
+    assert check.reply["status"] == "ok", check.error_text() + check.stream()
+    assert "same 4" in check.stream("stdout")
