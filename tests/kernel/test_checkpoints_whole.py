@@ -280,3 +280,30 @@ def test_restarts_resume_from_the_newest_whole_sharded_checkpoint(kernel, repo, 
     _ok(check)
     # steps 1 and 2 whole, the torn save of step 3 (number 3) removed by the next save; the newest two kept
     assert "['checkpoint-000004', 'checkpoint-000005']" in check.stream("stdout"), check.stream("stdout")
+
+
+def test_the_hugging_face_writer_consolidates_every_ranks_shard(kernel, repo, mode):
+    """Every rank writes its shard under hf/sharded, then rank 0 consolidates them into hf/: with a shard
+    left in rank 1's layer, the consolidated file would hold rank 0's rows only, silently."""
+    ran = kernel.execute(
+        "#pragma taas --device cpu --gpus 2\n" + FSDP_SETUP
+        + "from torch.distributed.checkpoint import HuggingFaceStorageWriter\n"
+        "writer = HuggingFaceStorageWriter(path='hf', save_distributed=True, enable_consolidation=True)\n"
+        "dcp.save(model.state_dict(), storage_writer=writer)\n"
+        "full = {k: v.full_tensor() for k, v in model.state_dict().items()}\n"
+        "dist.destroy_process_group()\n"
+    )
+    _ok(ran)
+    shards = sorted(os.listdir(repo / "hf" / "sharded"))
+    assert len([name for name in shards if name.endswith(".safetensors")]) == 2, shards
+    check = kernel.execute(
+        "import glob, torch\n"
+        "from safetensors.torch import load_file\n"
+        "[whole_file] = glob.glob('hf/*.safetensors')\n"
+        "whole = load_file(whole_file)\n"
+        "assert sorted(whole) == sorted(full), (sorted(whole), sorted(full))\n"
+        "assert all(torch.equal(whole[k], full[k]) for k in full)\n"
+        "print('hf ok')"
+    )
+    _ok(check)
+    assert "hf ok" in check.stream("stdout")
