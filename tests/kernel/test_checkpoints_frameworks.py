@@ -30,24 +30,6 @@ from tests.kernel.test_write_rule import HEADERS
 CELL = "#pragma taas --device cpu --gpus 2 --output all\n"
 
 
-@pytest.fixture(params=["overlay", "python"])
-def mode(request, kernel):
-    ran = kernel.execute(f"%taas config isolation {request.param}")
-    assert ran.reply["status"] == "ok", ran.stream()
-    yield request.param
-    kernel.execute("%taas config isolation auto")
-
-
-@pytest.fixture()
-def repo(kernel, tmp_path, mode):
-    root = tmp_path / "repo"
-    (root / ".git").mkdir(parents=True)
-    ran = kernel.execute(f"%taas config repo {root}\nimport os\nos.chdir({str(root)!r})")
-    assert ran.reply["status"] == "ok", ran.stream()
-    yield root
-    kernel.execute(f"%taas config repo {os.getcwd()}\nos.chdir({os.getcwd()!r})")
-
-
 def _ok(ran, mode: str) -> None:
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
     assert HEADERS[mode] in ran.stream("stdout")

@@ -33,24 +33,6 @@ for step in range(3):
 """
 
 
-@pytest.fixture(params=["overlay", "python"])
-def mode(request, kernel):
-    ran = kernel.execute(f"%taas config isolation {request.param}")
-    assert ran.reply["status"] == "ok", ran.stream()
-    yield request.param
-    kernel.execute("%taas config isolation auto")
-
-
-@pytest.fixture()
-def repo(kernel, tmp_path, mode):
-    root = tmp_path / "repo"
-    (root / ".git").mkdir(parents=True)
-    ran = kernel.execute(f"%taas config repo {root}\nimport os\nos.chdir({str(root)!r})")
-    assert ran.reply["status"] == "ok", ran.stream()
-    yield root
-    kernel.execute(f"%taas config repo {os.getcwd()}\nos.chdir({os.getcwd()!r})")
-
-
 def _ok(ran) -> None:
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
 

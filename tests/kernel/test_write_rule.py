@@ -75,14 +75,6 @@ HEADERS = {
 }
 
 
-@pytest.fixture(params=["overlay", "python"])
-def mode(request, kernel):
-    ran = kernel.execute(f"%taas config isolation {request.param}")
-    assert ran.reply["status"] == "ok", ran.stream()
-    yield request.param
-    kernel.execute("%taas config isolation auto")
-
-
 @pytest.fixture()
 def scratch_repo(kernel, tmp_path, mode):
     repo = tmp_path / "repo"
