@@ -21,12 +21,17 @@ from __future__ import annotations
 import builtins
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 def inside(path: str, root: str) -> bool:
     """Whether ``path`` is ``root`` or under it (both absolute and normalised)."""
     return path == root or path.startswith(root + os.sep)
+
+
+def inside_any(relative: str, folders: Iterable[str]) -> bool:
+    """Whether ``relative`` (to the repository) is one of ``folders`` or under one (``.``: the whole repository)."""
+    return any(folder == "." or inside(relative, folder) for folder in folders)
 
 
 class Layer:
@@ -58,7 +63,7 @@ class Layer:
         if not inside(full, self.repository) or inside(full, self.root):
             return None
         relative = os.path.relpath(full, self.repository)
-        if any(inside(relative, shared) or shared == "." for shared in self.shared):
+        if inside_any(relative, self.shared):
             return None  # written in place: a collective checkpoint's folder
         return relative
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from taas_magic.tempdirs import remove_tree, sweep_orphans
+from taas_magic.writes.layer import inside, inside_any
 
 OVERLAY = "overlay"
 PYTHON = "python"
@@ -93,7 +94,7 @@ def resolve_shared(folders: tuple[str, ...], repository: str, cwd: str) -> tuple
         if full == repository:
             raise ValueError(f"--shared {folder}: that is the whole repository {repository}; "
                              "name the folder of the checkpoint")
-        if not full.startswith(repository + os.sep):
+        if not inside(full, repository):
             raise ValueError(f"--shared {folder}: {full} is outside the repository {repository}, "
                              "where every rank writes in place already")
         resolved.append(full)
@@ -169,8 +170,7 @@ class ScratchLayers:
 
 def _in_or_above(relative: str, folders: list[str]) -> bool:
     """Whether ``relative`` is one of ``folders``, under one, or a folder above one."""
-    return any(relative == folder or relative.startswith(folder + os.sep) or folder.startswith(relative + os.sep)
-               for folder in folders)
+    return inside_any(relative, folders) or any(inside(folder, relative) for folder in folders)
 
 
 def _changes(upper: str, repository: str) -> list[str]:

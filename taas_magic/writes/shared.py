@@ -28,10 +28,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from taas_magic.writes.layer import Layer
+from taas_magic.writes.layer import Layer, inside, inside_any
 
 MS_BIND = 0x1000
 MS_REC = 0x4000
@@ -80,13 +79,13 @@ def relative(path: str | os.PathLike) -> str | None:
     if _repository is None:
         return None
     full = os.path.abspath(os.fsdecode(os.fspath(path)))
-    if full != _repository and not full.startswith(_repository + os.sep):
+    if not inside(full, _repository):
         return None
     return os.path.relpath(full, _repository)
 
 
 def is_shared(rel: str) -> bool:
-    return any(rel == done or rel.startswith(done + os.sep) or done == "." for done in _shared)
+    return inside_any(rel, _shared)
 
 
 def share(path: str | os.PathLike) -> bool:
