@@ -15,15 +15,15 @@ from pathlib import Path
 
 from tests.kernel_client import Execution, Kernel
 
-SAVE = """\
-#pragma taas --gpus 2 OPTIONS--output all
+# A small MLP sharded with FSDP2 over the 2 ranks' CPU mesh, and its optimizer: what a collective save saves
+# (here, and in tests/kernel/test_checkpoints_whole.py and test_checkpoints_frameworks.py).
+FSDP_MODEL = """\
 import os, torch, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-print("sees", rank, os.path.isdir(REPO), os.environ.get("SLURMD_NODENAME", ""), flush=True)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 mesh = init_device_mesh("cpu", (2,))
@@ -31,10 +31,17 @@ for layer in (model[0], model[2]):
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+TRAIN_3_STEPS = """\
 for step in range(3):
     optimizer.zero_grad()
     model(torch.randn(8, 16)).sum().backward()
     optimizer.step()
+"""
+
+SAVE = "#pragma taas --gpus 2 OPTIONS--output all\n" + FSDP_MODEL + """\
+print("sees", rank, os.path.isdir(REPO), os.environ.get("SLURMD_NODENAME", ""), flush=True)
+""" + TRAIN_3_STEPS + """\
 dcp.save({"model": model.state_dict()}, checkpoint_id="ckpt/step3")
 with open(f"stray-{rank}.txt", "w") as f:
     f.write("stray")

@@ -25,6 +25,7 @@ import os
 
 import pytest
 
+from tests.collective_save import FSDP_MODEL
 from tests.kernel.test_write_rule import HEADERS
 
 CELL = "#pragma taas --device cpu --gpus 2 --output all\n"
@@ -236,20 +237,8 @@ def test_lightning_model_parallel_sharded_checkpoint_lands_whole_after_its_rotat
 
 
 # -- torchtitan's layout ----------------------------------------------------------------------------
-TORCHTITAN = """
-import os, re, shutil
-import torch, torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-mesh = init_device_mesh("cpu", (2,))
-for layer in (model[0], model[2]):
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+TORCHTITAN = FSDP_MODEL + """\
+import re, shutil
 folder, keep_latest_k, saved = "outputs/checkpoint", 2, {}
 for step in range(1, 6):
     optimizer.zero_grad()

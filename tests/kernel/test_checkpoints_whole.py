@@ -10,27 +10,10 @@ import os
 
 import pytest
 
+from tests.collective_save import FSDP_MODEL, TRAIN_3_STEPS
 from tests.kernel.test_write_rule import HEADERS
 
-FSDP_SETUP = """
-import os, torch, torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-mesh = init_device_mesh("cpu", (2,))
-for layer in (model[0], model[2]):
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(3):
-    optimizer.zero_grad()
-    model(torch.randn(8, 16)).sum().backward()
-    optimizer.step()
-"""
+FSDP_SETUP = "\n" + FSDP_MODEL + TRAIN_3_STEPS
 
 
 def _ok(ran) -> None:
