@@ -8,7 +8,7 @@
     └── TaasError                          one line, no kernel-side traceback
         ├── ClosureError                   a used notebook name cannot be pickled           [closure.py]
         ├── DataPlanError                  the registered loaders cannot serve the run as asked [feed/plan.py]
-        ├── ClusterError                   %taas cluster cannot attach (Ray missing, unreachable) [launch/attachment.py]
+        ├── ClusterError                   %taas cluster cannot attach (Ray missing, unreachable) [launch/ray/attachment.py]
         ├── LaunchError                    the ranks cannot be started (too few GPUs, ...)  [rankenv.py, launch/]
         ├── SearchError                    a search cannot start (no Optuna, a grid with no literal values) [search/]
         ├── TrialPruned                    the search's pruner stopped this trial early  [kernel/trials/searchrun.py]

@@ -53,7 +53,7 @@ class PeerIds:
 
 @dataclass(frozen=True)
 class HubChannels:
-    """The numbering of the cluster's output hub channels (launch/outputhub.py, launch/agent.py):
+    """The numbering of the cluster's output hub channels (launch/hosts/outputhub.py, launch/hosts/agent.py):
     each rank's stdout and stderr, then one control channel per host."""
 
     ranks: int
@@ -73,7 +73,7 @@ class HubChannels:
 @dataclass(frozen=True)
 class StepChannels:
     """The Slurm engine's hub channels for a step of ``tasks`` tasks (launch/slurm/): each rank's stdout and stderr, then each
-    task's exit channel (launch/agent.py's control channel), then each task's command channel."""
+    task's exit channel (launch/hosts/agent.py's control channel), then each task's command channel."""
 
     tasks: int
 

@@ -238,5 +238,5 @@ PRIVATE: tuple[Private, ...] = (
             mentions=("_save_rng_state",)),
     # -- Ray (the [ray] extra)
     Private("ray._private.state.state.available_resources_per_node", "ray", RAY,
-            "each node's free GPUs and CPUs, for %taas status and placement", "launch/attachment.py"),
+            "each node's free GPUs and CPUs, for %taas status and placement", "launch/ray/attachment.py"),
 )

@@ -32,7 +32,7 @@ RESTART_LADDER: tuple[tuple[signal.Signals, float], ...] = (
 
 class Process(Protocol):
     """What stopping and reaping need of a process: a ``subprocess.Popen``, or a spare the factory
-    forked (launch/sparefactory.py), which is not the kernel's child."""
+    forked (launch/local/sparefactory.py), which is not the kernel's child."""
 
     @property
     def pid(self) -> int: ...

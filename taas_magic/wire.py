@@ -56,7 +56,7 @@ RANK_TO_KERNEL = b"r>k"
 class Handshake:
     """Where the kernel listens and the run's key: the one line a process the kernel starts
     reads on its stdin (rank/startup.py), never in its environment; and, given to a cluster
-    host's agent, where the kernel's output hub listens (launch/agent.py)."""
+    host's agent, where the kernel's output hub listens (launch/hosts/agent.py)."""
 
     host: str
     port: int

@@ -113,7 +113,7 @@ class Kernel:
                 if _kept_spare(proc) and not self._factory(proc) and self._started_spares(proc)]
 
     def factories(self) -> list[psutil.Process]:
-        """The spare factory (launch/sparefactory.py): it forks the spares and outlives them."""
+        """The spare factory (launch/local/sparefactory.py): it forks the spares and outlives them."""
         return [proc for proc in self._descendants() if _kept_spare(proc) and self._factory(proc)]
 
     def _factory(self, proc: psutil.Process) -> bool:

@@ -21,36 +21,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from taas_magic.errors import LaunchError
+from taas_magic.launch.contract import Backend, DevicePlan
 from taas_magic.launch.placement import RankSlot
 
 LOOPBACK = "127.0.0.1"
 
 
-@dataclass(frozen=True)
-class DevicePlan:
-    """Where the ranks compute: ``cuda`` (one GPU per rank, NCCL) or ``cpu`` (gloo).
-
-    ``gpus_on_host`` is what the host offers; ``chosen`` is True when the person asked for
-    the CPU (``--device cpu``) on a host that has GPUs: the ranks are then shown none.
-    """
-
-    device: str
-    gpus_on_host: int
-    backend: str
-    chosen: bool = False
-
-    @property
-    def hides_gpus(self) -> bool:
-        return self.device == "cpu" and self.gpus_on_host > 0
-
-    @property
-    def notice(self) -> str | None:
-        if self.hides_gpus:
-            return (f"--device cpu: ranks run on CPU with gloo and see none of this host's {self.gpus_on_host} GPU(s); "
-                    "a request for nccl is served by gloo")
-        if self.device == "cpu":
-            return "no GPU on this host: ranks run on CPU, and a request for nccl is served by gloo"
-        return None
+# A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster), or a
+# Slurm allocation without GPUs: its ranks compute on CPU with gloo.
+CLUSTER_CPU = DevicePlan("cpu", 0, "gloo")
 
 
 @dataclass(frozen=True)
@@ -224,3 +203,15 @@ def rank_environment(base: dict[str, str], slot: RankSlot, rendezvous: Rendezvou
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("TP_SOCKET_IFNAME", "lo")
     return env
+
+
+def rank_environments(backend: Backend, base: dict[str, str], run_id: str) -> list[dict[str, str]]:
+    """Every rank's environment: torchrun's variables for its slot, and what the backend adds."""
+    master_addr, master_port = backend.master()
+    rendezvous = Rendezvous(master_addr, master_port, len(backend.slots), run_id)
+    envs = []
+    for slot in backend.slots:
+        env = rank_environment(dict(base), slot, rendezvous, loopback_only=backend.loopback_only)
+        env.update(backend.rank_extra_env(slot.rank))
+        envs.append(env)
+    return envs

@@ -2,7 +2,7 @@
 
 Importing torch is most of what a spare costs (1 to 2 s here, 3 to 4 s with a CUDA build),
 and the pool starts new spares the moment a cell's ranks are gone: a cell run right after
-another used to wait for that import. The kernel's pool (launch/sparefactory.py) starts this
+another used to wait for that import. The kernel's pool (launch/local/sparefactory.py) starts this
 process once, with OpenMP and OpenBLAS at one thread; it imports what a spare imports and,
 on a host without GPUs, takes the spare's first CPU training step (about 1 s of lazy
 imports and first-call set-up) and nothing else. When a cell's rank already waits for a fork

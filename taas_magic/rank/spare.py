@@ -1,6 +1,6 @@
 """A spare rank: Python and torch imported ahead of time, waiting for a cell to take it.
 
-The kernel's pool (launch/spares.py) starts ``python -m taas_magic.rank --spare`` with
+The kernel's pool (launch/local/spares.py) starts ``python -m taas_magic.rank --spare`` with
 OpenMP and OpenBLAS at one thread, so importing torch (and numpy) starts no thread: a
 spare that becomes a rank other than 0 must still be single-threaded when it unshares
 its namespaces for the write rule. A spare imports and nothing else: no process group, no

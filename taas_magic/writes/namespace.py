@@ -10,7 +10,7 @@ its own identity; devices, ``/dev/shm`` and the network are untouched.
 
 IMPORTANT: ``unshare(CLONE_NEWUSER)`` refuses a multi-threaded process, so this runs
 before the rank starts any thread (the lifeline thread included). A warm spare bound to a
-GPU (launch/spares.py) makes its CUDA context, which starts threads, before it knows its
+GPU (launch/local/spares.py) makes its CUDA context, which starts threads, before it knows its
 cell: a spare that will be rank 1 or above therefore enters its namespaces
 (:func:`enter_namespace`) first thing, and only mounts the overlay (:func:`mount_overlay`,
 which any thread may do) when a cell takes it.

@@ -90,7 +90,7 @@ def lab(tmp_path):
     notifications.mkdir(parents=True)
     (notifications / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}))
-    log = open(tmp_path / "lab.log", "w")  # noqa: SIM115 - closed when the server is, below
+    log = open(tmp_path / "lab.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path / 'lab'}", "--LabApp.news_url=None",

@@ -13,7 +13,6 @@ from taas_magic.protocol import CheckpointSaved
 from taas_magic.writes.completeness import Ledger, check_dcp, owner, read_parts
 from taas_magic.writes.rule import resolve_shared
 
-
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 

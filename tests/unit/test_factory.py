@@ -16,9 +16,9 @@ import time
 import psutil
 import pytest
 
+from taas_magic.launch.local.sparefactory import ForkedSpare, SpareFactory
+from taas_magic.launch.local.spares import SINGLE_THREADED, SparePool, frozen_settings
 from taas_magic.launch.rankenv import CPU, Binding
-from taas_magic.launch.sparefactory import ForkedSpare, SpareFactory
-from taas_magic.launch.spares import SINGLE_THREADED, SparePool, frozen_settings
 from taas_magic.procs import reap
 from taas_magic.rank.factory import _fresh_randomness
 

@@ -90,14 +90,6 @@ def _every_module() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py")) + sorted(BENCH.rglob("*.py"))
 
 
-def test_no_two_modules_share_a_file_name():
-    seen: dict[str, list[str]] = {}
-    for path in _every_module():
-        if path.name not in ("__init__.py", "__main__.py"):
-            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
-    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
-
-
 def test_no_module_is_longer_than_four_hundred_lines():
     long = {str(path.relative_to(PACKAGE.parent)): lines for path in _every_module()
             if (lines := len(path.read_text().splitlines())) > LINES_MOST}
@@ -190,18 +182,84 @@ def test_no_class_is_longer_than_one_hundred_and_fifty_lines():
     assert not long, long
 
 
-def test_the_magic_and_the_supervisor_never_ask_which_backend():
-    concrete = {"LocalProcessGroup", "RayProcessGroup", "LocalBackend", "ClusterBackend", "ClusterLaunch"}
-    supervisor = _modules()["taas_magic/kernel/supervision/supervisor.py"]
-    assert not {node.id for node in ast.walk(supervisor) if isinstance(node, ast.Name)} & concrete
-    assert not _imported("taas_magic/kernel/supervision/supervisor.py", supervisor) & {"taas_magic.launch.local",
-                                                                                     "taas_magic.launch.ray"}
-    magics = _modules()["taas_magic/kernel/magic/magics.py"]
-    naming = [node.name for node in ast.walk(magics) if isinstance(node, ast.FunctionDef)
-              and any(isinstance(n, ast.Name) and n.id in concrete for n in ast.walk(node))]
-    assert naming == ["_backend"], naming  # the one place that chooses
-    for path in ("taas_magic/kernel/runs/execution.py", "taas_magic/kernel/magic/linecommands.py",
-                 "taas_magic/kernel/runs/session.py"):
-        moved = _modules()[path]  # the magic's run step, line commands and session state: they never ask either
-        assert not {node.id for node in ast.walk(moved) if isinstance(node, ast.Name)} & concrete, path
-        assert not _imported(path, moved) & {"taas_magic.launch.local", "taas_magic.launch.ray"}, path
+LAUNCH = PACKAGE / "launch"
+ENGINES = {"local", "ray", "slurm"}  # launch/'s engine packages
+HOSTS = "hosts"  # what the cluster engines share
+LAUNCH_TOP_MOST = 5  # modules at the top of launch/, __init__.py not counted
+
+
+def _engine_of(module: str) -> str | None:
+    """``ray`` for ``taas_magic.launch.ray.backend``; ``hosts`` for the shared package; else None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "launch" and parts[2] in ENGINES | {HOSTS} else None
+
+
+def test_launch_is_a_contract_and_one_package_per_engine():
+    packages = {path.name for path in LAUNCH.iterdir() if (path / "__init__.py").exists()}
+    assert packages == ENGINES | {HOSTS}, packages
+    top = sorted(path.name for path in LAUNCH.glob("*.py") if path.name != "__init__.py")
+    assert len(top) <= LAUNCH_TOP_MOST, top
+
+
+def test_role_names_repeat_only_under_an_engine():
+    """backend.py, courier.py, ...: one per engine; any other file name is the package's only one."""
+    seen: dict[str, list[str]] = {}
+    for path in _every_module():
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        under_engine = path.parent.parent == LAUNCH and path.parent.name in ENGINES
+        key = f"engine role {path.name}" if under_engine else path.name
+        seen.setdefault(key, []).append(str(path.relative_to(PACKAGE.parent)))
+    roles = {key.removeprefix("engine role ") for key in seen if key.startswith("engine role ")}
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1 and not name.startswith("engine role ")}
+    assert not roles & {name for name in seen if not name.startswith("engine role ")}, "a role name used outside the engines"
+
+
+def test_nothing_outside_launch_names_an_engine():
+    """The kernel (and every stage) reaches an engine only through launch/contract.py and launch/engines.py."""
+    naming = []
+    for path, tree in _modules().items():
+        module = _module_name(path)
+        if module.startswith("taas_magic.launch"):
+            continue
+        naming += [f"{path} imports {name}" for name in _imported(path, tree) if _engine_of(name) is not None]
+    assert not naming, naming
+
+
+def test_engines_py_is_the_one_module_that_names_the_engines():
+    """Inside launch/, an engine's package imports no other engine (the cluster engines share hosts/,
+    whose agent runs its ranks with the local engine's processes); the top of launch/ names none,
+    but engines.py."""
+    crossing = []
+    for path, tree in _modules().items():
+        module = _module_name(path)
+        if not module.startswith("taas_magic.launch"):
+            continue
+        mine = _engine_of(module)
+        for name in _imported(path, tree):
+            theirs = _engine_of(name)
+            if theirs is None or theirs == mine or path == "taas_magic/launch/engines.py":
+                continue
+            if theirs == HOSTS and mine in ENGINES - {"local"}:
+                continue  # the cluster engines' shared agent and hub
+            if mine == HOSTS and name == "taas_magic.launch.local.processes":
+                continue  # a host's agent starts its ranks as the local engine does
+            crossing.append(f"{path} imports {name}")
+    assert not crossing, crossing
+
+
+def test_the_contract_holds_only_protocols_and_values():
+    tree = _modules()["taas_magic/launch/contract.py"]
+    assert not [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            protocol = any(isinstance(base, ast.Name) and base.id == "Protocol" for base in node.bases)
+            frozen = any(isinstance(d, ast.Call) and any(k.arg == "frozen" for k in d.keywords) for d in node.decorator_list)
+            assert protocol or frozen, f"launch/contract.py's {node.name} is neither a Protocol nor a frozen value"
+
+
+def test_the_supervisor_never_asks_which_backend():
+    supervision = [path for path in _modules() if path.startswith("taas_magic/kernel/supervision/")]
+    for path in supervision:
+        launch = {name for name in _imported(path, _modules()[path]) if name.startswith("taas_magic.launch")}
+        assert launch <= {"taas_magic.launch.contract", "taas_magic.launch.rankenv"}, (path, launch)

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.local import LocalProcessGroup
+from taas_magic.launch.contract import LaunchPlan
+from taas_magic.launch.local.processes import LocalProcessGroup
 from taas_magic.wire import Placement
 
 

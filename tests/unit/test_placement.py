@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from taas_magic.errors import ClusterError, LaunchError
-from taas_magic.launch.attachment import import_ray
 from taas_magic.launch.placement import Node, plan_hosts, worker_blocks
+from taas_magic.launch.ray.attachment import import_ray
 
 
 def node(name: str, total: int, free: int | None = None, notebook: bool = False) -> Node:

@@ -2,15 +2,17 @@
 happened, and the ranks receive run data in the spec, not in their environment."""
 
 import os
+from contextlib import ExitStack
 
 import pytest
 
+from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import PragmaOptions, settle
-from taas_magic.kernel.runs.run import Run
+from taas_magic.kernel.runs.run import Held, Run
 from taas_magic.kernel.runs.summary import LastRun
-from taas_magic.launch.backend import LocalBackend
+from taas_magic.launch.local.backend import LocalBackend
 from taas_magic.runspec import RunSpec
 from taas_magic.writes.rule import choose_rule
 
@@ -18,17 +20,25 @@ SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "restarts": 2, "place_
 RUN_DATA = ("TAAS_STACKS_FILE", "TAAS_CHECKPOINTS", "TAAS_KEEP_CHECKPOINTS", "TAAS_SEED")
 
 
-def _open_run(tmp_path) -> tuple[Run, LocalBackend]:
-    settings = settle(PragmaOptions(gpus=2, device="cpu"), SESSION, ranks=2)
-    run = Run(settings, serialise_closure({"x": 1}), [])
-    run.hold_data(None)
-    backend = run.hold_backend(LocalBackend(2, None, None, device="cpu"))
-    spec = RunSpec(run_id="testrun00001", sys_path=(), source="x", display_source="x", filename="<taas In[1]>",
+def _held(ranks: int) -> tuple[Held, ExitStack, LocalBackend]:
+    """What the plan step holds before the run is made: the backend entered on its release stack."""
+    settings = settle(PragmaOptions(gpus=ranks, device="cpu"), SESSION, ranks=ranks)
+    releases = ExitStack()
+    backend = releases.enter_context(LocalBackend(ranks, None, None, device="cpu"))
+    return Held(settings, serialise_closure({"x": 1}), [], None, backend), releases, backend
+
+
+def _spec(tmp_path) -> RunSpec:
+    return RunSpec(run_id="testrun00001", sys_path=(), source="x", display_source="x", filename="<taas In[1]>",
                    device="cpu", output="rank0", suppress_final=False, kernel_pid=os.getpid(), result_file_bytes=1 << 20,
                    checkpoints=str(tmp_path / "checkpoints" / "testrun00001"), keep_checkpoints=3, seed=7)
-    record = LastRun(settings, backend.devices, spec.run_id, ("x",))
-    run.open(spec, choose_rule(str(tmp_path), "python"), record)
-    return run, backend
+
+
+def _open_run(tmp_path) -> tuple[Run, LocalBackend]:
+    held, releases, backend = _held(2)
+    spec = _spec(tmp_path)
+    record = LastRun(held.settings, backend.devices, spec.run_id, ("x",))
+    return Run(held, releases, spec, choose_rule(str(tmp_path), "python"), record), backend
 
 
 def test_leaving_a_failed_run_releases_every_part_and_records_how_it_ended(tmp_path):
@@ -44,12 +54,25 @@ def test_leaving_a_failed_run_releases_every_part_and_records_how_it_ended(tmp_p
     assert run.record is not None and run.record.outcome == "RuntimeError: the ranks failed"
 
 
-def test_a_plan_that_fails_half_way_releases_what_it_took(tmp_path):
-    settings = settle(PragmaOptions(gpus=1, device="cpu"), SESSION, ranks=1)
-    run = Run(settings, serialise_closure({}), [])
-    backend = run.hold_backend(LocalBackend(1, None, None, device="cpu"))
-    run.close()
-    assert backend._port.fileno() == -1
+def test_a_run_that_cannot_take_a_part_releases_what_it_and_the_plan_took_and_raises_that_error(tmp_path, monkeypatch):
+    made: list[str] = []
+    real_make_dir = stacks.make_dir
+
+    def make_dir(run_id: str) -> str:
+        made.append(real_make_dir(run_id))
+        return made[-1]
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("no port for the rank server")
+
+    monkeypatch.setattr(stacks, "make_dir", make_dir)
+    monkeypatch.setattr("taas_magic.kernel.runs.run.PeerServer", refuse)
+    held, releases, backend = _held(1)
+    spec = _spec(tmp_path)
+    with pytest.raises(OSError, match="no port for the rank server"):
+        Run(held, releases, spec, choose_rule(str(tmp_path), "python"), LastRun(held.settings, backend.devices, spec.run_id, ()))
+    assert backend._port.fileno() == -1  # the plan's backend, released
+    assert made and not os.path.exists(made[0])  # the stacks folder the run made before the server, removed
 
 
 def test_the_ranks_get_run_data_in_the_spec_and_only_torchruns_variables_and_the_owner_in_the_environment(tmp_path):
@@ -70,12 +93,3 @@ def test_the_ranks_get_run_data_in_the_spec_and_only_torchruns_variables_and_the
             str(tmp_path / "checkpoints" / "testrun00001"), 3, 7)
 
 
-def test_a_plan_that_fails_before_the_header_leaves_the_error_as_it_was(tmp_path):
-    """The plan step pushes the run on its undo stack: leaving with an error before ``open`` releases, records nothing."""
-    settings = settle(PragmaOptions(gpus=1, device="cpu"), SESSION, ranks=1)
-    run = Run(settings, serialise_closure({}), [])
-    backend = run.hold_backend(LocalBackend(1, None, None, device="cpu"))
-    with pytest.raises(ValueError, match="no data plan"):
-        with run:
-            raise ValueError("no data plan")
-    assert backend._port.fileno() == -1 and run.record is None

@@ -11,10 +11,10 @@ import threading
 import pytest
 
 from taas_magic.errors import ClusterError
-from taas_magic.launch.outputhub import HostControl
+from taas_magic.launch.hosts.outputhub import HostControl
 from taas_magic.launch.slurm import slurmcli
 from taas_magic.launch.slurm.allocation import AllocationRequest
-from taas_magic.launch.slurm.engine import _spans
+from taas_magic.launch.slurm.backend import _spans
 from taas_magic.launch.slurm.step import SlurmChild, StepTarget, fewest_nodes
 from taas_magic.launch.slurm.task import rank_env
 from taas_magic.launch.slurm.taskcommands import TaskCommands

@@ -6,9 +6,10 @@ import subprocess
 import pytest
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.backend import GpuSlice, LocalBackend
+from taas_magic.launch.contract import GpuSlice
+from taas_magic.launch.local.backend import LocalBackend
+from taas_magic.launch.local.spares import Spare, SparePool, _start, bindings, frozen_settings, slice_bindings
 from taas_magic.launch.rankenv import CPU, Binding, visible_gpu_ids
-from taas_magic.launch.spares import Spare, SparePool, _start, bindings, frozen_settings, slice_bindings
 from taas_magic.rank.factory import see_gpus
 
 
@@ -71,7 +72,8 @@ def test_a_spare_serves_only_its_binding_under_the_settings_it_started_with(monk
 
 
 def test_a_cpu_spare_on_a_gpu_host_sees_no_gpu_and_a_gpu_spare_does(monkeypatch):
-    monkeypatch.setattr("taas_magic.launch.spares.SPARE_COMMAND", ("sh", "-c", 'echo "[$CUDA_VISIBLE_DEVICES]"; exec sleep 60'))
+    monkeypatch.setattr("taas_magic.launch.local.spares.SPARE_COMMAND",
+                        ("sh", "-c", 'echo "[$CUDA_VISIBLE_DEVICES]"; exec sleep 60'))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     seen = {}
     for name, binding in (("cpu on a gpu host", Binding(None, "")), ("cpu on a cpu host", CPU), ("gpu", Binding(0)),

@@ -26,9 +26,8 @@ from taas_magic.kernel.magic.status import help_text, status_text
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.supervision.dataplane import describe_registered
 from taas_magic.kernel.trials.searchrun import SearchRun, trials_table
-from taas_magic.launch.attachment import Attachment, Cluster
-from taas_magic.launch.rankenv import Binding, visible_gpu_count
-from taas_magic.launch.spares import gpu_bytes
+from taas_magic.launch import engines
+from taas_magic.launch.rankenv import visible_gpu_count
 from taas_magic.writes.rule import MODES, OVERLAY, probe_overlay
 
 
@@ -132,24 +131,19 @@ def _cluster(session: Session, given: str) -> None:
               else "cluster: none (local processes); %taas cluster ADDRESS attaches a Ray cluster, "
                    "%taas cluster slurm [OPTIONS] a Slurm allocation")
         return
-    if given in ("off", "local"):
+    previous = session.cluster
+    try:
+        attached = engines.attach(given, _shown_line())  # the current one stays until this one holds
+    except ClusterError:
+        if previous is not None and not previous.attached:
+            session.cluster = None  # its engine let go of it before failing (ray.init): the local mode now
+        raise
+    if attached is None:
         _detach(session)
         print("taas: local mode (ranks are processes on this host)")
         return
-    previous = session.cluster
-    if given.split()[0] == "slurm":
-        attached: Attachment = hold_allocation(given[len("slurm"):].strip())  # the current one stays until this one holds
-    else:
-        try:
-            attached = Cluster.attach(given)  # an unreachable address fails before the current one is let go
-        except ClusterError:
-            if isinstance(session.cluster, Cluster) and not session.cluster.ray.is_initialized():
-                session.cluster = None  # Ray let go of it before failing: the local mode now
-            raise
-        if isinstance(previous, Cluster):
-            previous = None  # ray.init let go of the previous Ray attachment itself
     session.cluster = attached  # the session's now: an interrupt below cannot orphan it
-    if previous is not None:
+    if previous is not None and previous.attached:
         previous.detach()
     session.spares.close()  # the cluster's nodes start fresh ranks; local spares only hold memory
     print("taas: attached; " + "\n".join(attached.status_lines()))
@@ -161,21 +155,10 @@ def _detach(session: Session) -> None:
         cluster.detach()
 
 
-def hold_allocation(options: str) -> Attachment:
-    """``%taas cluster slurm [OPTIONS]``: the job this kernel runs inside when no option is given
-    and there is one, else a new allocation, its queue state shown live in the cell while it waits."""
+def _shown_line() -> Callable[[str], None]:
+    """A line the cell shows and then replaces (a queued allocation's state, live)."""
     from IPython.display import display
 
-    from taas_magic.launch.slurm import slurmcli
-    from taas_magic.launch.slurm.allocation import AllocationRequest
-    from taas_magic.launch.slurm.engine import SlurmCluster
-
-    why = slurmcli.missing()
-    if why is not None:
-        raise ClusterError(f"taas: {why}")
-    request = AllocationRequest.parse(options)
-    if request.empty and os.environ.get("SLURM_JOB_ID"):
-        return SlurmCluster.current()
     shown: list = []
 
     def show(line: str) -> None:
@@ -184,10 +167,7 @@ def hold_allocation(options: str) -> Attachment:
         else:
             shown[0].update({"text/plain": line}, raw=True)
 
-    try:
-        return SlurmCluster.request(request, show)
-    except KeyboardInterrupt:
-        raise ClusterError("taas: interrupted while the allocation was queued: it was cancelled, nothing is held") from None
+    return show
 
 
 def _status(session: Session, settings: MagicSettings) -> None:
@@ -196,29 +176,9 @@ def _status(session: Session, settings: MagicSettings) -> None:
     defaults = shown_defaults(settings.defaults)
     print(status_text(session.last_run, visible_gpu_count(), defaults,
                       [describe_registered(loader, settings.namespace) for loader in registry.registered()]))
-    spares = session.spares
-    factory = "" if spares.factory is None else \
-        " with their factory (ready: new spares are forks)" if spares.forks_ready() else \
-        " with their factory (still importing: new spares start fresh)"
-    print(f"warm spares: {settings.warm}, {len(spares.spares)} waiting, {spares.resident_bytes() / 2**20:.0f} MB resident"
-          f"{factory} (proportional: shared pages split)" + _spares_gpu_text(session))
+    print(session.spares.describe(settings.warm))
     print("write rule: " + rule.header())
     running = session.runs.running()
     print(f"runs: {len(running)} running" + (f" ({', '.join(run.id for run in running)}; %taas runs lists them)"
                                              if running else ""))
     print("\n".join(session.cluster.status_lines()) if session.cluster is not None else "cluster: none (local processes)")
-
-
-def _spares_gpu_text(session: Session) -> str:
-    """What the GPU-bound spares hold on their GPUs (their CUDA contexts), for ``%taas status``."""
-    bound = session.spares.gpu_bound()
-    if not bound:
-        return ""
-    held = gpu_bytes(bound)
-    amount = f"{held / 2**20:.0f} MiB" if held is not None else "GPU memory unknown (nvidia-smi cannot see them)"
-    return f"; {len(bound)} bound to GPU(s) {', '.join(_gpu_name(s.binding) for s in bound)}, {amount} on the GPUs"
-
-
-def _gpu_name(binding: Binding) -> str:
-    """A spare's GPU as the person reads it: its index, or for a search trial's slice, which of that slice."""
-    return str(binding.gpu) if binding.visible is None else f"{binding.gpu} of {binding.visible}"

@@ -41,9 +41,9 @@ from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.runs.views import Started, Viewing, show_run
 from taas_magic.kernel.trials.searchplan import plan_search
-from taas_magic.launch.backend import Backend, GpuSlice, LocalBackend
+from taas_magic.launch import engines
+from taas_magic.launch.contract import Backend, GpuSlice, Spares
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
-from taas_magic.launch.spares import SparePool
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from taas_magic.transfer.handoff import HANDOFF_BYTES
 
@@ -88,7 +88,7 @@ class TaasMagics(Magics):
             cluster.detach()
 
     @property
-    def spares(self) -> SparePool:
+    def spares(self) -> Spares:
         """The warm spares (the extension closes them when it is unloaded)."""
         return self.session.spares
 
@@ -184,8 +184,8 @@ class TaasMagics(Magics):
             return cluster.place(settings.gpus, settings.per_host, settings.place_timeout)
         side_by_side = slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count() > 0
         spares = None if self._warm.off else self.spares
-        return LocalBackend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots), settings.device,
-                            GpuSlice(slot, slots) if side_by_side and slot is not None else None)
+        return engines.local_backend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots),
+                                     settings.device, GpuSlice(slot, slots) if side_by_side and slot is not None else None)
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str) -> object:

@@ -1,21 +1,28 @@
 """The run step: a planned run (kernel/runs/run.py) started and supervised, its parts wired in.
 
-:func:`execute` makes what the supervisor (kernel/supervision/supervisor.py) is given as ``RunParts``
-from the run's parts: the handshake line every peer is started with, each peer's greeting
-(the spec and closure frames for a rank, its plan for a data worker), the relay into the
-run's log, the live board, the hang autopsy over the notebook's sources, the closure
-handoff's answer to a rank that asks for a host copy, and whether a stop was asked. It starts the data workers
-(when the cell reads registered loaders), then each attempt's ranks (after a failed one,
-what it left is swept and a later attempt first recovers the backend's lost hosts), and
-returns how the ranks ended. Whatever happens, the board's last reports become ``taas.metrics()``'s.
-Everything shown goes into the run's log (output/runlog.py), which the views read; it runs
-on the run's own thread (kernel/runs/background.py) and releases nothing: the run releases what
-it holds when that thread leaves it.
+Runs in the kernel, on the run's own thread (kernel/runs/background.py). :func:`execute` reads as
+its steps, each a named method of :class:`Execution` (as httpx's ``send`` reads as
+``_send_handling_auth`` -> ``_send_handling_redirects`` -> ``_send_single_request``):
+
+- :meth:`~Execution.parts`: what the supervisor (kernel/supervision/supervisor.py) is given, built by
+  keyword in this one place: the run's rank server and peers, each peer's greeting (the spec and closure
+  frames for a rank, its plan for a data worker), the relay into the run's log, the live board, the
+  hang autopsy over the notebook's sources, the closure handoff's answer to a rank that asks for a host
+  copy, the pdb prompts, the ranks' word on their saves, whether a stop was asked, and a search's
+  trial's suggestions and pruner;
+- :meth:`~Execution.start_data`: the data workers (when the cell reads registered loaders), started by
+  the backend, and their courier on a cluster;
+- :meth:`~Execution.start_ranks`: each attempt's ranks (a later attempt first recovers the backend's
+  lost hosts);
+- :meth:`~Execution.between`: after a failed attempt, what it left is swept.
+
+It returns how the ranks ended. Whatever happens, the board's last reports become ``taas.metrics()``'s.
+Everything shown goes into the run's log (output/runlog.py), which the views read. It releases
+nothing: the run releases what it holds when its thread leaves it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Callable
@@ -25,8 +32,8 @@ from taas_magic.autopsy import stacks
 from taas_magic.kernel.runs.run import Run
 from taas_magic.kernel.supervision.dataplane import DataPlane
 from taas_magic.kernel.supervision.restarts import Attempts
-from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts, run_ranks
-from taas_magic.launch.base import ProcessGroup
+from taas_magic.kernel.supervision.supervisor import MarkerHook, RunOutcome, RunParts, never, not_a_search, run_ranks
+from taas_magic.launch.contract import ProcessGroup
 from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay, TextOut
 from taas_magic.peers import Peer
@@ -42,57 +49,80 @@ def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
     return sources
 
 
-def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
-    """Every rank's environment and the handshake; then the ranks (and data workers), supervised
-    until they end or ``stop_asked()``."""
-    peers, server, layers, bodies, log = run.peers, run.server, run.layers, run.bodies, run.log
-    owner = run.owner
-    handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
-    streams: dict[str, TextOut] = {"stdout": log.stream("stdout"), "stderr": log.stream("stderr")}
-    data = run.data
+class Execution:
+    """One run's wiring: its parts, and the steps the supervisor takes through them."""
 
-    def greeting(peer: Peer) -> list[bytes]:
+    def __init__(self, run: Run, stop_asked: Callable[[], bool]):
+        self.run, self.stop_asked = run, stop_asked
+        server = run.server
+        self.handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
+        self.board = Board(run.peers.ranks, run.log.publish, self.points)
+
+    def parts(self) -> RunParts:
+        """What supervising the run takes, each by name."""
+        run, log, trial = self.run, self.run.log, self.run.trial
+        return RunParts(
+            server=run.server, ids=run.peers, greeting=self.greeting, relay=self.relay, publish=log.publish,
+            host_copy=run.handoff.answer_host_copy, board=self.board, timeout=run.settings.timeout,
+            explain=functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename),
+            stop_asked=self.stop_asked, prompts=run.prompts, saves=run.heard,
+            suggest=trial.answer if trial is not None else not_a_search,
+            prune_asked=trial.pruned if trial is not None else never,
+        )
+
+    def greeting(self, peer: Peer) -> list[bytes]:
+        """The frames a peer gets once connected: the spec and the closure for a rank, its plan for a data worker."""
         if peer.is_rank:
-            return bodies
-        assert data is not None  # a data worker exists only with a data plan
-        return data.greeting(peer.index)
+            return self.run.bodies
+        assert self.run.data is not None  # a data worker exists only with a data plan
+        return self.run.data.greeting(peer.index)
 
-    def start_data() -> DataPlane:
+    def relay(self, on_marker: MarkerHook) -> OutputRelay:
+        """The ranks' output into the run's log, with the supervisor's hook for each display's marker."""
+        log = self.run.log
+        streams: dict[str, TextOut] = {"stdout": log.stream("stdout"), "stderr": log.stream("stderr")}
+        return OutputRelay(self.run.spec.output, self.run.peers, streams, on_marker=on_marker)
+
+    def points(self, reports: list) -> None:
+        """Rank 0's reports: the log's record, and a trial's objective."""
+        self.run.log.points(reports)
+        if self.run.trial is not None:
+            self.run.trial.reported(reports)
+
+    def start_data(self) -> DataPlane:
+        """The data workers, started by the backend with their plan, and what carries their elements."""
+        run, data = self.run, self.run.data
         assert data is not None
-        plan = data.prepare(run.spec.run_id, handshake, peers, layers.worker_dirs, run.rule)
-        start = functools.partial(data.start, plan, log.publish)
-        return run.backend.start_data(data.cache_ram, start, server.key, log.say)
+        plan = data.prepare(run.spec.run_id, self.handshake, run.peers, run.layers.worker_dirs, run.rule)
+        workers = run.backend.start_workers(plan, run.server.key, data.cache_dirs())
+        courier = run.backend.courier(data.cache_ram, run.log.say)
+        where = run.backend.workers_layout()
+        if where is not None:
+            run.log.say(where)
+        return data.start(workers, courier, run.log.publish)
 
-    def start_ranks(attempt: int) -> ProcessGroup:
+    def start_ranks(self, attempt: int) -> ProcessGroup:
+        """Attempt ``attempt``'s ranks; a host of a failed attempt that went away: its ranks are placed elsewhere."""
         if attempt:
-            run.backend.recover(log.say)  # a host that went away: its ranks are placed elsewhere
-        return run.backend.start_ranks(run.launch_plan(handshake, attempt), server.key, stop_asked)
+            self.run.backend.recover(self.run.log.say)
+        return self.run.backend.start_ranks(self.run.launch_plan(self.handshake, attempt), self.run.server.key,
+                                            self.stop_asked)
 
-    def between(attempt: int) -> None:  # a failed attempt's processes are gone: so is what they left
-        kill_tagged(owner)
-        memfile.remove_run(os.getpid(), run.spec.run_id)
+    def between(self, attempt: int) -> None:
+        """A failed attempt's processes are gone: so is what they left."""
+        kill_tagged(self.run.owner)
+        memfile.remove_run(os.getpid(), self.run.spec.run_id)
 
-    explain = functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename)
-    trial = run.trial
 
-    def points(reports: list) -> None:  # rank 0's reports: the log's record, and a trial's objective
-        log.points(reports)
-        if trial is not None:
-            trial.reported(reports)
-
-    board = Board(peers.ranks, log.publish, points)
-    parts = RunParts(server, peers, greeting,
-                     lambda on_marker: OutputRelay(run.spec.output, peers, streams, on_marker=on_marker),
-                     log.publish, run.handoff.answer_host_copy, board, run.settings.timeout, explain, stop_asked,
-                     prompts=run.prompts, saves=run.heard)
-    if trial is not None:  # a search's trial: its ranks' suggestions, and its pruner's say
-        parts = dataclasses.replace(parts, suggest=trial.answer, prune_asked=trial.pruned)
+def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
+    """The ranks (and data workers) of ``run``, supervised until they end or ``stop_asked()``."""
+    execution = Execution(run, stop_asked)
+    attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
     try:
-        return run_ranks(parts, start_ranks, start_data if data is not None else None,
-                         Attempts(run.settings.restarts, between, run.backend.standby))
+        return run_ranks(execution.parts(), execution.start_ranks,
+                         execution.start_data if run.data is not None else None, attempts)
     finally:
-        if trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)
-            trial.metrics = board.metrics()
+        if run.trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)
+            run.trial.metrics = execution.board.metrics()
         else:
-            assert run.record is not None  # planned: the session's record of this run
-            run.record.metrics = board.metrics()  # a failed run's reports too: what it reached is worth seeing
+            run.record.metrics = execution.board.metrics()  # a failed run's reports too: what it reached is worth seeing

@@ -1,9 +1,10 @@
 """One cell's run as one object: everything it holds, released in reverse order, whatever happens.
 
-The plan step (magics.py) builds a :class:`Run` and hands it each part as it takes it; the
-run registers that part's release on one ``contextlib.ExitStack`` there and then, as
-trio's nursery does, so nothing is released by a list of calls that a new part could be
-left out of. In the order they are taken:
+Runs in the kernel, on the run's thread once started (kernel/runs/background.py). The plan step
+(kernel/runs/runplan.py) takes the first parts, each one's release registered on an
+``contextlib.ExitStack`` there and then (as trio's nursery does, so nothing is released by a list of
+calls that a new part could be left out of), and hands them to :class:`Run` as :class:`Held`; the run
+takes the rest in its constructor and is whole from then on. In the order they are taken:
 
 1. the data run (its cache folders), when the cell reads registered loaders;
 2. the backend (a reserved port; a cluster's placement and agents), a context manager;
@@ -32,8 +33,9 @@ import os
 import time
 import traceback as traceback_module
 from contextlib import ExitStack
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Callable, TypeVar
+from typing import Callable
 
 from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
@@ -43,8 +45,8 @@ from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.kernel.supervision.dataplane import DataRun
 from taas_magic.kernel.supervision.prompts import PromptDesk
 from taas_magic.kernel.supervision.server import PeerServer
-from taas_magic.launch.backend import Backend, rank_environments
-from taas_magic.launch.base import LaunchPlan
+from taas_magic.launch.contract import Backend, LaunchPlan
+from taas_magic.launch.rankenv import rank_environments
 from taas_magic.output.runlog import RunLog
 from taas_magic.peers import PeerIds
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
@@ -60,9 +62,6 @@ from taas_magic.writes.away import Marker
 from taas_magic.writes.completeness import Ledger
 from taas_magic.writes.landing import Landing
 from taas_magic.writes.rule import ScratchLayers, WriteRule
-
-BackendT = TypeVar("BackendT", bound=Backend)
-
 
 OK, FAILED, STOPPED = "ok", "failed", "stopped"
 
@@ -86,53 +85,57 @@ def error_lines(error: BaseException | None) -> tuple[str, ...]:
     return tuple("".join(traceback_module.format_exception_only(type(error), error)).splitlines())
 
 
-class Run:
-    """One cell's run: its settings, the closure as shipped, and each part it holds."""
+@dataclass(frozen=True)
+class Held:
+    """What the plan step took before the run is made: each one's release is on the plan's stack."""
 
-    def __init__(self, settings: RunSettings, packing: Packing, registered: list) -> None:
-        self.settings = settings
-        self.packing = packing  # the closure as shipped: rank 0's results refer to its untouched tensors
-        self.registered = registered  # the registered loaders, by index
-        self.data: DataRun | None = None
-        self.record: LastRun | None = None  # for %taas status, once the plan has printed the header
-        self.trial: TrialLink | None = None  # a search's trial: its suggestions and its pruning (search/link.py)
+    settings: RunSettings
+    packing: Packing  # the closure as shipped: rank 0's results refer to its untouched tensors
+    registered: list  # the registered loaders, by index
+    data: DataRun | None  # the data run, when the cell reads registered loaders (its cache folders)
+    backend: Backend  # entered: its reserved port, a cluster's placement and agents
+    trial: TrialLink | None = None  # a search's trial: its suggestions and its pruning (search/link.py)
+
+
+class Run:
+    """One cell's run: its settings, the closure as shipped, and each part it holds, whole once made."""
+
+    def __init__(self, held: Held, releases: ExitStack, spec: RunSpec, rule: WriteRule, record: LastRun) -> None:
+        """Take over ``held`` and its ``releases`` (the plan step's stack), then the log, the folders, the
+        scratch layers, the server and the closure handoff, in that order; a part that cannot be taken
+        releases every one before it, ``held``'s too, and raises."""
+        self.settings, self.packing, self.registered = held.settings, held.packing, held.registered
+        self.data, self.backend, self.trial = held.data, held.backend, held.trial
+        self.rule, self.record = rule, record  # record: for %taas status, the header printed
+        self.spec = spec
         self.on_ranks_gone: list[Callable[[], None]] = []  # called the moment its ranks are gone (a search's slot)
         self.saves = Ledger()  # the collective checkpoints its ranks named (writes/savers.py), checked at the end
+        self._started = time.monotonic()
         self._stack = ExitStack()
         self._stack.push(self._drop_results_on_failure)
-        self._started = time.monotonic()
-
-    # -- taking, in the plan step: each part's release is registered where it is taken -------
-    def hold_data(self, data: DataRun | None) -> None:
-        self.data = data
-        if data is not None:
-            self._stack.callback(data.close)
-
-    def hold_backend(self, backend: BackendT) -> BackendT:
-        self.backend: Backend = self._stack.enter_context(backend)
-        return backend
-
-    def open(self, spec: RunSpec, rule: WriteRule, record: LastRun) -> None:
-        """The log, the folders, the scratch layers, the server and the closure handoff, in that order."""
-        self.rule, self.record = rule, record
+        self._stack.enter_context(releases)
         self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
-        self.prompts = PromptDesk(self.log.say, self.log.debugger)  # the ranks' pdb prompts (kernel/supervision/prompts.py)
-        stacks_dir = stacks.make_dir(spec.run_id)
-        self._stack.callback(remove_tree, stacks_dir)
-        self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)
-        self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
-        self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
-        self._stack.callback(self._remove_layers)
-        self.landing = Landing(rule.repository)  # files from hosts that do not see the repository, written into it
-        self.marker = None if self.backend.loopback_only else Marker(rule.repository)  # does each host see it
-        if self.marker is not None:
-            self._stack.callback(self.marker.remove)
-        self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
-        self._stack.callback(self.server.close)
-        self.handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
-        self._stack.callback(self.handoff.remove)
-        self.bodies = [protocol.encode(protocol.Spec(self.spec)), self.handoff.body]
-        self._stack.callback(self._ranks_gone)
+        try:
+            self.prompts = PromptDesk(self.log.say, self.log.debugger)  # the ranks' pdb prompts (kernel/supervision/prompts.py)
+            stacks_dir = stacks.make_dir(spec.run_id)
+            self._stack.callback(remove_tree, stacks_dir)
+            self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)
+            self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
+            self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
+            self._stack.callback(self._remove_layers)
+            self.landing = Landing(rule.repository)  # files from hosts that do not see the repository, written into it
+            self.marker = None if self.backend.loopback_only else Marker(rule.repository)  # does each host see it
+            if self.marker is not None:
+                self._stack.callback(self.marker.remove)
+            self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
+            self._stack.callback(self.server.close)
+            self.handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
+            self._stack.callback(self.handoff.remove)
+            self.bodies = [protocol.encode(protocol.Spec(self.spec)), self.handoff.body]
+            self._stack.callback(self._ranks_gone)
+        except BaseException:
+            self.close()
+            raise
 
     # -- what the ranks are started with -------------------------------------------------------
     @property
@@ -174,9 +177,8 @@ class Run:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        if self.record is not None:
-            self.record.seconds = time.monotonic() - self._started
-            self.record.outcome = "ok" if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
+        self.record.seconds = time.monotonic() - self._started
+        self.record.outcome = "ok" if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
         try:
             self._stack.__exit__(kind, error, traceback)
         except BaseException as release_error:
@@ -186,14 +188,12 @@ class Run:
 
     def _log_end(self, error: BaseException | None) -> None:
         """The log's last entry, once everything was released: how the run ended, its error as the cell shows it."""
-        if hasattr(self, "log"):
-            self.log.end(ending(error), error_lines(error))
+        self.log.end(ending(error), error_lines(error))
 
     def close(self) -> None:
-        """Release everything taken so far (a plan step that failed half-way)."""
+        """Release everything, its log closed without an ending (a run that never started: no thread for it)."""
         self._stack.close()
-        if hasattr(self, "log"):
-            self.log.close()
+        self.log.close()
 
     def drop_results(self) -> None:
         """Rank 0's results will never be bound (a search's trial that is not the best): their files go now."""
@@ -222,6 +222,6 @@ class Run:
         self.layers.remove()
 
     def _drop_results_on_failure(self, kind: type[BaseException] | None, *_: object) -> bool:
-        if kind is not None and hasattr(self, "spec"):  # rank 0 may have written its results before the run failed
+        if kind is not None:  # rank 0 may have written its results before the run failed
             memfile.remove_run(os.getpid(), self.spec.run_id)
         return False

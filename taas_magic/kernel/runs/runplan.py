@@ -1,10 +1,10 @@
 """The plan step: everything a cell's run needs, decided and held before anything starts.
 
-:func:`plan` builds the run object (kernel/runs/run.py) and hands it each part as it takes it:
-the closure as shipped, the data run (when the cell reads registered loaders), the backend
-(the magic's one choice of local processes or the attached cluster: a cluster's GPUs are held
-from then on), the write rule and the run spec every rank receives; then it opens the run (its
-log, folders, layers, server and handoff) and writes the header as the log's first entry. A
+Runs in the kernel, in the cell's thread. :func:`plan` takes the closure as shipped, the data run
+(when the cell reads registered loaders) and the backend (the magic's one choice of local processes
+or the attached cluster: a cluster's GPUs are held from then on), decides the write rule and the run
+spec every rank receives, then makes the run (kernel/runs/run.py), which takes the rest (its log,
+folders, layers, server and handoff), and writes the header as the log's first entry. A
 plan that fails half-way releases what it took and raises one clear error: nothing was
 launched. Local GPUs held by another run of this kernel (a detached one) are such an error,
 naming that run.
@@ -26,11 +26,11 @@ from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.errors import LaunchError
 from taas_magic.feed import registry
-from taas_magic.kernel.runs.run import Run
+from taas_magic.kernel.runs.run import Held, Run
 from taas_magic.kernel.runs.session import Session
 from taas_magic.kernel.runs.summary import LastRun, closure_size, gpus_held_text, header_line
 from taas_magic.kernel.supervision.dataplane import DataRun
-from taas_magic.launch.backend import Backend
+from taas_magic.launch.contract import Backend
 from taas_magic.runspec import RunSpec
 from taas_magic.search.link import TrialLink
 from taas_magic.transfer import cudaipc, memfile
@@ -58,15 +58,15 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
     """Everything the run needs, decided and held before anything starts; the header is its log's first entry.
     A search's ``trial`` is told to its ranks (its number) and answers their suggestions (kernel/trials/searchrun.py)."""
     registered = registry.registered()
-    run = Run(settings, serialise_closure(closure, registered), registered)
-    run.trial = trial
+    packing = serialise_closure(closure, registered)
     session = context.session
-    with ExitStack() as undo:
-        undo.push(run)  # a plan that fails half-way releases what it took
-        used = sorted(run.packing.externals_used)
-        loaders = {index: registered[index] for index in used}
-        run.hold_data(DataRun(loaders, context.shell.user_ns, settings) if used else None)
-        backend = run.hold_backend(context.backend(settings))  # placement held from here
+    with ExitStack() as releases:  # a plan that fails half-way releases what it took
+        used = sorted(packing.externals_used)
+        data = DataRun({index: registered[index] for index in used}, context.shell.user_ns, settings) if used else None
+        if data is not None:
+            releases.callback(data.close)
+        backend = releases.enter_context(context.backend(settings))  # placement held from here
+        held = Held(settings, packing, registered, data, backend, trial)
         # a search's trials hold their own slices of the GPUs (the search itself is the holder)
         holder = session.runs.gpu_holder() if backend.devices.device == "cuda" and backend.loopback_only \
             and trial is None else None
@@ -77,39 +77,42 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
             shared = resolve_shared(settings.shared, rule.repository, os.getcwd())
         except ValueError as exc:
             raise LaunchError(f"taas: {exc}") from None
-        spec = _spec(run, code, rule, context, shared)
-        tensor_bytes = memfile.layout([blob.nbytes for blob in run.packing.blobs])[1]
-        route = closure_route(run.packing, spec.cuda_ipc, spec.result_file_bytes)
-        closure_text = closure_size(len(run.packing.skeleton) + tensor_bytes, route)
+        spec = _spec(held, code, rule, context, shared)
+        tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
+        route = closure_route(packing, spec.cuda_ipc, spec.result_file_bytes)
+        closure_text = closure_size(len(packing.skeleton) + tensor_bytes, route)
         in_place = "written in place by every rank: " + ", ".join(os.path.relpath(f, rule.repository) for f in shared)
         lines = [header_line(settings, backend.devices, spec.run_id, closure_text, why), rule.header(),
                  in_place if shared else None,
-                 backend.layout(), run.data.header() if run.data is not None else None]
+                 backend.layout(), data.header() if data is not None else None]
         session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
-        run.open(spec, rule, session.last_run)
+        run = Run(held, releases.pop_all(), spec, rule, session.last_run)  # whole: it releases all of it from now on
+    try:
         run.log.header("\ntaas: ".join(line for line in lines if line))
-        undo.pop_all()
+    except BaseException:
+        run.close()
+        raise
     return run
 
 
-def _spec(run: Run, code: CellCode, rule: WriteRule, context: PlanContext, shared: tuple[str, ...]) -> RunSpec:
+def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, shared: tuple[str, ...]) -> RunSpec:
     """What every rank receives: the cell, where it runs, and the run's data (checkpoints, seed, the gather's limit)."""
     run_id = secrets.token_hex(6)
     memfile.sweep_all()  # what a killed kernel left in /dev/shm
-    backend, data = run.backend, run.data
+    backend, data, trial = held.backend, held.data, held.trial
     root = context.checkpoint_dir or os.path.join(rule.repository, ".taas", "checkpoints")
     limit, why = gather_limit()
     return RunSpec(
         run_id=run_id, sys_path=tuple(sys.path), source=code.source, display_source=code.display_source,
-        filename=code.filename, device=backend.devices.device, output=run.settings.output,
+        filename=code.filename, device=backend.devices.device, output=held.settings.output,
         suppress_final=code.suppress_final, kernel_pid=os.getpid(),
         result_file_bytes=context.closure_file_bytes if backend.memory_files else INLINE_ALWAYS,
-        feeds=data.rank_feeds() if data is not None else (), cells=earlier_cells(context.shell, run.packing.skeleton),
+        feeds=data.rank_feeds() if data is not None else (), cells=earlier_cells(context.shell, held.packing.skeleton),
         # CUDA tensors by CUDA IPC: only among processes of this host on its GPUs, the kernel's CUDA in use
         cuda_ipc=backend.memory_files and backend.devices.device == "cuda" and cudaipc.kernel_ready(),
         checkpoints=os.path.join(os.path.realpath(os.path.expanduser(root)), run_id),
-        trial=run.trial.number if run.trial is not None else None,
-        post_mortem=bool(getattr(context.shell, "call_pdb", False)) and run.trial is None,  # IPython's %pdb on
+        trial=trial.number if trial is not None else None,
+        post_mortem=bool(getattr(context.shell, "call_pdb", False)) and trial is None,  # IPython's %pdb on
         gather_bytes=limit, gather_why=why,  # how much of a sharded name may come back whole to this host
         keep_checkpoints=context.keep_checkpoints, shared=shared, seed=data.seed if data is not None else secrets.randbits(31),
     )

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from taas_magic.errors import ClusterError
 from taas_magic.kernel.runs.background import Runs
 from taas_magic.kernel.runs.summary import LastRun
-from taas_magic.launch.attachment import Attachment, Cluster, address_from_environment
-from taas_magic.launch.spares import SparePool
+from taas_magic.launch import engines
+from taas_magic.launch.contract import Attachment, Spares
 from taas_magic.writes.rule import WriteRule, choose_rule, find_repository, probe_overlay_soon
 
 
@@ -25,7 +25,7 @@ from taas_magic.writes.rule import WriteRule, choose_rule, find_repository, prob
 class Session:
     """What ``%taas config``, ``warm`` and ``cluster`` changed, and what the last cell left."""
 
-    spares: SparePool = field(default_factory=SparePool)
+    spares: Spares = field(default_factory=engines.warm_spares)
     repository: str | None = None  # %taas config repo PATH
     isolation: str = "auto"  # %taas config isolation auto|overlay|python (overlay: refused where unavailable)
     cluster: Attachment | None = None  # %taas cluster ADDRESS|slurm, or $TAAS_CLUSTER at load
@@ -40,12 +40,10 @@ class Session:
         probe_overlay_soon()  # the write rule's probe, off the first cell's path
         if warm.count is not None:
             session.spares.keep(warm.count)
-        address = address_from_environment()
-        if address is not None:
-            try:
-                session.cluster = _attach_at_load(address)
-            except ClusterError as exc:  # the extension still loads: the local mode works
-                print(f"{exc} ($TAAS_CLUSTER); cells run as local processes", file=sys.stderr)
+        try:
+            session.cluster = engines.attach(None)  # $TAAS_CLUSTER's, if it is set
+        except ClusterError as exc:  # the extension still loads: the local mode works
+            print(f"{exc} (${engines.ENVIRONMENT}); cells run as local processes", file=sys.stderr)
         if warm.count is None and not warm.off and session.cluster is None:
             session.spares.prepare()  # the first cell's ranks are forks, not fresh interpreters
         return session
@@ -54,15 +52,6 @@ class Session:
         """The write rule for a cell run now: the repository holding the working directory (or the
         one set), and the isolation set."""
         return choose_rule(find_repository(os.getcwd(), self.repository), self.isolation)
-
-
-def _attach_at_load(address: str) -> Attachment:
-    """``$TAAS_CLUSTER``: a Ray address, or ``slurm``: the Slurm job the kernel runs inside."""
-    if address == "slurm":
-        from taas_magic.launch.slurm.engine import SlurmCluster
-
-        return SlurmCluster.current()
-    return Cluster.attach(address)
 
 
 @dataclass(frozen=True)

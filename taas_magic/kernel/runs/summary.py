@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from taas_magic.cell.pragma import RunSettings
-from taas_magic.launch.rankenv import DevicePlan
+from taas_magic.launch.contract import DevicePlan
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Callable, Protocol, TypeVar
 from taas_magic.errors import RunError
 from taas_magic.kernel.supervision.restarts import Attempts, restart_line
 from taas_magic.kernel.supervision.verdict import Verdict
-from taas_magic.launch.base import ProcessGroup
+from taas_magic.launch.contract import ProcessGroup
 from taas_magic.output.relay import OutputRelay
 
 Outcome = TypeVar("Outcome")

@@ -22,8 +22,7 @@ from taas_magic.feed.coordinator import FeedCoordinator
 from taas_magic.feed.plan import FeedTerms, loader_kind, plan_feed
 from taas_magic.feed.progress import ProgressLine
 from taas_magic.feed.segments import SEGMENT_BYTES, CacheDirs
-from taas_magic.launch.base import LaunchPlan, ProcessGroup
-from taas_magic.launch.local import WORKER_COMMAND, LocalProcessGroup
+from taas_magic.launch.contract import Courier, LaunchPlan, ProcessGroup
 from taas_magic.output.relay import Publish
 from taas_magic.peers import WORKER, Peer, PeerIds
 from taas_magic.procs import OWNER_VARIABLE
@@ -44,7 +43,7 @@ class DataPlane:
     workers: ProcessGroup  # worker w is ``workers.children[w]``, peer id N + w
     progress: ProgressLine
     usage: Callable[[], tuple[int, int]]  # the cache's bytes in RAM and on disk, now
-    courier: Any = None  # cluster mode: carries elements to the ranks' hosts (launch/raycourier.py's Courier)
+    courier: Courier | None = None  # a cluster's backend: carries elements to the ranks' hosts
 
     def restart_ranks(self) -> None:
         """The ranks start again (--restarts): they read from the beginning, served from the cache;
@@ -131,24 +130,18 @@ class DataRun:
             places.append(place)
         return LaunchPlan(self.workers, envs, os.getcwd(), handshake, places)
 
-    def start(
-        self, plan: LaunchPlan, publish: Publish,
-        launch: Callable[[LaunchPlan, tuple[str, ...]], ProcessGroup] | None = None, courier: Callable[[], Any] | None = None,
-    ) -> DataPlane:
-        """Start the workers of ``plan`` (:meth:`prepare` made it, and the cache directories).
-
-        ``launch`` starts them elsewhere (the cluster mode: on CPU hosts, given the plan and
-        the cache directories to make there); ``courier()`` then makes what carries their
-        elements to the ranks' hosts. ``publish`` shows the data line in the cell.
-        """
-        assert self.dirs is not None, "prepare makes the cache directories first"
-        if launch is not None:
-            group: ProcessGroup = launch(plan, (self.dirs.ram, self.dirs.disk))
-        else:
-            group = LocalProcessGroup.start(plan, WORKER_COMMAND, "data worker")
+    def start(self, workers: ProcessGroup, courier: Courier | None, publish: Publish) -> DataPlane:
+        """The kernel's side of the started ``workers`` (the backend started them with :meth:`prepare`'s
+        plan and the cache directories; ``courier``: what carries their elements to the ranks' hosts,
+        on a cluster); ``publish`` shows the data line in the cell."""
         coordinator = FeedCoordinator(self.plans)
         progress = ProgressLine(coordinator, publish, self.workers)
-        return DataPlane(coordinator, group, progress, self.usage, courier() if courier is not None else None)
+        return DataPlane(coordinator, workers, progress, self.usage, courier)
+
+    def cache_dirs(self) -> tuple[str, ...]:
+        """The cache directories (RAM, disk) :meth:`prepare` made."""
+        assert self.dirs is not None, "prepare makes the cache directories first"
+        return self.dirs.ram, self.dirs.disk
 
     def _cache_inside(self, repository: str) -> bool:
         """A cache directory inside the repository cannot be isolated away from the workers."""

@@ -1,6 +1,6 @@
 """The supervisor's I/O: one selector over everything a run's processes say, turned into typed events.
 
-It runs in the kernel's main thread (supervisor.py) and decides nothing: no failure, no
+Runs in the kernel, on the run's own thread with the supervisor (supervisor.py), and decides nothing: no failure, no
 retry, no routing. What it watches: the rank server's listener and the handshakes in
 progress (kernel/supervision/server.py), each process's stdout and stderr pipes, each connected peer's
 authenticated channel (wire.py, frames decoded by protocol.py), and each process's exit (a
@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 from taas_magic import protocol, wire
 from taas_magic.kernel.supervision.server import PeerConnection, PeerServer, PendingPeer
-from taas_magic.launch.base import ChildProcess
+from taas_magic.launch.contract import ChildProcess
 from taas_magic.peers import Peer, PeerIds
 from taas_magic.protocol import ToKernel
 

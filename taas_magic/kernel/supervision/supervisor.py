@@ -1,8 +1,9 @@
 """The run loop: start, feed, watch and always reap the ranks of one cell.
 
-It runs in the kernel's main thread, inside the magic, and installs no signal handler:
-the kernel's interrupt arrives here as ``KeyboardInterrupt``, and the ``finally`` of
-:func:`run_ranks` stops every rank. It is three parts and the loop that wires them, as
+Runs in the kernel, on the run's own thread (kernel/runs/background.py), and installs no signal
+handler: a stop (``%taas stop``, or an interrupt of the cell that waits for the run) is asked through
+``stop_asked`` and raised here as ``KeyboardInterrupt``, and the ``finally`` of :func:`run_ranks`
+stops every rank. It is three parts and the loop that wires them, as
 torch's elastic agent keeps its process context, its restart loop and its log tailing apart:
 
 - mux.py, the mechanism: one selector over the listener, the handshakes, every process's
@@ -12,7 +13,7 @@ torch's elastic agent keeps its process context, its restart loop and its log ta
   retry; a pure function of the events;
 - attempts.py, the restart loop (``--restarts``, kernel/supervision/restarts.py).
 
-:class:`Supervisor` routes each event: pipe output to the relay, frames to the board,
+:class:`Supervisor` routes each event, and :class:`AttemptWatch` steps it through one attempt: pipe output to the relay, frames to the board,
 rank 0's results, a request for the closure's host copy to the run's handoff (given in the
 run's parts, as ``host_copy``), the data plane's coordinator (whose answers go back out), and
 everything to the verdict; a display waits for its marker in the rank's text (output/displays.py).
@@ -26,7 +27,6 @@ ranks end: workers still extracting then are stopped.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -41,7 +41,7 @@ from taas_magic.kernel.supervision.prompts import PromptDesk, RankPrompts
 from taas_magic.kernel.supervision.restarts import Attempts
 from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.kernel.supervision.verdict import TimedOut, Verdict
-from taas_magic.launch.base import ProcessGroup
+from taas_magic.launch.contract import ProcessGroup
 from taas_magic.output.board import Board
 from taas_magic.output.displays import HeldDisplays
 from taas_magic.output.relay import OutputRelay, Publish
@@ -76,8 +76,13 @@ HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its re
 SuggestAnswer = Callable[[int, Suggest], Suggested]  # a search's trial answering a rank's suggestion (search/link.py)
 
 
-def _not_a_search(rank: int, frame: Suggest) -> Suggested:
+def not_a_search(rank: int, frame: Suggest) -> Suggested:
+    """The answer to a suggestion in a run that is not a search's trial."""
     return Suggested(frame.name, error="this run is not a search's trial")
+
+
+def never() -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,9 @@ class RunParts:
     board: Board | None = None  # the live chart and health line (output/board.py)
     timeout: float | None = None  # --timeout
     explain: Explain | None = None  # the hang autopsy (autopsy/stacks.py)
-    stop_asked: Callable[[], bool] = lambda: False  # %taas stop, or an interrupt of the cell that waits for it
-    suggest: SuggestAnswer = _not_a_search  # a search's trial: the value of each suggestion, the same for every rank
-    prune_asked: Callable[[], bool] = lambda: False  # a search's pruner stopped this trial: every rank, at once
+    stop_asked: Callable[[], bool] = never  # %taas stop, or an interrupt of the cell that waits for it
+    suggest: SuggestAnswer = not_a_search  # a search's trial: the value of each suggestion, the same for every rank
+    prune_asked: Callable[[], bool] = never  # a search's pruner stopped this trial: every rank, at once
     prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/supervision/prompts.py)
     # a collective save's folder, named by a rank; a piece of a file from a host that does not see the repository (writes/)
     saves: Callable[[int, CheckpointSaved | FilePart], None] | None = None
@@ -115,7 +120,7 @@ class Supervisor:
         self.mux = Mux(parts.server, parts.ids, parts.greeting)
         self.relay = parts.relay(self._on_marker)
         loader_name = data.coordinator.name_of if data is not None else _no_feed
-        self.verdict = Verdict(parts.ids.ranks, functools.partial(_host, self), loader_name)
+        self.verdict = Verdict(parts.ids.ranks, self._host, loader_name)
         self.displays = HeldDisplays(self.relay, parts.publish, parts.ids)
         self.group: ProcessGroup | None = None  # the current attempt's ranks (attach / detach)
         self.result: Result | None = None
@@ -132,7 +137,7 @@ class Supervisor:
 
     def detach(self) -> None:
         """After an attempt's ranks were stopped: their last output, then forget them."""
-        self._handle_all(self.mux.forget_ranks())
+        self.handle_all(self.mux.forget_ranks())
         self.verdict.next_attempt()
         self.debugging.next_attempt()
         self.displays.forget_ranks()
@@ -144,7 +149,7 @@ class Supervisor:
         """The root cause as the cell shows it: with what the failing process printed before it
         reported it (its pipes drained now), and ``notes`` after it."""
         assert self.verdict.failure is not None
-        self._handle_all(self.mux.drain_pipes(self.verdict.cause))
+        self.handle_all(self.mux.drain_pipes(self.verdict.cause))
         self.relay.flush(force=True)
         return self.verdict.failure.with_output(self.relay.last_lines(self.verdict.cause), notes)
 
@@ -155,7 +160,7 @@ class Supervisor:
             self.data.workers.stop()
 
     # -- events -------------------------------------------------------------------------------
-    def _handle_all(self, events: Iterable[Event]) -> None:
+    def handle_all(self, events: Iterable[Event]) -> None:
         for event in events:  # one at a time: a handler may read more (a display's marker drains its channel)
             self._handle(event)
 
@@ -204,7 +209,7 @@ class Supervisor:
 
     def _send_all(self, sends: list[Send]) -> None:
         """What the coordinator answered; in the cluster mode deliveries wait for their elements to
-        reach their rank's host (launch/raycourier.py)."""
+        reach their rank's host (launch/ray/courier.py)."""
         if self.data is not None and self.data.courier is not None:
             sends = self.data.courier.route(sends)
         for send in sends:
@@ -213,128 +218,140 @@ class Supervisor:
     def _on_marker(self, peer: Peer, number: int) -> None:
         """A rank's display ``number`` belongs here in its text: publish it now."""
         if not self.displays.has(peer, number):
-            self._handle_all(self.mux.drain_channel(peer))  # sent before the marker was written: it is buffered
+            self.handle_all(self.mux.drain_channel(peer))  # sent before the marker was written: it is buffered
         self.displays.show(peer, number)
 
     # -- one attempt ----------------------------------------------------------------------------
     def step(self, wait: float) -> None:
-        self._handle_all(self.mux.events(wait))
+        self.handle_all(self.mux.events(wait))
         self.debugging.step()
         if self.data is not None and self.data.courier is not None:
             self._send_all([])  # deliveries whose elements reached their rank's host
-        self._handle_all(self.mux.exits())
+        self.handle_all(self.mux.exits())
         self.relay.flush()
         if self.data is not None:
             self.data.progress.show()
         if self.parts.board is not None:
             self.parts.board.show()
 
-    def settle(self) -> None:
-        """After a failure: a moment for a silent death that caused it to be seen (verdict.py)."""
-        failed_at = time.monotonic()
-        while not self.verdict.settled(time.monotonic() - failed_at):
-            self._handle_all(self.mux.events(SETTLE_STEP_SECONDS))
-            self._handle_all(self.mux.exits())
-
-    def autopsy(self) -> tuple[tuple[int, ...], list[str]]:
-        """The ranks still running, and where each of them is (stacks.py): one summary line, then the stacks."""
-        assert self.group is not None
-        running = self.verdict.running()
-        if self.parts.explain is None or not running:
-            return running, []
-        return running, self.parts.explain(self.group.stacks(running), running)
-
     def watch(self) -> RunOutcome | None:
         """One attempt, until every rank finished (its outcome) or it failed (None; the verdict says how)."""
-        try:
-            return _watch(self)
-        except KeyboardInterrupt:
-            self.relay.flush(force=True)
-            for line in self.debugging.stopped_lines() or self.autopsy()[1]:  # at a prompt nothing is hung
-                self.relay.notice(line)
-            raise
+        return AttemptWatch(self).run()
 
     def outcome(self) -> RunOutcome:
         self.displays.show_leftovers()
         return RunOutcome(self.result, dict(self.verdict.exit_codes))
 
+    def close(self) -> None:
+        """Whatever happened: the last output, the last chart, the data line with the cache's size."""
+        self.relay.flush(force=True)
+        if self.parts.board is not None:
+            self.parts.board.show(force=True)  # the last reports, drawn
+        if self.data is not None:
+            self.data.workers.close()  # before measuring the cache: nothing writes to it any more
+            self.data.progress.show(force=True, usage=self.data.usage())
+        self.debugging.close()  # before the mux: a line typed at a prompt now is not sent
+        self.mux.close()
 
-def _host(supervisor: Supervisor, peer: Peer) -> str:
-    """Where a rank or data worker of the run runs."""
-    if peer.is_rank:
-        assert supervisor.group is not None  # a rank's frames and exits arrive only while its attempt is attached
-        return supervisor.group.children[peer.index].host
-    assert supervisor.data is not None
-    return supervisor.data.workers.children[peer.index].host
+    def _host(self, peer: Peer) -> str:
+        """Where a rank or data worker of the run runs."""
+        if peer.is_rank:
+            assert self.group is not None  # a rank's frames and exits arrive only while its attempt is attached
+            return self.group.children[peer.index].host
+        assert self.data is not None
+        return self.data.workers.children[peer.index].host
 
 
 def _no_feed(feed: int | None) -> str:
     return "the registered loaders"
 
 
-def _close(supervisor: Supervisor) -> None:
-    """Whatever happened: the last output, the last chart, the data line with the cache's size."""
-    relay, board, data = supervisor.relay, supervisor.parts.board, supervisor.data
-    relay.flush(force=True)
-    if board is not None:
-        board.show(force=True)  # the last reports, drawn
-    if data is not None:
-        data.workers.close()  # before measuring the cache: nothing writes to it any more
-        data.progress.show(force=True, usage=data.usage())
-    supervisor.debugging.close()  # before the mux: a line typed at a prompt now is not sent
-    supervisor.mux.close()
+class AttemptWatch:
+    """One attempt watched: the supervisor stepped until every rank finished or it failed, within
+    ``--timeout`` (which does not count the time a rank waits at a pdb prompt), a stop asked
+    (``%taas stop``, an interrupt), or a search's pruner's say."""
 
+    def __init__(self, supervisor: Supervisor):
+        self.supervisor = supervisor
+        self.timeout = supervisor.parts.timeout
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
-def _wait(supervisor: Supervisor, deadline: float | None) -> float:
-    """How long the next select may wait: until a flush, the deadline, or a courier's copies."""
-    now = time.monotonic()
-    wait = min(POLL_SECONDS, supervisor.relay.seconds_until_flush(now))
-    if deadline is not None:
-        wait = min(wait, max(0.0, deadline - now))
-    data = supervisor.data
-    if data is not None and data.courier is not None and data.courier.busy:
-        wait = min(wait, COURIER_POLL_SECONDS)  # its copies complete off the selector
-    return wait
+    def run(self) -> RunOutcome | None:
+        """The outcome, or None: it failed (the verdict says how). An interrupt shows where every
+        rank was (the autopsy; at a pdb prompt nothing is hung), then propagates."""
+        try:
+            return self._loop()
+        except KeyboardInterrupt:
+            supervisor = self.supervisor
+            supervisor.relay.flush(force=True)
+            for line in supervisor.debugging.stopped_lines() or self.autopsy()[1]:
+                supervisor.relay.notice(line)
+            raise
 
-
-def _watch(supervisor: Supervisor) -> RunOutcome | None:
-    timeout, verdict = supervisor.parts.timeout, supervisor.verdict
-    deadline = None if timeout is None else time.monotonic() + timeout
-    all_exited_at: float | None = None
-    before = time.monotonic()
-    while True:
-        supervisor.step(_wait(supervisor, deadline))
-        if deadline is not None and supervisor.debugging.in_pdb:  # --timeout does not count the time a rank is at a prompt
-            deadline += time.monotonic() - before
+    def _loop(self) -> RunOutcome | None:
+        supervisor, verdict = self.supervisor, self.supervisor.verdict
+        all_exited_at: float | None = None
         before = time.monotonic()
-        if verdict.failure is not None:
-            supervisor.settle()
-            return None
-        if verdict.ranks_exited() and not supervisor.mux.rank_streams_open():
-            return supervisor.outcome()
+        while True:
+            supervisor.step(self._wait())
+            if self.deadline is not None and supervisor.debugging.in_pdb:
+                self.deadline += time.monotonic() - before
+            before = time.monotonic()
+            if verdict.failure is not None:
+                self._settle()
+                return None
+            if verdict.ranks_exited() and not supervisor.mux.rank_streams_open():
+                return supervisor.outcome()
+            now = time.monotonic()
+            if verdict.ranks_exited():
+                all_exited_at = all_exited_at or now
+                if now - all_exited_at > PIPE_GRACE_SECONDS:
+                    return supervisor.outcome()  # something the cell started still holds a pipe open: the group's close ends it
+            if supervisor.parts.stop_asked():
+                raise KeyboardInterrupt  # as the person's interrupt: the autopsy, then every rank stopped
+            if supervisor.parts.prune_asked():
+                self._pruned()
+            if self.deadline is not None and now >= self.deadline:
+                assert self.timeout is not None  # a deadline exists only with a timeout
+                running, lines = self.autopsy()
+                verdict.saw(TimedOut(self.timeout, running, tuple(lines)))
+                return None
+
+    def _wait(self) -> float:
+        """How long the next select may wait: until a flush, the deadline, or a courier's copies."""
         now = time.monotonic()
-        if verdict.ranks_exited():
-            all_exited_at = all_exited_at or now
-            if now - all_exited_at > PIPE_GRACE_SECONDS:
-                return supervisor.outcome()  # something the cell started still holds a pipe open: the group's close ends it
-        if supervisor.parts.stop_asked():
-            raise KeyboardInterrupt  # as the person's interrupt: the autopsy, then every rank stopped
-        if supervisor.parts.prune_asked():
-            _pruned(supervisor)
-        if deadline is not None and now >= deadline:
-            assert timeout is not None  # a deadline exists only with a timeout
-            running, lines = supervisor.autopsy()
-            verdict.saw(TimedOut(timeout, running, tuple(lines)))
-            return None
+        wait = min(POLL_SECONDS, self.supervisor.relay.seconds_until_flush(now))
+        if self.deadline is not None:
+            wait = min(wait, max(0.0, self.deadline - now))
+        data = self.supervisor.data
+        if data is not None and data.courier is not None and data.courier.busy:
+            wait = min(wait, COURIER_POLL_SECONDS)  # its copies complete off the selector
+        return wait
 
+    def _settle(self) -> None:
+        """After a failure: a moment for a silent death that caused it to be seen (verdict.py)."""
+        supervisor = self.supervisor
+        failed_at = time.monotonic()
+        while not supervisor.verdict.settled(time.monotonic() - failed_at):
+            supervisor.handle_all(supervisor.mux.events(SETTLE_STEP_SECONDS))
+            supervisor.handle_all(supervisor.mux.exits())
 
-def _pruned(supervisor: Supervisor) -> None:
-    """A search's pruner stopped this trial: every rank at once (TERM, then KILL), no autopsy,
-    so its GPUs go to the next trial now."""
-    supervisor.relay.mute()
-    if supervisor.group is not None:
-        supervisor.group.stop(graceful=False)
-    raise TrialPruned("taas: the search's pruner stopped this trial")
+    def autopsy(self) -> tuple[tuple[int, ...], list[str]]:
+        """The ranks still running, and where each of them is (stacks.py): one summary line, then the stacks."""
+        supervisor = self.supervisor
+        assert supervisor.group is not None
+        running = supervisor.verdict.running()
+        if supervisor.parts.explain is None or not running:
+            return running, []
+        return running, supervisor.parts.explain(supervisor.group.stacks(running), running)
+
+    def _pruned(self) -> None:
+        """A search's pruner stopped this trial: every rank at once (TERM, then KILL), no autopsy,
+        so its GPUs go to the next trial now."""
+        self.supervisor.relay.mute()
+        if self.supervisor.group is not None:
+            self.supervisor.group.stop(graceful=False)
+        raise TrialPruned("taas: the search's pruner stopped this trial")
 
 
 def run_ranks(
@@ -355,4 +372,4 @@ def run_ranks(
             parts.board.start()
         return attempt_loop.run(supervisor, start, attempts or Attempts())
     finally:
-        _close(supervisor)
+        supervisor.close()

@@ -301,7 +301,7 @@ def _keep_only(best: Trial | None, trials: list[Trial]) -> None:
 def _show_metrics(session: Session, trial: Trial | None) -> None:
     """After the search, the session's last run is the best trial (else the last to end): ``taas.metrics()``
     gives its rank-0 reports, ``%taas status`` and ``taas.load_checkpoint()`` read it."""
-    if trial is not None and trial.run.record is not None:
+    if trial is not None:
         trial.run.record.metrics = trial.link.metrics
         session.last_run = trial.run.record
 

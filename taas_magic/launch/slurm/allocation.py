@@ -8,7 +8,7 @@ stdin is the kernel's lifeline: when the kernel releases the allocation, exits o
 keeper closes ``cat``'s pipe (``salloc`` then relinquishes a granted allocation) and sends
 ``salloc`` SIGTERM (which revokes one still queued). No process of ours runs on a node between
 cells, and nothing depends on ``KillWait``. ``--no-kill``: a node that fails does not end the
-allocation; the next attempt runs on the nodes left (launch/slurm/engine.py).
+allocation; the next attempt runs on the nodes left (launch/slurm/backend.py).
 
 While queued, :meth:`Allocation.request` shows the job's state, reason, place in the queue
 and the time waited, refreshed, and an interrupt cancels it (nothing is left in ``squeue``).
@@ -109,6 +109,7 @@ class Allocation:
         self.job_id = job_id
         self.made = made  # taas made it (released with the session); False: the kernel's own job
         self._keeper = keeper
+        self.released = False  # let go of (the kernel's own job is never ended, only not used)
         self.lost: set[str] = set()  # nodes a run found gone: no later step is placed on them
         self.info = self._read()
         self.node_address = slurmcli.node_address(self.info.nodes[0])  # where this host's route to the nodes goes
@@ -216,6 +217,7 @@ class Allocation:
     # -- giving it back ---------------------------------------------------------------------------
     def release(self) -> None:
         """Give back an allocation taas made (never the kernel's own job); idempotent."""
+        self.released = True
         keeper, self._keeper = self._keeper, None
         if not self.made or keeper is None:
             return

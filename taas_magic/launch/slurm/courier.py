@@ -1,5 +1,5 @@
 """Prepared elements between Slurm nodes, through the kernel (the Ray engine's go through Ray's
-object store: launch/raycourier.py).
+object store: launch/ray/courier.py).
 
 The coordinator names an element by where a data worker stored it (segment path and offset on
 the worker's node). A rank on that same node reads it there, as in the local mode. For a rank

@@ -31,8 +31,8 @@ from types import TracebackType
 from typing import Callable, Sequence
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.outputhub import HostControl, OutputHub
+from taas_magic.launch.contract import LaunchPlan
+from taas_magic.launch.hosts.outputhub import HostControl, OutputHub
 from taas_magic.launch.slurm import slurmcli
 from taas_magic.launch.slurm.task import COMMAND
 from taas_magic.launch.slurm.taskcommands import TaskCommands

@@ -11,7 +11,7 @@ Slurm starts one per rank, wherever it placed them. Each task:
    rendezvous on its node;
 3. receives its rank's plan (environment, working folder, handshake, place, autopsy file),
    made by the kernel from every task's answer (launch/slurm/step.py), and starts the rank
-   with the local machinery (launch/agent.py's HostAgent: a fresh ``python -m taas_magic.rank``
+   with the local machinery (launch/hosts/agent.py's HostAgent: a fresh ``python -m taas_magic.rank``
    in its own session, its output pumped to the hub, its exit code sent after its output);
 4. serves the kernel's commands until told to end: ``stop`` (the INT -> TERM -> KILL
    ladder), ``stacks`` (the hang autopsy, read on this node), ``end``.
@@ -78,7 +78,7 @@ class Task:
     """The task's side of the command channel, and its rank under a HostAgent."""
 
     def __init__(self, hub: wire.Handshake):
-        from taas_magic.launch.agent import HostAgent, connect_channel
+        from taas_magic.launch.hosts.agent import HostAgent, connect_channel
 
         self.hub = hub
         self.task = int(os.environ["SLURM_PROCID"])
@@ -102,7 +102,7 @@ class Task:
         self.send(where_slurm_put_me(address, self.port.getsockname()[1] if self.port is not None else None))
 
     def start(self) -> None:
-        from taas_magic.launch.base import LaunchPlan
+        from taas_magic.launch.contract import LaunchPlan
 
         line = self.reader.readline()
         if not line:

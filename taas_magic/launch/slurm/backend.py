@@ -1,5 +1,6 @@
-"""A run's backend on a held Slurm allocation: each attempt one ``srun`` step (launch/slurm/step.py).
+"""The Slurm engine's backend: a run on the held allocation, each attempt one ``srun`` step (launch/slurm/step.py).
 
+Runs in the kernel.
 The allocation is the session's (launch/slurm/allocation.py): a run holds nothing of its own
 beyond its steps, so a cell pays Slurm's queue never, only a step's start. ``--gpus N`` asks
 for N tasks with one GPU each (``--gpus-per-task=1``) on the fewest of the allocation's nodes
@@ -18,10 +19,9 @@ from types import TracebackType
 from typing import Callable
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.backend import CLUSTER_CPU, PlaneT, Say, StartData
-from taas_magic.launch.base import LaunchPlan, ProcessGroup
+from taas_magic.launch.contract import WORKER_COMMAND, DevicePlan, LaunchPlan, ProcessGroup, Say
 from taas_magic.launch.placement import RankSlot
-from taas_magic.launch.rankenv import DevicePlan
+from taas_magic.launch.rankenv import CLUSTER_CPU
 from taas_magic.launch.slurm.allocation import Allocation
 from taas_magic.launch.slurm.courier import SlurmCourier
 from taas_magic.launch.slurm.step import SlurmStep, StepTarget, fewest_nodes
@@ -106,21 +106,17 @@ class SlurmBackend:
         self._step = SlurmStep.start(self._target(ranks=True), plan, key, stop_asked=stop_asked)
         return self._step
 
-    def start_data(self, cache_ram: int, start: StartData[PlaneT], key: bytes, say: Say) -> PlaneT:
-        from taas_magic.launch.local import WORKER_COMMAND
+    def start_workers(self, plan: LaunchPlan, key: bytes, dirs: tuple[str, ...]) -> ProcessGroup:
+        self._workers = SlurmStep.start(self._target(ranks=False), plan, key, WORKER_COMMAND, dirs)
+        return self._workers
 
-        def launch(plan: LaunchPlan, dirs: tuple[str, ...]) -> ProcessGroup:
-            self._workers = SlurmStep.start(self._target(ranks=False), plan, key, WORKER_COMMAND, dirs)
-            return self._workers
+    def courier(self, cache_ram: int, say: Say) -> SlurmCourier:
+        assert self._workers is not None, "start_workers first"
+        return SlurmCourier(lambda: self._step, self._workers, cache_ram, say)
 
-        def courier() -> SlurmCourier:
-            assert self._workers is not None  # made once the workers run
-            return SlurmCourier(lambda: self._step, self._workers, cache_ram, say)
-
-        plane = start(launch, courier)
-        if self._workers is not None:
-            say("taas: data workers as Slurm tasks on " + _spans(self._workers.nodes(), "worker"))
-        return plane
+    def workers_layout(self) -> str | None:
+        assert self._workers is not None, "start_workers first"
+        return "taas: data workers as Slurm tasks on " + _spans(self._workers.nodes(), "worker")
 
     def standby(self, may_restart: bool) -> None:
         pass  # nothing waits on a node between steps: a restart is a new step
@@ -165,15 +161,3 @@ def _spans(nodes: list[str], what: str) -> str:
         else:
             spans.append((index, index, node))
     return ", ".join(f"{what}s {a}-{b} on {node}" if a != b else f"{what} {a} on {node}" for a, b, node in spans)
-
-
-class SlurmCluster(Allocation):
-    """The session's attachment (launch/attachment.py's Attachment): the allocation, and a run's backend on it."""
-
-    def place(self, gpus: int, per_host: int | None, wait: float) -> SlurmBackend:
-        """``--per-host`` and ``--place-timeout`` are the Ray engine's: Slurm places the tasks, and
-        the allocation is already held."""
-        return SlurmBackend(self, gpus)
-
-    def detach(self) -> None:
-        self.release()

@@ -1,6 +1,6 @@
 """One agent per host (a Ray actor): starts that host's ranks with the local machinery.
 
-The agent runs :class:`~taas_magic.launch.local.LocalProcessGroup` on its host, so ranks there
+The agent runs :class:`~taas_magic.launch.local.processes.LocalProcessGroup` on its host, so ranks there
 are started, isolated (the write rule) and stopped exactly as in the local mode: fresh
 ``python -m taas_magic.rank`` processes in their own sessions, a stdin lifeline, the
 INT -> TERM -> KILL ladder. A host that does not see the notebook's repository (the run's marker
@@ -8,7 +8,7 @@ is not there: writes/away.py) gives every rank a layer, rank 0's too, and the ra
 the repository's to the kernel as they end. What the agent adds is the way back to the kernel:
 
 - each rank's stdout and stderr are pumped, bytes unchanged, into one TCP connection each
-  to the kernel's output hub (``launch/outputhub.py``), so the supervisor reads them as it reads
+  to the kernel's output hub (``launch/hosts/outputhub.py``), so the supervisor reads them as it reads
   local pipes, and an end of file means the rank's output is complete;
 - one control connection carries ``LOCAL_INDEX EXIT_CODE`` lines, each sent only after
   that rank's output reached end of file, so no exit overtakes its output.
@@ -34,8 +34,8 @@ import time
 
 from taas_magic import wire
 from taas_magic.feed.segments import CacheDirs, SegmentWriter
-from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.local import LocalProcessGroup
+from taas_magic.launch.contract import LaunchPlan
+from taas_magic.launch.local.processes import LocalProcessGroup
 from taas_magic.launch.rankenv import reserve_port, visible_gpu_count
 from taas_magic.peers import STREAMS, HubChannels
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged

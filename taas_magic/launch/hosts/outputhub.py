@@ -1,6 +1,6 @@
 """The kernel's end of each host's channels: the hub the hosts' output and control channels connect to.
 
-Both cluster engines use it: each host's Ray agent (launch/agent.py through launch/ray.py) and
+Both cluster engines use it: each host's Ray agent (launch/hosts/agent.py through launch/ray/processes.py) and
 each Slurm task (launch/slurm/step.py) connects its ranks' output channels and one control
 channel here, proving the run's key before the kernel reads a byte. A control channel carries
 the host's ranks' exit codes as ``INDEX CODE`` lines (:class:`HostControl`).
@@ -34,7 +34,7 @@ class OutputHub:
 
     @property
     def handshake(self) -> wire.Handshake:
-        """Where the hub listens and the run's key: what each host's agent connects with (launch/agent.py)."""
+        """Where the hub listens and the run's key: what each host's agent connects with (launch/hosts/agent.py)."""
         return wire.Handshake(self.address[0], self.address[1], self.key)
 
     def collect(self, deadline: float, starting: list, ray: Any) -> None:

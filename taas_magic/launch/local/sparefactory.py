@@ -9,7 +9,7 @@ spare's three pipes, hands their far ends over the socket, and gets a :class:`Fo
 which the pool, the launcher and the stop ladder use as they use a ``subprocess.Popen``:
 ``pid``, the pipes, ``poll``, ``wait``. Its exit code comes from the factory, its parent.
 
-The factory fixes what a spare fixes when it imports (launch/spares.py's frozen settings):
+The factory fixes what a spare fixes when it imports (launch/local/spares.py's frozen settings):
 it serves while the kernel's values are the ones it started under, and is retired (it
 leaves once its last spare has ended) when they change or the spares are turned off.
 """

@@ -1,47 +1,29 @@
-"""Attaching the kernel to a cluster, and what the cluster has (``%taas cluster``).
+"""The Ray engine's attachment: the kernel attached to one Ray cluster (``%taas cluster ADDRESS``).
 
-Two engines: Ray and Slurm. ``%taas cluster ADDRESS`` takes anything ``ray.init(address=...)``
-accepts (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); ``%taas cluster slurm [OPTIONS]`` holds a
-Slurm allocation (launch/slurm/allocation.py); ``$TAAS_CLUSTER`` (an address, or ``slurm``: the
-job the kernel runs inside) does the same when the extension loads. ``%taas cluster off`` (or
-``local``) detaches and cells run as local processes again. Ray is imported only here and in
-``launch/ray.py``, only once a Ray cluster is asked for: the local mode never needs it.
-
-Either attachment is an :class:`Attachment`: its nodes, a run's backend on it, its status
-lines, and letting go of it; nothing above asks which engine it is.
+Runs in the kernel. ADDRESS is anything ``ray.init(address=...)`` accepts (``HOST:PORT``,
+``ray://HOST:PORT``, ``auto``). Ray is imported only here and in the Ray engine's other modules,
+only once a Ray cluster is asked for: the local mode never needs it. One Ray cluster at a time:
+``ray.init`` for another lets go of this one (:attr:`RayCluster.attached` turns False).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from taas_magic.errors import ClusterError
 from taas_magic.launch.placement import Node
 
 if TYPE_CHECKING:
-    from taas_magic.launch.backend import Backend
+    from taas_magic.launch.ray.backend import RayBackend
 
-ENV_VAR = "TAAS_CLUSTER"
 INSTALL_HINT = 'the cluster mode needs Ray: pip install "taas-magic[ray]"'
 
 
-class Attachment(Protocol):
-    """What the session holds when a cluster is attached (a Ray :class:`Cluster`, or a Slurm
-    allocation: launch/slurm/allocation.py's ``Allocation``)."""
-
-    def nodes(self) -> list[Node]: ...
-
-    def place(self, gpus: int, per_host: int | None, wait: float) -> "Backend":
-        """A run's backend on the cluster, its resources held; raises LaunchError, holding nothing."""
-
-    def status_lines(self) -> list[str]: ...
-
-    def detach(self) -> None: ...
+_CURRENT: list[RayCluster] = []  # the one Ray cluster this process is attached to (ray.init is per process)
 
 
 def import_ray() -> Any:
@@ -58,15 +40,17 @@ def import_ray() -> Any:
 
 
 @dataclass
-class Cluster:
-    """The kernel's attachment to one Ray cluster."""
+class RayCluster:
+    """The kernel's attachment to one Ray cluster (launch/contract.py's ``Attachment``)."""
 
     address: str
     ray: Any
     notebook_node_id: str
 
     @classmethod
-    def attach(cls, address: str) -> "Cluster":
+    def attach(cls, address: str) -> "RayCluster":
+        """Attached to the cluster at ``address`` (the last Ray cluster let go of first); raises
+        ClusterError at once where nothing answers there."""
         ray = import_ray()
         _check_reachable(address)
         if ray.is_initialized():
@@ -78,16 +62,23 @@ class Cluster:
             ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
         except Exception as exc:  # noqa: BLE001 - Ray raises many types for an unreachable cluster
             raise ClusterError(f"taas: could not attach to the Ray cluster at {address!r}: {exc}") from None
-        return cls(address, ray, ray.get_runtime_context().get_node_id())
+        attached = cls(address, ray, ray.get_runtime_context().get_node_id())
+        _CURRENT[:] = [attached]
+        return attached
 
-    def place(self, gpus: int, per_host: int | None, wait: float) -> "Backend":
-        from taas_magic.launch.backend import ClusterBackend
+    @property
+    def attached(self) -> bool:
+        return bool(_CURRENT) and _CURRENT[0] is self and self.ray.is_initialized()
 
-        return ClusterBackend.place(self, gpus, per_host, wait)
+    def place(self, gpus: int, per_host: int | None, wait: float) -> "RayBackend":
+        from taas_magic.launch.ray.backend import RayBackend
+
+        return RayBackend.place(self.ray, self.nodes, gpus, per_host, wait)
 
     def detach(self) -> None:
-        if self.ray.is_initialized():
+        if self.attached:
             self.ray.shutdown()
+        _CURRENT[:] = [held for held in _CURRENT if held is not self]
 
     def nodes(self) -> list[Node]:
         """Alive nodes with their total and free GPUs and CPUs."""
@@ -143,8 +134,3 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         raise ClusterError(
             f"taas: no Ray cluster answers at {address!r} ({exc}); check the address (ray status shows it)"
         ) from None
-
-
-def address_from_environment() -> str | None:
-    value = os.environ.get(ENV_VAR, "").strip()
-    return value if value and value != "local" else None

@@ -3,7 +3,7 @@ rank's host, through Ray's object store.
 
 The local mode hands a rank the address of an element in the workers' cache, which every
 process on the host can map. Across hosts that address means nothing on the rank's host,
-so the kernel's deliveries pass through a :class:`Courier` first.
+so the kernel's deliveries pass through a :class:`RayCourier` first.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from taas_magic.feed.coordinator import Send
 from taas_magic.protocol import Elements, End
 
 
-class Courier:
+class RayCourier:
     """Moves prepared elements from the data workers' hosts to each rank's host through Ray's
     object store, and holds back each delivery until its elements are there.
 

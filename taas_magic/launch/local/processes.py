@@ -15,20 +15,15 @@ import fcntl
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Sequence
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.base import LaunchPlan
+from taas_magic.launch.contract import RANK_COMMAND, LaunchPlan
+from taas_magic.launch.local.spares import SparePool
 from taas_magic.launch.rankenv import Binding
-from taas_magic.launch.spares import SparePool
 from taas_magic.procs import LADDER, RESTART_LADDER, Process, exit_fd, kill_leftovers, reap, stop_groups
-
-RANK_COMMAND = (sys.executable, "-m", "taas_magic.rank")
-WORKER_COMMAND = (sys.executable, "-m", "taas_magic.feed.worker")
-
 
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -89,7 +84,7 @@ class LocalProcessGroup:
         wanted: Sequence[Binding] = (),
     ) -> "LocalProcessGroup":
         """Start the ranks: rank ``k`` from a warm spare that serves ``wanted[k]`` (bound to its
-        GPU, or a CPU spare; ready or still warming), the rest as fresh processes (launch/spares.py)."""
+        GPU, or a CPU spare; ready or still warming), the rest as fresh processes (launch/local/spares.py)."""
         warm = spares.take(wanted) if spares is not None and wanted else [None] * plan.world_size
         ranks: list[LocalChild] = []
         try:

@@ -10,7 +10,7 @@ sees a local one: output fds (sockets here), exit codes, ``stop`` and ``close``.
 
 Nothing outlives the run: a group's ``close`` has every agent stop and reap its ranks (and
 what they left), so a restart (``--restarts``) starts the next attempt through the same
-agents; ``ClusterLaunch.release`` then kills the agents and removes the placement group. If
+agents; ``RayLaunch.release`` then kills the agents and removes the placement group. If
 the kernel dies, Ray kills the actors it owns, and every rank's lifeline to its agent breaks.
 """
 
@@ -22,11 +22,11 @@ from types import TracebackType
 from typing import Any, Callable, Sequence
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.agent import HostAgent
-from taas_magic.launch.base import LaunchPlan
-from taas_magic.launch.outputhub import HostControl, OutputHub
+from taas_magic.launch.contract import WORKER_COMMAND, LaunchPlan
+from taas_magic.launch.hosts.agent import HostAgent
+from taas_magic.launch.hosts.outputhub import HostControl, OutputHub
 from taas_magic.launch.placement import HostShare, Node, RankSlot, describe_free, worker_blocks
-from taas_magic.launch.raycourier import Courier
+from taas_magic.launch.ray.courier import RayCourier
 from taas_magic.peers import HubChannels
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
@@ -151,7 +151,7 @@ class RayProcessGroup:
 
     def close(self) -> None:
         """This attempt's processes are stopped and reaped on every host. The agents stay for a
-        restart (ClusterLaunch.release ends them); one that does not answer is killed now."""
+        restart (RayLaunch.release ends them); one that does not answer is killed now."""
         if self._closed:
             return
         self._closed = True
@@ -192,7 +192,7 @@ def start_agents(ray: Any, reservation: Reservation) -> tuple[list, list[dict]]:
     return agents, hosts
 
 
-class ClusterLaunch:
+class RayLaunch:
     """One run's hold on the cluster: planned hosts, reserved GPUs, an agent on each host.
 
     Built before anything is started, so an infeasible request fails at once (and a busy
@@ -278,8 +278,6 @@ class ClusterLaunch:
         an agent there (as ranks are); ``dirs`` is the data cache, made on those hosts."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from taas_magic.launch.local import WORKER_COMMAND
-
         blocks = worker_blocks(self.nodes(), plan.world_size)
         remote_agent = self.ray.remote(HostAgent)
         hosts = []
@@ -297,8 +295,8 @@ class ClusterLaunch:
         )
         return RayProcessGroup.start(self.ray, hosts, self.kernel_address, key, command=WORKER_COMMAND, dirs=dirs)
 
-    def courier(self, ram_budget: int) -> Courier:
-        return Courier(self.ray, self.rank_agents, self.worker_agent_of, ram_budget)
+    def courier(self, ram_budget: int) -> RayCourier:
+        return RayCourier(self.ray, self.rank_agents, self.worker_agent_of, ram_budget)
 
     def release(self) -> None:
         for agent in self.worker_agents:

@@ -46,8 +46,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from taas_magic.launch.local.sparefactory import SpareFactory
 from taas_magic.launch.rankenv import CPU, Binding, slice_visible, visible_gpu_count
-from taas_magic.launch.sparefactory import SpareFactory
 from taas_magic.procs import Process, reap, signal_group
 from taas_magic.rank.spare import WAITING_NAME
 
@@ -153,7 +153,7 @@ class SparePool:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.spares: list[Spare] = []
-        self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/sparefactory.py)
+        self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/local/sparefactory.py)
         self._retired: list[SpareFactory] = []  # until the spares they forked have ended
 
     def take(self, wanted: Sequence[Binding]) -> list[Process | None]:
@@ -253,8 +253,15 @@ class SparePool:
             processes.append(self.factory.process.pid)
         return sum(proportional_bytes(pid) for pid in processes)
 
-    def gpu_bound(self) -> list[Spare]:
-        return [spare for spare in self.spares if spare.gpu is not None]
+    def describe(self, setting: str) -> str:
+        """``%taas status``'s line: the ``warm`` setting, the spares waiting, their memory, the
+        factory's state, and what the GPU-bound ones hold on their GPUs (their CUDA contexts)."""
+        factory = "" if self.factory is None else \
+            " with their factory (ready: new spares are forks)" if self.forks_ready() else \
+            " with their factory (still importing: new spares start fresh)"
+        bound = [spare for spare in self.spares if spare.gpu is not None]
+        return (f"warm spares: {setting}, {len(self.spares)} waiting, {self.resident_bytes() / 2**20:.0f} MB resident"
+                f"{factory} (proportional: shared pages split)" + _held_on_gpus(bound))
 
     def close(self, wait: float = 1.0) -> None:
         """Stop the waiting spares; the factory retires (it leaves once what it forked has ended),
@@ -288,6 +295,20 @@ class SparePool:
     def _drop_dead(self) -> None:
         _stop([spare.process for spare in self.spares if spare.process.poll() is not None])
         self.spares = [spare for spare in self.spares if spare.process.poll() is None]
+
+
+def _held_on_gpus(bound: list[Spare]) -> str:
+    """What GPU-bound spares hold on their GPUs (their CUDA contexts), as ``%taas status`` says it."""
+    if not bound:
+        return ""
+    held = gpu_bytes(bound)
+    amount = f"{held / 2**20:.0f} MiB" if held is not None else "GPU memory unknown (nvidia-smi cannot see them)"
+    return f"; {len(bound)} bound to GPU(s) {', '.join(_gpu_name(s.binding) for s in bound)}, {amount} on the GPUs"
+
+
+def _gpu_name(binding: Binding) -> str:
+    """A spare's GPU as the person reads it: its index, or for a search trial's slice, which of that slice."""
+    return str(binding.gpu) if binding.visible is None else f"{binding.gpu} of {binding.visible}"
 
 
 def _fork(factory: SpareFactory | None, binding: Binding) -> Spare | None:

@@ -1,4 +1,4 @@
-"""Spares warmed while a run runs, on a thread of their own (launch/backend.py's ``standby``).
+"""Spares warmed while a run runs, on a thread of their own (launch/local/backend.py's ``standby``).
 
 Why a thread: asking the spare factory for forks takes 20 to 40 ms here, and the supervisor
 asks the moment the last rank connects, when rank 0's first line is about to arrive; done on

@@ -1,0 +1,73 @@
+"""The engines: the one place that names them, each with a lazy factory (as torch elastic's rendezvous registry).
+
+Runs in the kernel. Without an attachment a run's ranks are processes on this host
+(:func:`local_backend`, from :func:`warm_spares`); :func:`attach` turns ``%taas cluster`` text, or
+``$TAAS_CLUSTER`` when the extension loads, into a cluster's attachment. An engine is imported only
+when asked for: the local mode never imports Ray. A fourth engine is a package beside ``local/``,
+``ray/`` and ``slurm/`` implementing launch/contract.py, and one line in :data:`CLUSTER_WORDS` (or
+:data:`ADDRESSES`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from taas_magic.launch.contract import Attachment, Backend, GpuSlice, Show, Spares
+
+ENVIRONMENT = "TAAS_CLUSTER"  # an address, or ``slurm`` (the job the kernel runs inside), attached at load
+THIS_HOST = ("off", "local", "")  # ``%taas cluster off``: detach, cells run on this host
+
+
+def _ray(address: str, show: Show | None) -> Attachment:
+    from taas_magic.launch.ray.attachment import RayCluster
+
+    return RayCluster.attach(address)
+
+
+def _slurm(options: str, show: Show | None) -> Attachment:
+    from taas_magic.launch.slurm.attachment import SlurmCluster
+
+    return SlurmCluster.attach(options, show)
+
+
+# ``%taas cluster WORD [OPTIONS]``: the engine named by its first word, given the rest.
+CLUSTER_WORDS: dict[str, Callable[[str, Show | None], Attachment]] = {"slurm": _slurm}
+# ``%taas cluster ADDRESS``: anything else is an address (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``).
+ADDRESSES: Callable[[str, Show | None], Attachment] = _ray
+
+
+def attach(given: str | None, show: Show | None = None) -> Attachment | None:
+    """The attachment ``%taas cluster GIVEN`` asks for; ``given`` None: ``$TAAS_CLUSTER``'s, at load
+    (where nothing may wait in a queue: ``show`` is None). None: this host (``off``, ``local``, unset).
+
+    Raises:
+        ClusterError: the engine is not installed, the cluster does not answer, or it refused.
+    """
+    text = (os.environ.get(ENVIRONMENT, "") if given is None else given).strip()
+    if text in THIS_HOST:
+        return None
+    word, _, rest = text.partition(" ")
+    factory = CLUSTER_WORDS.get(word)
+    if factory is not None:
+        return factory(rest.strip(), show)
+    return ADDRESSES(text, show)
+
+
+def warm_spares() -> Spares:
+    """This host's warm spares (none yet: ``keep`` or ``prepare`` starts them)."""
+    from taas_magic.launch.local.spares import SparePool
+
+    return SparePool()
+
+
+def local_backend(gpus: int, spares: Spares | None, refill: Callable[[], int] | None, device: str = "auto",
+                  gpu_slice: GpuSlice | None = None) -> Backend:
+    """A run's ranks as processes on this host, from ``spares`` (:func:`warm_spares`'s) when they
+    serve; ``refill()``: how many to keep warm for what comes next. Raises LaunchError, holding
+    nothing, where the host cannot (too few GPUs, or none)."""
+    from taas_magic.launch.local.backend import LocalBackend
+    from taas_magic.launch.local.spares import SparePool
+
+    assert spares is None or isinstance(spares, SparePool), "the local engine's spares are warm_spares()'"
+    return LocalBackend(gpus, spares, refill, device, gpu_slice)
