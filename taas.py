@@ -143,7 +143,7 @@ def wait(run: str | None = None) -> Any:
     Raises:
         RuntimeError: outside an IPython kernel with the taas_magic extension loaded.
     """
-    return _fromcode.line_command("wait", run or "")
+    return _fromcode.wait(run)
 
 
 def trial() -> Any:
@@ -162,12 +162,12 @@ def trial() -> Any:
 def trials() -> Any:
     """The last search's trials (number, params, value, state, seconds, log): a pandas DataFrame when
     pandas is installed, else a list of dicts. ``%taas trials`` is the same."""
-    return _fromcode.line_command("trials")
+    return _fromcode.trials()
 
 
 def study() -> Any:
     """The last search's Optuna study (``study.best_trial``, ``optuna.visualization``...). ``%taas study``."""
-    return _fromcode.line_command("study")
+    return _fromcode.study()
 
 
 def lightning_logger() -> Any:

@@ -7,7 +7,7 @@ Generated, at a marker on its own line:
   options that belong to a search (``SEARCH_ONLY``);
 - ``<!-- taas:settings -->``: the session settings (``TaasMagics``' configurable traitlets);
 - ``<!-- taas:commands -->``: the ``%taas`` line commands
-  (``taas_magic.kernel.magic.status.LINE_COMMANDS``);
+  (``taas_magic.kernel.magic.commands.COMMANDS``, the table that also dispatches them);
 - ``<!-- taas:api -->``: the ``taas`` module's public functions (``taas.__all__``), each with its
   signature and docstring.
 
@@ -17,7 +17,7 @@ Checked on every page, failing the build with :class:`PluginError` naming the pa
   inline code span) is an option of ``OPTIONS``;
 - every heading and table row of reference/options.md that names an option names one of
   ``OPTIONS``;
-- every ``%taas WORD`` is a line command (WORD is the first word of a ``LINE_COMMANDS`` entry);
+- every ``%taas WORD`` is a line command (WORD is the first of a ``COMMANDS`` row's words);
 - every ``TaasMagics.name`` is a session setting;
 - every ``TAAS_*`` variable a page names exists in the code, the tests or the benchmarks;
 
@@ -77,10 +77,11 @@ def _options() -> Any:
     return options
 
 
-def _line_commands() -> tuple[tuple[str, str], ...]:
-    from taas_magic.kernel.magic.status import LINE_COMMANDS
+def _line_commands() -> tuple[Any, ...]:
+    """The rows of the ``%taas`` table (``LineCommand``: ``words``, ``usage``, ``help``, ``handler``)."""
+    from taas_magic.kernel.magic.commands import COMMANDS
 
-    return tuple(LINE_COMMANDS)
+    return COMMANDS
 
 
 def _settings() -> dict[str, Any]:
@@ -90,8 +91,7 @@ def _settings() -> dict[str, Any]:
 
 
 def _command_words() -> set[str]:
-    return {command.removeprefix("%taas").split()[0] for command, _ in _line_commands()
-            if command.startswith("%taas ")}
+    return {command.words[0] for command in _line_commands()}
 
 
 def _flags() -> set[str]:
@@ -179,7 +179,7 @@ def settings_table() -> str:
 
 def commands_table() -> str:
     rows = ["| command | what it does |", "| --- | --- |"]
-    rows += [f"| `{command}` | {_cell(meaning)} |" for command, meaning in _line_commands()]
+    rows += [f"| `{command.usage}` | {_cell(command.help)} |" for command in _line_commands()]
     return "\n".join(rows) + "\n"
 
 
@@ -288,7 +288,7 @@ def check_page(page: str, markdown: str) -> None:
         for word in LINE_COMMAND.findall(line):
             if word not in words:
                 _fail(page, f"line {number}: '%taas {word}' is not a line command "
-                            f"(taas_magic.kernel.magic.status.LINE_COMMANDS has: {', '.join(sorted(words))})")
+                            f"(taas_magic.kernel.magic.commands.COMMANDS has: {', '.join(sorted(words))})")
         for name in SETTING.findall(line):
             if name not in settings:
                 _fail(page, f"line {number}: 'TaasMagics.{name}' is not a session setting")

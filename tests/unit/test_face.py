@@ -190,7 +190,7 @@ def test_outside_a_rank_the_face_answers_by_the_defaults():
 def test_the_modules_that_read_or_set_the_state_load_without_the_face():
     modules = ["taas_magic.rank.main", "taas_magic.rank.spare", "taas_magic.kernel.runs.execution", "taas_magic.kernel.runs.runplan",
                "taas_magic.kernel.magic.linecommands", "taas_magic.kernel.trials.searchrun", "taas_magic.feed.registry",
-               "taas_magic.rank.identity", "taas_magic.kernel.magic.fromcode"]
+               "taas_magic.rank.identity", "taas_magic.kernel.magic.fromcode", "taas_magic.kernel.magic.commands"]
     ran = _run(f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
                "print(sorted(name for name in sys.modules if name == 'taas' or name.startswith('taas.')))")
     assert ran.returncode == 0, ran.stderr

@@ -7,13 +7,8 @@ from traitlets import TraitError
 
 from taas_magic.cell.options import OPTIONS, PragmaError, usage
 from taas_magic.cell.pragma import PragmaOptions, parse_options
+from taas_magic.kernel.magic.commands import HELP
 from taas_magic.kernel.magic.magics import TaasMagics
-from taas_magic.kernel.magic.status import HELP, LINE_COMMANDS
-
-
-def test_every_line_command_is_in_help():
-    for command, _ in LINE_COMMANDS:
-        assert command in HELP
 
 
 def test_help_and_usage_name_every_option_with_its_value():

@@ -1,13 +1,14 @@
 """What ``taas`` calls in the notebook read from the loaded extension's session.
 
-- ``taas.wait()``, ``taas.trials()``, ``taas.study()``: the loaded magic's line command run in
-  the notebook's shell, exactly as ``%taas wait``, ``%taas trials`` and ``%taas study`` do
-  (kernel/magic/runcommands.py, kernel/magic/linecommands.py);
+- ``taas.wait()``, ``taas.trials()``, ``taas.study()``: the handlers of ``%taas wait``, ``%taas
+  trials`` and ``%taas study`` (kernel/magic/commands.py), called with their typed arguments on
+  the loaded magic's session and settings: what the line does, without a line to parse;
 - ``taas.metrics()`` and, in the notebook, ``taas.load_checkpoint()`` / ``taas.checkpoint_path()``:
   the session's last run (kernel/runs/summary.py's LastRun), its one owner: nothing process-wide.
 
-This module imports nothing at load (IPython when called): ``import taas`` imports it, in a rank
-too, where there is no session (no metrics, and the rank's own checkpoint folder is used).
+This module imports nothing at load (IPython and the commands when called): ``import taas``
+imports it, in a rank too, where there is no session (no metrics, and the rank's own checkpoint
+folder is used).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import sys
 from typing import Any
 
 
-def line_command(command: str, argument: str = "") -> Any:
-    """``%taas COMMAND [ARGUMENT]``'s value, run in this kernel's shell.
+def _magic(call: str) -> Any:
+    """The loaded extension's magic (kernel/magic/magics.py's TaasMagics): the one ``%taas`` is bound to.
 
     Raises:
         RuntimeError: outside an IPython kernel with the taas_magic extension loaded.
@@ -25,9 +26,34 @@ def line_command(command: str, argument: str = "") -> Any:
     from IPython import get_ipython
 
     shell = get_ipython()
-    if shell is None or shell.find_line_magic("taas") is None:
-        raise RuntimeError(f"taas.{command}(): the taas_magic extension is not loaded here (%load_ext taas_magic)")
-    return shell.run_line_magic("taas", f"{command} {argument}" if argument else command)
+    line = None if shell is None else shell.find_line_magic("taas")
+    if line is None:
+        raise RuntimeError(f"taas.{call}(): the taas_magic extension is not loaded here (%load_ext taas_magic)")
+    return line.__self__
+
+
+def wait(run: str | None) -> Any:
+    """``%taas wait [RUN]``'s handler (kernel/magic/commands.py), given the run as the caller named it."""
+    from taas_magic.kernel.magic import commands
+
+    magic = _magic("wait")
+    return commands.wait(magic.session, magic.command_settings(), run)
+
+
+def trials() -> Any:
+    """``%taas trials``'s handler."""
+    from taas_magic.kernel.magic import commands
+
+    magic = _magic("trials")
+    return commands.trials(magic.session, magic.command_settings())
+
+
+def study() -> Any:
+    """``%taas study``'s handler."""
+    from taas_magic.kernel.magic import commands
+
+    magic = _magic("study")
+    return commands.study(magic.session, magic.command_settings())
 
 
 def _last_run() -> Any:

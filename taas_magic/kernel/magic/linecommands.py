@@ -1,13 +1,13 @@
-"""``%taas`` line commands: ``help``, ``status``, ``config repo PATH``, ``config isolation
-auto|overlay|python``, ``warm off|auto|N``, ``cluster [ADDRESS|slurm [OPTIONS]|off]``; the runs' (runcommands.py);
-``trials`` and ``study``, the last search's.
+"""What the ``%taas`` line commands do to the session: ``status``, ``config repo PATH``, ``config
+isolation auto|overlay|python``, ``warm off|auto|N``, ``cluster [ADDRESS|slurm [OPTIONS]|off]``;
+``trials`` and ``study``, the last search's. The runs' are runcommands.py's; which line calls
+which is the table of kernel/magic/commands.py.
 
-:func:`run` reads one command line and applies it to the session's state (kernel/runs/session.py),
-printing what it did; a command it does not know, or a value it refuses, raises IPython's
-``UsageError`` with the line the cell shows. The session's settings stay the magic's
-traitlets (``%config TaasMagics.warm``): the magic (kernel/magic/magics.py) passes them in as
-:class:`MagicSettings`, their values and the one setter a command needs (``warm``), so
-nothing here refers back to the magic.
+Each applies one command to the session's state (kernel/runs/session.py), printing what it did;
+a value it refuses raises IPython's ``UsageError`` with the line the cell shows. The session's
+settings stay the magic's traitlets (``%config TaasMagics.warm``): the magic
+(kernel/magic/magics.py) passes them in as :class:`MagicSettings`, their values and the one
+setter a command needs (``warm``), so nothing here refers back to the magic.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from IPython.core.error import UsageError
 from taas_magic.cell.options import shown_defaults
 from taas_magic.errors import ClusterError
 from taas_magic.feed import registry
-from taas_magic.kernel.magic import debug, runcommands
-from taas_magic.kernel.magic.status import help_text, status_text
+from taas_magic.kernel.magic import runcommands
+from taas_magic.kernel.magic.status import status_text
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.supervision.dataplane import describe_registered
 from taas_magic.kernel.trials.searchrun import SearchRun, trials_table
@@ -43,40 +43,14 @@ class MagicSettings:
     take: runcommands.Take  # binds a finished run's names in the notebook (wait)
 
 
-def run(line: str, session: Session, settings: MagicSettings) -> object:
-    """One ``%taas`` line (empty: ``help``); ``wait`` returns the run's value."""
-    command = line.strip() or "help"
-    words = command.split(maxsplit=2)
-    given = words[1] if len(words) == 2 else None
-    if words[:1] == ["debug"] and len(words) <= 2:
-        debug.taas_debug(session.runs, given)
-    elif words[:1] in (["attach"], ["wait"], ["stop"]) and len(words) <= 2:
-        if words[0] == "wait":
-            return runcommands.wait(session.runs, given, settings.take)
-        if words[0] == "attach":
-            runcommands.attach(session.runs, given, settings.viewing)
-        else:
-            runcommands.stop(session.runs, given)
-    elif command == "runs":
-        runcommands.list_runs(session.runs)
-    elif command in ("trials", "study"):
-        search = _last_search(session)
-        return trials_table(search.trials) if command == "trials" else search.study
-    elif words[:2] == ["config", "repo"] and len(words) == 3:
-        _set_repository(session, words[2])
-    elif words[:2] == ["config", "isolation"] and len(words) == 3:
-        _set_isolation(session, words[2])
-    elif words[:1] == ["warm"] and len(words) == 2:
-        _set_warm(session, settings, words[1])
-    elif words[:1] == ["cluster"]:
-        _cluster(session, command[len("cluster"):].strip())
-    elif command == "help":
-        print(help_text())
-    elif command == "status":
-        _status(session, settings)
-    else:
-        raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")
-    return None
+def trials(session: Session) -> object:
+    """``%taas trials``: the last search's trials (a pandas DataFrame where pandas is installed)."""
+    return trials_table(_last_search(session).trials)
+
+
+def study(session: Session) -> object:
+    """``%taas study``: the last search's Optuna study."""
+    return _last_search(session).study
 
 
 def _last_search(session: Session) -> SearchRun:

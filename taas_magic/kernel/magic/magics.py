@@ -11,7 +11,7 @@ returns at once (``--detach``). ``_backend`` is the one place that chooses a bac
 (local processes or the attached cluster).
 
 The session's state (kernel/runs/session.py: repository, isolation, warm spares, cluster, last
-run) is the magic's ``session``; ``%taas`` line commands (kernel/magic/linecommands.py) change it and
+run) is the magic's ``session``; ``%taas`` line commands (kernel/magic/commands.py's table) change it and
 are given the traitlets they read or set, never the magic.
 """
 
@@ -31,8 +31,9 @@ from taas_magic.cell.options import SETTINGS
 from taas_magic.cell.pragma import PragmaOptions, RunSettings, parse_cell, settle
 from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import RunInterrupted
-from taas_magic.kernel.magic import linecommands
+from taas_magic.kernel.magic import commands
 from taas_magic.kernel.magic.debug import no_ipython_post_mortem
+from taas_magic.kernel.magic.linecommands import MagicSettings
 from taas_magic.kernel.magic.settings import VALIDATED, option_trait, refuse
 from taas_magic.kernel.runs.background import BackgroundRun, RunThread, give_back_memory
 from taas_magic.kernel.runs.foreground import STOP, open_console, wait_async, wait_blocking
@@ -189,11 +190,12 @@ class TaasMagics(Magics):
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str) -> object:
-        """``%taas help`` | ``status`` | ``runs`` | ``attach|wait|stop [RUN]`` | ``config repo PATH`` |
-        ``config isolation auto|python`` | ``warm off|auto|N`` | ``cluster [ADDRESS|slurm [OPTIONS]|off]``."""
-        settings = linecommands.MagicSettings(self.warm, self._set_warm, self._session(), self._shell.user_ns,
-                                          self._viewing, self._take)
-        return linecommands.run(line, self.session, settings)
+        """``%taas COMMAND``: the row of kernel/magic/commands.py's table the line names (``%taas help`` lists them)."""
+        return commands.run(line, self.session, self.command_settings())
+
+    def command_settings(self) -> MagicSettings:
+        """The traitlets a line command reads or sets (``%taas``; ``taas.wait()``, kernel/magic/fromcode.py)."""
+        return MagicSettings(self.warm, self._set_warm, self._session(), self._shell.user_ns, self._viewing, self._take)
 
     def _set_warm(self, text: str) -> None:
         self.warm = text  # validated as %config's is

@@ -1,4 +1,4 @@
-"""The text a person reads: the run header, ``%taas help`` and ``%taas status``."""
+"""The text a person reads: ``%taas help`` around the commands' rows, ``%taas status`` and ``%taas runs``."""
 
 from __future__ import annotations
 
@@ -7,31 +7,13 @@ from typing import Sequence
 from taas_magic.cell.options import OPTIONS
 from taas_magic.kernel.runs.summary import LastRun, RunSummary, devices_text, started_text
 
-LINE_COMMANDS = (
-    ("%taas status", "the last run, the devices seen, the defaults, the write rule"),
-    ("%taas config repo PATH", "set the repository (default: $TAAS_REPO, the git work tree, the cwd)"),
-    ("%taas config isolation auto|overlay|python", "how other ranks' writes are diverted (auto: overlay where possible)"),
-    ("%taas cluster ADDRESS|local", "run ranks on a Ray cluster (ray.init address), or back to this host"),
-    ("%taas cluster slurm [OPTIONS]", "hold a Slurm allocation (salloc options; none: the job this kernel runs in)"),
-    ("%taas cluster", "what is attached: its nodes, GPUs, time left; off releases it"),
-    ("%taas warm off|auto|N", "warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus"),
-    ("%taas runs", "this kernel's runs: state, ranks, start time, last line"),
-    ("%taas attach [RUN]", "show a run's live view here: what it showed so far, then live until it ends"),
-    ("%taas wait [RUN]", "wait for a (detached) run, then bind rank 0's names and return its value"),
-    ("%taas stop [RUN]", "stop a run: every rank, with the autopsy of where they were"),
-    ("%taas debug [RUN]", "the failing rank's traceback with each frame's locals (%debug too; %pdb on: a live prompt)"),
-    ("%taas trials", "the last search's trials (a pandas DataFrame when pandas is installed); taas.trials()"),
-    ("%taas study", "the last search's Optuna study; taas.study()"),
-    ("%taas help", "this text"),
-)
-
 
 def _columns(rows: Sequence[tuple[str, str]]) -> str:
     width = max(len(left) for left, _ in rows) + 2
     return "\n".join(f"  {left:<{width}}{right}" for left, right in rows)
 
 
-HELP = f"""\
+_HELP_HEAD = f"""\
 taas: run one notebook cell as N DDP ranks.
 
   #!<config>                   optional config lines (e.g. #!g2.8), recorded and shown
@@ -48,11 +30,13 @@ back to the notebook; its last expression becomes the cell's result.
 Only rank 0 writes to the repository (the git work tree holding the working directory):
 the other ranks' writes there are diverted to a private layer, thrown away after the cell.
 
-{_columns(LINE_COMMANDS)}"""
+"""
 
 
-def help_text() -> str:
-    return HELP
+def help_text(commands: Sequence[tuple[str, str]]) -> str:
+    """``%taas help``: the options (cell/options.py's table), then ``commands``, (usage, what it does)
+    rows (kernel/magic/commands.py's table)."""
+    return _HELP_HEAD + _columns(commands)
 
 
 def status_text(last: LastRun | None, gpus_seen: int, defaults: Sequence[tuple[str, object]],

@@ -3,7 +3,7 @@
 :class:`Session` holds the repository and the isolation (so the write rule), the warm
 spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers)
 and the last run, for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is
-made and hands it to the line commands (kernel/magic/linecommands.py); the session's settings are
+made and hands it to the line commands (kernel/magic/commands.py); the session's settings are
 not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
 """
 

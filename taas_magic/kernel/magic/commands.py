@@ -1,0 +1,171 @@
+"""The ``%taas`` line commands, as one table: :data:`COMMANDS`.
+
+Each row (:class:`LineCommand`) is one way to write a command: its words, its argument if it
+takes one, what it does, and the function that does it. Everything about the commands is read
+from the rows, never written again:
+
+- :func:`find` picks the row a ``%taas`` line names (an empty line is ``help``): its words
+  first, then its argument (none, one word, or the rest of the line), the row with the most
+  words winning (``cluster slurm X`` is the Slurm row, not ``cluster ADDRESS``); a line no row
+  takes raises IPython's ``UsageError``, the one line the cell shows;
+- :data:`HELP` is ``%taas help`` (kernel/magic/status.py's text around the rows' usage and help);
+- docs/hooks/reference.py makes reference/commands.md's table from the rows, and fails the docs
+  build on a page naming a ``%taas WORD`` no row has;
+- ``taas.wait()``, ``taas.trials()`` and ``taas.study()`` (kernel/magic/fromcode.py) call the
+  handlers :func:`wait`, :func:`trials` and :func:`study` with their typed arguments.
+
+A handler is called as ``handler(session, settings)``, or ``handler(session, settings, argument)``
+when the line gives the argument; its value is the line's (``None``: it printed what it did).
+The handlers here only adapt that call to the functions that do the work (linecommands.py,
+runcommands.py, debug.py), which take only what they use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from IPython.core.error import UsageError
+
+from taas_magic.kernel.magic import debug, linecommands, runcommands
+from taas_magic.kernel.magic.linecommands import MagicSettings
+from taas_magic.kernel.magic.status import help_text
+from taas_magic.kernel.runs.session import Session
+
+Handler = Callable[..., object]  # (session, settings[, argument]) -> the line's value
+
+
+@dataclass(frozen=True)
+class LineCommand:
+    """``%taas WORDS [ARGUMENT]``: one row of :data:`COMMANDS`."""
+
+    words: tuple[str, ...]  # the command: ("config", "repo")
+    help: str  # what it does: its row in %taas help and in the docs' reference
+    handler: Handler
+    argument: str = ""  # its argument as help names it ("RUN", "off|auto|N"); "": it takes none
+    optional: bool = False  # the argument may be left out (help shows "[RUN]"); the handler then gets none
+    rest: bool = False  # the argument is the rest of the line, spaces and all; else one word
+
+    @property
+    def usage(self) -> str:
+        """As help and the docs write it: ``%taas attach [RUN]``."""
+        shown = f"[{self.argument}]" if self.optional else self.argument
+        return " ".join(("%taas", *self.words) + ((shown,) if shown else ()))
+
+    def arguments(self, line: str) -> tuple[str, ...] | None:
+        """What ``line`` (stripped, not empty) gives this row's handler, or None: not this row's line."""
+        split = line.split(maxsplit=len(self.words))
+        if tuple(split[:len(self.words)]) != self.words:
+            return None
+        given = tuple(split[len(self.words):])  # () or (the rest of the line,)
+        if not given:
+            return () if self.optional or not self.argument else None
+        return given if self.argument and (self.rest or len(given[0].split()) == 1) else None
+
+
+# ---------------------------------------------------------------- the handlers
+
+
+def _help(session: Session, settings: MagicSettings) -> None:
+    print(HELP)
+
+
+def _repository(session: Session, settings: MagicSettings, path: str) -> None:
+    linecommands._set_repository(session, path)
+
+
+def _isolation(session: Session, settings: MagicSettings, mode: str) -> None:
+    linecommands._set_isolation(session, mode)
+
+
+def _cluster(session: Session, settings: MagicSettings, given: str = "") -> None:
+    linecommands._cluster(session, given)
+
+
+def _slurm(session: Session, settings: MagicSettings, options: str = "") -> None:
+    linecommands._cluster(session, f"slurm {options}")  # _cluster reads its argument as the line writes it
+
+
+def _runs(session: Session, settings: MagicSettings) -> None:
+    runcommands.list_runs(session.runs)
+
+
+def _attach(session: Session, settings: MagicSettings, run: str | None = None) -> None:
+    runcommands.attach(session.runs, run, settings.viewing)
+
+
+def wait(session: Session, settings: MagicSettings, run: str | None = None) -> object:
+    """``%taas wait [RUN]``, ``taas.wait(run)``: the run's value once it ends, its names bound."""
+    return runcommands.wait(session.runs, run, settings.take)
+
+
+def _stop(session: Session, settings: MagicSettings, run: str | None = None) -> None:
+    runcommands.stop(session.runs, run)
+
+
+def _debug(session: Session, settings: MagicSettings, run: str | None = None) -> None:
+    debug.taas_debug(session.runs, run)
+
+
+def trials(session: Session, settings: MagicSettings) -> object:
+    """``%taas trials``, ``taas.trials()``."""
+    return linecommands.trials(session)
+
+
+def study(session: Session, settings: MagicSettings) -> object:
+    """``%taas study``, ``taas.study()``."""
+    return linecommands.study(session)
+
+
+# ---------------------------------------------------------------- the table
+
+COMMANDS = (
+    LineCommand(("status",), "the last run, the devices seen, the defaults, the write rule", linecommands._status),
+    LineCommand(("config", "repo"), "set the repository (default: $TAAS_REPO, the git work tree, the cwd)",
+                _repository, "PATH", rest=True),
+    LineCommand(("config", "isolation"), "how other ranks' writes are diverted (auto: overlay where possible)",
+                _isolation, "auto|overlay|python", rest=True),
+    LineCommand(("cluster",), "run ranks on a Ray cluster (ray.init address), or back to this host",
+                _cluster, "ADDRESS|local", rest=True),
+    LineCommand(("cluster", "slurm"), "hold a Slurm allocation (salloc options; none: the job this kernel runs in)",
+                _slurm, "OPTIONS", optional=True, rest=True),
+    LineCommand(("cluster",), "what is attached: its nodes, GPUs, time left; off releases it", _cluster),
+    LineCommand(("warm",), "warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus",
+                linecommands._set_warm, "off|auto|N"),
+    LineCommand(("runs",), "this kernel's runs: state, ranks, start time, last line", _runs),
+    LineCommand(("attach",), "show a run's live view here: what it showed so far, then live until it ends",
+                _attach, "RUN", optional=True),
+    LineCommand(("wait",), "wait for a (detached) run, then bind rank 0's names and return its value",
+                wait, "RUN", optional=True),
+    LineCommand(("stop",), "stop a run: every rank, with the autopsy of where they were", _stop, "RUN", optional=True),
+    LineCommand(("debug",), "the failing rank's traceback with each frame's locals (%debug too; %pdb on: a live prompt)",
+                _debug, "RUN", optional=True),
+    LineCommand(("trials",), "the last search's trials (a pandas DataFrame when pandas is installed); taas.trials()",
+                trials),
+    LineCommand(("study",), "the last search's Optuna study; taas.study()", study),
+    LineCommand(("help",), "this text", _help),
+)
+
+HELP = help_text([(command.usage, command.help) for command in COMMANDS])
+
+_MOST_WORDS_FIRST = sorted(COMMANDS, key=lambda command: -len(command.words))  # stable: the table's order among equals
+
+
+def find(line: str) -> tuple[LineCommand, tuple[str, ...]]:
+    """The row ``line`` names and the arguments it gives (an empty line: ``help``).
+
+    Raises:
+        UsageError: no row takes the line.
+    """
+    command = line.strip() or "help"
+    for row in _MOST_WORDS_FIRST:
+        arguments = row.arguments(command)
+        if arguments is not None:
+            return row, arguments
+    raise UsageError(f"taas: unknown %taas command {command!r}; try %taas help or %taas status")
+
+
+def run(line: str, session: Session, settings: MagicSettings) -> object:
+    """One ``%taas`` line: its row's handler called with the line's argument; ``wait`` returns the run's value."""
+    row, arguments = find(line)
+    return row.handler(session, settings, *arguments)
