@@ -13,10 +13,11 @@ torch's elastic agent keeps its process context, its restart loop and its log ta
   retry; a pure function of the events;
 - attempts.py, the restart loop (``--restarts``, kernel/supervision/restarts.py).
 
-:class:`Supervisor` routes each event, and :class:`AttemptWatch` steps it through one attempt: pipe output to the relay, frames to the board,
-rank 0's results, a request for the closure's host copy to the run's handoff (given in the
-run's parts, as ``host_copy``), the data plane's coordinator (whose answers go back out), and
-everything to the verdict; a display waits for its marker in the rank's text (output/displays.py).
+:class:`Supervisor` routes each event: pipe output to the relay, frames to the board, rank 0's
+results, a request for the closure's host copy to the run's handoff (given in the run's parts, as
+``host_copy``), the data plane's coordinator (whose answers go back out), and everything to the
+verdict; a display waits for its marker in the rank's text (output/displays.py).
+:class:`AttemptWatch` steps it through one attempt, until it ends, fails, times out or is stopped.
 
 The first failure stops every rank; the cell's error names that process, with what it
 printed last. ``--timeout`` stops every rank and names those still running, and where each
