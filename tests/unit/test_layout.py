@@ -1,12 +1,15 @@
 """The folder layout shows the data flow: imports run one way, and shared helpers live in one place."""
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "taas_magic"
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
+    """Every module of the package, parsed once for the whole file (read-only: the tests only walk them)."""
     return {str(path.relative_to(PACKAGE.parent)): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
 
 
