@@ -14,7 +14,7 @@ need it (:func:`get_worker_info` and the checkpoint calls).
 - :func:`in_rank` / :func:`get_worker_info`: inside a rank, torch's ``WorkerInfo`` with
   ``id=RANK`` and ``num_workers=WORLD_SIZE``; outside a rank, ``None`` (taas_magic/rank/identity.py).
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
-  restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py, via rank/identity.py);
+  restarted by ``--restarts`` resumes from (taas_magic/writes/checkpoints.py, via rank/identity.py);
   a sharded state is saved by every rank together (DCP).
 - :func:`shared`: a folder every rank writes in place, for a saver taas does not recognise
   (taas_magic/writes/savers.py, via rank/identity.py).

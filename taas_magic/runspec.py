@@ -92,7 +92,7 @@ class RunSpec:
     feeds: tuple[RankFeed, ...] = ()  # the registered loaders the cell uses (kernel/supervision/dataplane.py rank_feeds)
     cells: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # earlier cells' lines (cellcode.py)
     stacks_dir: str = ""  # where rank k arms its hang autopsy: autopsy/dump.py stack_file (empty: no autopsy)
-    checkpoints: str = ""  # this run's checkpoint folder (checkpoints.py; empty: taas.save_checkpoint has none)
+    checkpoints: str = ""  # this run's checkpoint folder (writes/checkpoints.py; empty: taas.save_checkpoint has none)
     keep_checkpoints: int = 2  # the newest kept in it
     trial: int | None = None  # the search's trial number this run is (kernel/trials/searchrun.py); None: not a trial
     post_mortem: bool = False  # IPython's %pdb on: a rank that raises opens a prompt at its failing frame first

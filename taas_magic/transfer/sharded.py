@@ -41,7 +41,6 @@ from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
-from taas_magic import checkpoints
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import dcphandle, unshard
 from taas_magic.transfer.cudaipc import size_text
@@ -293,7 +292,7 @@ def _bring_whole(dist: ModuleType, results: CellResults, closure: dict[str, Any]
     outcome = _Outcome()
     try:  # collectives: every rank calls each one alike, whatever it holds
         agreed = _agree(dist, plans)
-        decision = _decide(agreed, plans, spec.gather_bytes, checkpoints.run_folder())
+        decision = _decide(agreed, plans, spec.gather_bytes, spec.checkpoints or None)
         saved: dict[str, Any] = {}
         for name, path in decision.handles.items():
             if path not in saved:

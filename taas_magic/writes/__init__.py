@@ -5,6 +5,8 @@
 - divert.py: the Python fallback where namespaces are forbidden: the patched file functions, over layer.py.
 - layer.py: the fallback's private layer: where each path is read and written, copy-up, tombstones.
 - shared.py: in a rank: one folder of the repository written in place (a bind mount, or the layer passing it).
+- checkpoints.py: ``taas.save_checkpoint`` / ``taas.load_checkpoint``'s files: a run's folder in the repository,
+  atomic, rank 0's (a sharded save every rank's), the newest kept.
 - savers.py: in a rank: collective saves recognised from the save itself (DCP, accelerate, the HF Trainer,
   ``taas.shared``, ``--shared``); their folders shared and named to the kernel.
 - completeness.py: whether a DCP checkpoint is whole (.metadata against its files, read without running its
