@@ -1,5 +1,8 @@
 """``import taas``: the notebook-side API of taas_magic.
 
+Runs wherever ``import taas`` is: in the kernel, on the cell's thread (the notebook's calls), in
+each rank (the cell's calls), and in a data worker whose loader's code imports it.
+
 An API-compatible, open replacement for the hosted platform's client of the same
 name (the two packages both provide a top-level ``taas`` module and cannot be
 installed side by side).

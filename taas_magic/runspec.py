@@ -1,6 +1,9 @@
 """What every rank of a run receives before its closure: one frozen value, read by attribute,
 and the plan of each registered loader it reads (the arithmetic of its passes: feed/plan.py).
 
+Runs wherever it is imported (frozen values): built in the kernel, in a run's plan step
+(kernel/runs/run.py), and read in each rank and data worker.
+
 The kernel builds it (kernel/runs/run.py) and sends it pickled in the authenticated ``spec``
 frame; the rank (rank/main.py) reads ``spec.source``, ``spec.device``, ... This module
 imports nothing, so a rank pays nothing to unpickle it.

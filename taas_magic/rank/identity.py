@@ -1,5 +1,9 @@
 """Whether this process is a rank, and the rank's device, seed and report: what ``import taas`` answers by.
 
+Runs wherever ``import taas`` is: in each rank (set on its main thread by rank/main.py, read on any
+thread of its cell), in the kernel (the notebook's defaults; its checkpoint calls on the cell's
+thread) and in a data worker (the defaults).
+
 The rank bootstrap (rank/main.py) calls :func:`enter` before the cell runs; anywhere else (the
 notebook, a data worker, a subprocess the cell starts, which inherits the rank's environment
 but is not a rank) the defaults hold: not a rank, the CPU, seed 0, reports ignored. The state

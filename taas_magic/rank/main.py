@@ -1,5 +1,8 @@
 """A rank's life: lifeline, authenticated handshake, the cell, what goes back, exit.
 
+Runs in each rank (``python -m taas_magic.rank``, or a spare once a cell takes it), on its main
+thread, which runs the cell.
+
 The kernel starts ``python -m taas_magic.rank`` with the rank's environment (RANK,
 WORLD_SIZE, ...), its own pipes for stdout/stderr, and writes ``HOST PORT KEY`` on
 stdin. The rank then:

@@ -1,5 +1,8 @@
 """Sharded values come back whole: the ranks gather together what rank 0 sends (FSDP2, DTensor).
 
+Runs in every rank, on its main thread after the cell (:func:`bring_whole`), and in the kernel's
+plan step (:func:`gather_limit`).
+
 A name rank 0 binds to an FSDP2 (``fully_shard``) or DTensor-sharded module, or to a state
 dict of DTensors, holds only rank 0's shards: alone, rank 0 cannot send it. So after the cell,
 before rank 0 sends its names (transfer/returns.py), every rank runs :func:`bring_whole`, on the

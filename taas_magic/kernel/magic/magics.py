@@ -1,5 +1,8 @@
 """``%%taas`` and ``%taas``: orchestration only (parse -> plan -> run -> render).
 
+Runs in the kernel, on the cell's thread (the kernel's main thread): it plans a run and waits for it
+there, while the run goes on its own thread (kernel/runs/background.py).
+
 Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
 ``ipython_config.py`` work (kernel/magic/settings.py makes them from the option table);
 ``pragma.settle`` decides each run's settings once, a pragma option always winning over a
