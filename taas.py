@@ -1,5 +1,8 @@
 """``import taas``: the notebook-side API of taas_magic.
 
+Runs wherever ``import taas`` is: in the kernel, on the cell's thread (the notebook's calls), in
+each rank (the cell's calls), and in a data worker whose loader's code imports it.
+
 An API-compatible, open replacement for the hosted platform's client of the same
 name (the two packages both provide a top-level ``taas`` module and cannot be
 installed side by side).
@@ -14,7 +17,7 @@ need it (:func:`get_worker_info` and the checkpoint calls).
 - :func:`in_rank` / :func:`get_worker_info`: inside a rank, torch's ``WorkerInfo`` with
   ``id=RANK`` and ``num_workers=WORLD_SIZE``; outside a rank, ``None`` (taas_magic/rank/identity.py).
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`checkpoint_path`: what a run
-  restarted by ``--restarts`` resumes from (taas_magic/checkpoints.py, via rank/identity.py);
+  restarted by ``--restarts`` resumes from (taas_magic/writes/checkpoints.py, via rank/identity.py);
   a sharded state is saved by every rank together (DCP).
 - :func:`shared`: a folder every rank writes in place, for a saver taas does not recognise
   (taas_magic/writes/savers.py, via rank/identity.py).

@@ -110,7 +110,7 @@ def _sweep_torchrun_ranks(folder: Path) -> None:
 def checkpoint_costs(megabytes: int, repeats: int) -> dict[str, list[float]]:
     import torch
 
-    from taas_magic import checkpoints
+    from taas_magic.writes import checkpoints
 
     state = {"weights": torch.randn(megabytes * (1 << 20) // 4), "step": 7}
     times: dict[str, list[float]] = {"save_checkpoint": [], "torch.save": [], "torch.save + fsync": []}

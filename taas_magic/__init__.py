@@ -8,6 +8,35 @@ The kernel **Python 3 (taas)** calls :func:`load_ipython_extension` from its sta
 (jupyter-config/kernels/taas/kernel.json), not as ``--ext=taas_magic``: IPython's extension
 manager would then remember the name, and a notebook's own first cell, ``%load_ext taas_magic``,
 would print "already loaded". Called again for a shell it serves, it does nothing, silently.
+
+The package, in the order a cell flows through it (docs/architecture.md), the stages:
+
+- ``cell/``: the cell's text -> Python with its line numbers, its options, its closure; pure.
+- ``kernel/``: ``%%taas`` planned, started, supervised and drawn, in four rooms from the face down.
+- ``launch/``: where the ranks and data workers run and how they start, by engine (local, Ray, Slurm).
+- ``feed/``: data workers: registered loaders prepared by CPU processes while the ranks train.
+- ``rank/``: the child runtime: what runs inside a rank, a warm spare and the spare factory.
+
+The features, each a kernel half and a rank half:
+
+- ``transfer/``: values across the process boundary, both ways: the closure out, rank 0's names back.
+- ``output/``: what the ranks show: their text within a budget, rich output, the live chart, the run log.
+- ``autopsy/``: why a run hangs: every rank's stacks, dumped and summarised.
+- ``writes/``: only rank 0 writes to the repository (but collective checkpoints); taas's checkpoints.
+- ``search/``: many trials from one cell: the study, the grid, each trial's two halves.
+
+The ground, which every package may import and which imports only itself (at most 10 modules):
+
+- ``wire.py``: the authenticated hello (one pair for every listener) and HMAC-signed frames.
+- ``protocol.py``: every frame as a frozen dataclass with its direction, dispatched by type.
+- ``runspec.py``: ``RunSpec``, the frozen value every rank receives; the registered loaders' plans.
+- ``peers.py``: ranks and data workers numbered on the wire in one place; the output hub's channels.
+- ``errors.py``: the error tree; each error renders itself as the cell's error.
+- ``procs.py``: the INT -> TERM -> KILL ladder, written once; ending what carries a run's owner tag.
+- ``tempdirs.py``: where temporary files live, and how they are removed and swept.
+- ``import_hooks.py``: a callback on a module's first import; a first import on a stack of its own.
+- ``history.py``: ``SeriesHistory``, a bounded series, kept by both the output and the search.
+- ``private.py``: every private API of another package taas calls, with the versions checked.
 """
 
 from __future__ import annotations

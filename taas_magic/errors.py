@@ -1,5 +1,9 @@
 """The errors a taas cell can end with. Each renders itself as the cell's error.
 
+Runs wherever it is imported: in the kernel, where the cell stage, the kernel's rooms, launch/ and
+the search raise these and IPython renders them on the cell's thread, and in a Ray host agent or
+Slurm task, whose local processes may raise :class:`LaunchError` (launch/local/processes.py).
+
 ::
 
     Exception

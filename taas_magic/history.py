@@ -1,6 +1,9 @@
 """A series kept in bounded memory: every point up to a bound, then an evenly thinned past and
 the last points exactly.
 
+Runs in the kernel, on a run's own thread (kernel/runs/background.py), where output/board.py and
+search/link.py append to it as reports arrive; pure data, no I/O.
+
 The kernel keeps something per ``taas.report`` for as long as a run lasts: the live chart's
 series and ``taas.metrics()`` (output/board.py), a search trial's curve (search/link.py). A run
 reporting every step for two days must hold no more than one reporting for an hour, so each

@@ -1,6 +1,11 @@
 """Imports with consequences: a callback run right after a module is first imported in the
 rank, and a first import made on a stack of its own in the kernel.
 
+Runs in each rank (:func:`when_imported`, installed on its main thread by rank/main.py and the write
+rule's modules; a callback runs on whichever thread first imports its module) and in the kernel
+(:func:`import_on_own_stack`, called from the cell's or a search's thread, importing on a
+short-lived helper thread).
+
 :func:`when_imported` pays only for what a cell uses: the non-interactive IPython shell is
 built when the cell (or matplotlib's inline backend) imports IPython, and ``nccl`` is mapped
 to ``gloo`` when ``torch.distributed`` is imported on a host without GPUs.

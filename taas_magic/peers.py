@@ -1,5 +1,9 @@
 """Who is on the other end of a channel: a rank or a data worker, by index.
 
+Runs wherever it is imported (pure values): in the kernel, on a run's own thread (supervision, the
+relay, the data plane), and in a Ray host agent or Slurm task, which numbers its hub channels with
+:class:`HubChannels` and :class:`StepChannels`.
+
 The kernel talks to both kinds of process over one listener. On the wire each proves a
 number in its hello (wire.py); :class:`PeerIds` is the one place that says what those
 numbers mean: ranks ``0..N-1``, then data workers ``N..N+M-1``. Everything above the

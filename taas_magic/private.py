@@ -1,5 +1,8 @@
 """Every private or undocumented API of another package that taas_magic calls, in one table.
 
+Runs wherever it is imported, which is only tests/unit/test_private.py: no module of the package
+imports it.
+
 :data:`PRIVATE` names each one (a dotted path: a module, then attributes), the distribution
 it comes from, the releases we have run it against, what we use it for and where. A line of
 code that calls one says ``# private API: see taas_magic/private.py``.

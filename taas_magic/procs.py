@@ -1,5 +1,9 @@
 """Stopping process groups: the INT -> TERM -> KILL ladder, written once.
 
+Runs in the kernel (a run's own thread stops its ranks and data workers; the pool stops its spares),
+in a Ray host agent or Slurm task (its host's ranks), and in the spare factory (its forks' exits,
+:func:`exit_fd`).
+
 Every rank leads its own process group (``start_new_session=True``), so a signal to
 the group reaches what the cell started too. SIGINT lets the cell's ``finally``
 blocks run; SIGTERM and then SIGKILL follow on one shared deadline, so stopping N

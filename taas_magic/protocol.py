@@ -1,8 +1,8 @@
 """Every frame between the kernel and its peers (ranks, data workers), one frozen dataclass each.
 
-A frame says its direction by its base class: :class:`ToPeer` (the kernel sends it, a rank or worker reads it) or
-:class:`ToKernel`; its ``KIND`` is the short name written in the clear in the frame's body (wire.py: ``kind_len | kind |
-pickle``). Senders build frames and readers dispatch on their type (``match frame: case Report(): ...``), never on a string.
+Runs in the kernel (a run's own thread), each rank and each data worker. A frame's base class is its direction:
+:class:`ToPeer` (the kernel sends it, a peer reads it) or :class:`ToKernel`; its ``KIND`` is its name in the clear (wire.py:
+``kind_len | kind | pickle``). Readers dispatch on a frame's type (``match frame: case Report(): ...``), never on a string.
 
 Kernel -> peer::
 

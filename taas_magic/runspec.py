@@ -1,6 +1,9 @@
 """What every rank of a run receives before its closure: one frozen value, read by attribute,
 and the plan of each registered loader it reads (the arithmetic of its passes: feed/plan.py).
 
+Runs wherever it is imported (frozen values): built in the kernel, in a run's plan step
+(kernel/runs/run.py), and read in each rank and data worker.
+
 The kernel builds it (kernel/runs/run.py) and sends it pickled in the authenticated ``spec``
 frame; the rank (rank/main.py) reads ``spec.source``, ``spec.device``, ... This module
 imports nothing, so a rank pays nothing to unpickle it.
@@ -92,7 +95,7 @@ class RunSpec:
     feeds: tuple[RankFeed, ...] = ()  # the registered loaders the cell uses (kernel/supervision/dataplane.py rank_feeds)
     cells: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # earlier cells' lines (cellcode.py)
     stacks_dir: str = ""  # where rank k arms its hang autopsy: autopsy/dump.py stack_file (empty: no autopsy)
-    checkpoints: str = ""  # this run's checkpoint folder (checkpoints.py; empty: taas.save_checkpoint has none)
+    checkpoints: str = ""  # this run's checkpoint folder (writes/checkpoints.py; empty: taas.save_checkpoint has none)
     keep_checkpoints: int = 2  # the newest kept in it
     trial: int | None = None  # the search's trial number this run is (kernel/trials/searchrun.py); None: not a trial
     post_mortem: bool = False  # IPython's %pdb on: a rank that raises opens a prompt at its failing frame first

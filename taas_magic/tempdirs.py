@@ -1,5 +1,9 @@
 """Where taas keeps its temporary files, and how they are removed, written once.
 
+Runs wherever it is imported: in the kernel (a run's folders, made in its plan step and removed as
+it ends), in each rank (transfer/memfile.py's files), in a data worker (feed/segments.py) and in a
+Ray host agent or Slurm task (its host's cache folders).
+
 Every directory or file a run creates in a shared place is named ``<prefix><kernel pid>-...``
 and is owner-only: the kernel removes its own when the cell ends, and :func:`sweep_orphans`
 removes those whose kernel died (a later run of any kernel calls it). Memory first

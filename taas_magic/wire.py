@@ -1,5 +1,9 @@
 """Framed, HMAC-signed messages between the kernel and its ranks.
 
+Runs in every process at either end of a channel: the kernel (a run's own thread reads and writes
+its frames), each rank, spare and data worker (rank/startup.py connects), and a Ray host agent or
+Slurm task (its channels to the kernel's output hub).
+
 IMPORTANT: nothing read from a socket is unpickled before it is authenticated.
 
 Handshake (the peer connects, the kernel listens: on loopback in the local mode)::

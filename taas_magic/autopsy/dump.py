@@ -1,5 +1,8 @@
 """The rank's half of the hang autopsy: Python's faulthandler, armed on a signal.
 
+Runs in each rank: armed on its main thread before the cell; the dump itself is written by
+faulthandler, from C, in the signal handler.
+
 ``faulthandler`` answers a signal from C, in the signal handler itself, without taking the
 GIL: it walks every thread's frames and writes them to a file descriptor. So a rank blocked
 in C code that holds the GIL (a collective, a C extension) still answers, where anything

@@ -1,5 +1,8 @@
 """The hang autopsy: where every rank still running is, when ``--timeout`` fires or the cell is interrupted.
 
+Runs in the kernel, on a run's own thread (:func:`take`, then :func:`describe` and :func:`summary`),
+and in a Ray host agent or Slurm task, which takes its own host's ranks' stacks (:func:`take`).
+
 Each rank arms Python's faulthandler on :data:`~taas_magic.autopsy.dump.STACK_SIGNAL`
 (autopsy/dump.py), which dumps every thread's frames from C, without the GIL, so a rank
 blocked in C code holding it answers too. Here, on the host of the ranks (the kernel, or a

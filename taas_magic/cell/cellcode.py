@@ -1,5 +1,8 @@
 """The cell as the ranks run it: IPython syntax translated in the kernel, lines kept.
 
+Runs in the kernel, on the cell's thread (and on a search's own thread for its trials:
+kernel/trials/searchrun.py).
+
 ``!cmd`` and ``%magic`` are translated with the kernel's own IPython transformers
 (minus ours, which would route the cell back to ``%%taas``), so they work in ranks.
 IPython's transformers keep one output line per input line, so line ``k`` of the

@@ -1,5 +1,7 @@
 """Which notebook names a cell uses, and shipping exactly those to the ranks.
 
+Runs in the kernel, on the cell's thread, as the magic plans the run.
+
 The cell's closure is the notebook names it may read before binding them (freenames.py:
 a name the cell assigns before any use, as a rerun cell does with ``model = Net()``, is
 not shipped), plus identifiers inside the string arguments of ``get_ipython()`` calls,

@@ -1,5 +1,7 @@
 """The notebook names a cell may read before it binds them: what its closure must hold.
 
+Runs in the kernel, on the cell's thread (cell/closure.py calls it); pure.
+
 A cell that is run again (the edit-and-run loop) mentions every name its last run bound:
 ``model = Net()``, ``opt = SGD(...)``, ``for x, y in loader``. Shipping all of those would
 pickle last run's model and optimizer into every rank only for the cell to replace them

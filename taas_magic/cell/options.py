@@ -1,5 +1,8 @@
 """The option table: every pragma option once, with its value's grammar, default, help and session setting.
 
+Runs wherever it is imported: in the kernel, on the cell's thread (the parser, the settings,
+``%taas help``), and in the docs' build (docs/hooks/reference.py).
+
 :data:`OPTIONS` is the one place an option is defined. The pragma's parser (cell/pragma.py),
 the usage line, ``%taas help`` (kernel/magic/status.py), the session's ``%config`` traits
 (kernel/magic/settings.py) and the docs' option reference (docs/reference/options.md, made

@@ -1,5 +1,8 @@
 """The taas cell grammar: ``#!<config>`` lines, one ``#pragma taas`` line, options.
 
+Runs in the kernel, on the cell's thread, where the magic parses the cell's head and settles the
+run's options; the frozen values it makes are read on the run's and the search's threads too.
+
 A taas cell looks like::
 
     #!g2.8                         <- optional config lines, recorded and shown

@@ -1,5 +1,7 @@
 """Route taas cells to the ``%%taas`` cell magic, before IPython compiles them.
 
+Runs in the kernel, on its main thread, where IPython transforms a cell before compiling it.
+
 This runs at the front of ``shell.input_transformers_cleanup``, in two pure, idempotent
 steps (IPython calls ``transform_cell`` more than once on the same text) that never validate:
 

@@ -1,5 +1,7 @@
 """The kernel's bookkeeping for the data workers: pure state, no I/O.
 
+Runs in the kernel, on a run's own thread, as the supervisor hands it frames.
+
 The supervisor hands it the frames workers and ranks send (protocol.py: Ready, Exhausted,
 Done, Want) and sends what it returns (:class:`Send`: a frame and its peer). Per feed (registered loader the cell uses) it keeps:
 

@@ -1,5 +1,7 @@
 """A worker's view of one registered loader: its own elements of each pass.
 
+Runs in each data worker (feed/worker.py), on its main thread.
+
 For a DataLoader this reuses the DataLoader's own machinery, so an element is exactly
 what ``for x in loader`` would yield: the loader's index sampler (``_index_sampler``,
 batches of indices or single indices) and its dataset fetcher (``dataset[i]`` or

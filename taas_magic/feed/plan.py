@@ -1,5 +1,9 @@
 """What a registered loader is, and the arithmetic of its passes (kernel, workers, ranks).
 
+Runs in the kernel, in a run's plan step (kernel/supervision/dataplane.py: the cell's thread, or a
+search's), and the plans it makes travel in runspec.py's :class:`FeedPlan`, whose arithmetic the
+workers and the ranks read.
+
 An *element* is one item the loader yields (a batch for a batched DataLoader). Two kinds:
 
 - ``map``: a DataLoader over a map-style dataset, or any object with ``len`` and

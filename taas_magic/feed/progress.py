@@ -1,5 +1,8 @@
 """The extraction's progress line: one display in the cell, updated in place.
 
+Runs in the kernel, on a run's own thread: the data plane updates it, and its display goes into the
+run's log (output/relay.py's ``Publish``).
+
 It is published before the ranks print anything, so it sits above rank 0's stream,
 and is updated (``update_display_data``) at most twice a second, plus once at the end
 with the cache's real footprint (bytes in RAM and on disk, measured on the files).

@@ -1,5 +1,9 @@
 """The loaders registered with ``taas.register``: what the data workers prepare for the ranks.
 
+Runs wherever ``import taas`` is: in the kernel, on the cell's thread (a notebook cell's
+``taas.register``; the plan step reads the list), and in a rank, whose own list a cell's
+``taas.register`` fills.
+
 The list is this process's, kept here and nowhere else: the face (taas.py) passes
 ``register`` / ``unregister`` / ``registered`` through at each call; the kernel's plan
 (kernel/runs/runplan.py) reads it for the loaders a cell's closure reaches, and ``%taas status``

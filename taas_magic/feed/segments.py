@@ -1,5 +1,9 @@
 """Where the prepared elements live: segment files in RAM (/dev/shm) up to a budget, then on disk.
 
+Runs in the kernel (:class:`CacheDirs`, made in a run's plan step), in each data worker
+(:class:`SegmentWriter`, on its main thread) and in a Ray host agent or Slurm task (a host's cache
+folders, and the records mirrored there).
+
 The kernel makes two private directories per run (:class:`CacheDirs`): one in
 ``/dev/shm`` (memory) and one in ``$TAAS_SPILL_DIR`` or the temporary directory
 (disk). Each worker appends records to segment files of its own

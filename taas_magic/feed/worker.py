@@ -1,5 +1,8 @@
 """A data worker's life: ``python -m taas_magic.feed.worker``.
 
+Runs in each data worker (``python -m taas_magic.feed.worker``), on its main thread, with
+rank/startup.py's lifeline, as a rank.
+
 Started by the kernel before the ranks, like a rank (its own session, pipes, the
 handshake ``HOST PORT KEY`` and its placement on stdin kept open as its lifeline: its id
 on the kernel's channel and the write rule of a rank other than 0). It receives its job

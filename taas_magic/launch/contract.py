@@ -1,14 +1,14 @@
 """The contract between the kernel and an engine: only protocols and values, no implementation.
 
-Imported in the kernel, and by an engine's half on a cluster host (a Ray agent, a Slurm task), which
-reads a :class:`LaunchPlan`. An engine is a package
-of launch/ (``local/``, ``ray/``, ``slurm/``) that implements these; launch/engines.py is the one
-place that names them. The kernel holds an :class:`Attachment` (a cluster it attached with
-``%taas cluster``) or none (this host), asks it for a run's :class:`Backend`, gives the backend a
-:class:`LaunchPlan` and gets a :class:`ProcessGroup` back: the ranks, or the data workers, as
-:class:`ChildProcess` es whose output fds it reads and whose exit it polls. On a cluster the
-backend may give a :class:`Courier` that carries prepared elements to the ranks' hosts. Nothing
-here calls back into the kernel (as torch's ``PContext`` and httpx's ``BaseTransport``).
+Runs wherever it is imported: in the kernel, and on a cluster's host in a Ray host agent or a Slurm
+task, which reads a :class:`LaunchPlan`. An engine is a package of launch/ (``local/``, ``ray/``,
+``slurm/``) that implements these; launch/engines.py is the one place that names them. The kernel
+holds an :class:`Attachment` (a cluster it attached with ``%taas cluster``) or none (this host),
+asks it for a run's :class:`Backend`, gives the backend a :class:`LaunchPlan` and gets a
+:class:`ProcessGroup` back: the ranks, or the data workers, as :class:`ChildProcess` es whose output
+fds it reads and whose exit it polls. On a cluster the backend may give a :class:`Courier` that
+carries prepared elements to the ranks' hosts. Nothing here calls back into the kernel (as torch's
+``PContext`` and httpx's ``BaseTransport``).
 """
 
 from __future__ import annotations

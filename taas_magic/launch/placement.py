@@ -1,5 +1,8 @@
 """Where the ranks of a cluster run: which hosts, how many ranks on each (pure planning).
 
+Runs in the kernel, where a cluster's backend places a run (the cell's thread) or places a lost host
+again (the run's own thread).
+
 The plan packs ranks onto as few hosts as possible, the notebook's own host first when it
 has a free GPU (so rank 0's saves land in the person's repository), then the hosts with
 the most free GPUs. ``per_host`` caps the ranks on any host (``--per-host``), for people

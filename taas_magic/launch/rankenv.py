@@ -1,5 +1,8 @@
 """The per-rank environment (torchrun's contract), ports, and the device plan.
 
+Runs in the kernel (a run's plan step and its backend), and in a Ray host agent or Slurm task, which
+counts its host's GPUs and reserves the rendezvous port.
+
 Each rank gets, as ``torchrun`` sets them (see torch/distributed/run.py)::
 
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,

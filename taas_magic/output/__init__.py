@@ -1,1 +1,13 @@
-"""What the ranks show: their text relayed into the cell within a budget, rich output, and the live chart fed by taas.report."""
+"""What the ranks show: their text relayed into the cell within a budget, rich output, and the live chart fed by taas.report.
+
+- ``relay.py``: rank output -> the run log: incremental UTF-8, ``\\r`` kept, coalesced.
+- ``runlog.py``: everything a run shows, sequence-numbered, bounded in the kernel, all on disk.
+- ``cellstream.py``: the log as the cell's own output, through the budget.
+- ``budget.py``: the head, the elision notice and tail, the full log.
+- ``displays.py``: a rank's displays, held until its text reaches them.
+- ``board.py``: the live chart and the health line.
+- ``liveview.py``: a view fed from the log on its own thread; the screen; the text view.
+- ``widget.py``: the live widget a reloaded page restores (its page half: liveview.js).
+- ``reports.py``: ``taas.report``'s batches in the rank; asynchronous CUDA copies.
+- ``trialtable.py``: a search's table and chart, one display.
+"""

@@ -1,5 +1,7 @@
 """What the cell shows of a run while it trains: a live chart and a per-rank health line.
 
+Runs in the kernel, on the run's own thread, where the supervisor hands it the ranks' reports.
+
 Every rank sends what ``taas.report`` collected in batches (output/reports.py). Here, in the
 kernel, the :class:`Board` keeps the ranks' reports in bounded memory (below) and publishes
 two displays, each updated in place (``update_display_data``):

@@ -1,13 +1,16 @@
 """The cell's output budget: the first lines, then the last ones, and the rest in a log file.
 
-A rank printing 200,000 lines must not freeze the browser or exceed Jupyter's iopub
-data rate. The relay passes every text it is about to write through :class:`OutputBudget`:
-up to ``head_lines`` lines (or ``head_bytes`` bytes of whole lines) go to the cell as they
-come. Past that, nothing more is written to the cell while the run lasts; everything,
-from the first line on, goes to a log file, and the last ``tail_lines`` lines are kept.
-When the run ends the cell gets one notice, ``[taas] N lines elided, full log at PATH``,
-and those last lines. Text ending in ``\\r`` (progress bars redrawing a line) counts as
-no line and no bytes until a ``\\n`` completes it.
+Runs in the kernel, on the cell's thread, where the cell's stream (output/cellstream.py) shows the
+run's log.
+
+A rank printing 200,000 lines must not freeze the browser or exceed Jupyter's iopub data rate. The
+cell's stream (output/cellstream.py) passes every text it is about to write through
+:class:`OutputBudget`: up to ``head_lines`` lines (or ``head_bytes`` bytes of whole lines) go to the
+cell as they come. Past that, nothing more is written to the cell while the run lasts; everything,
+from the first line on, goes to a log file, and the last ``tail_lines`` lines are kept. When the run
+ends the cell gets one notice, ``[taas] N lines elided, full log at PATH``, and those last lines.
+Text ending in ``\\r`` (progress bars redrawing a line) counts as no line and no bytes until a
+``\\n`` completes it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """A run's log shown as the cell's own output: today's stream output, through the cell's budget.
 
+Runs in the kernel, on the main thread of the cell that shows the log.
+
 The view for front ends without widgets, and for ``%taas attach`` there: it reads the run log
 (output/runlog.py) from a sequence number on and shows each entry in the cell that called
 it, from the kernel's main thread (so IPython's streams and display publisher address that

@@ -1,5 +1,7 @@
 """A rank's displays, held until its text reaches them.
 
+Runs in the kernel, on the run's own thread, with the supervisor and the relay.
+
 A rank flushes its pipes before it sends a display frame and writes a marker in its text
 (output/relay.py finds it); the frame may still arrive before or after the marker. The
 display is published when the relay reaches the marker, after the text the rank printed

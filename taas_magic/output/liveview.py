@@ -1,5 +1,8 @@
 """A run's live view kept up to date from its log, on a thread of its own.
 
+Runs in the kernel: each :class:`LivePump` on a helper thread of its own, started from the cell's
+thread.
+
 A view of a run that is not the cell's own stream (output/cellstream.py) is fed here: the
 live widget (output/widget.py) in front ends that restore widgets, and, for a detached run
 elsewhere, a text display updated in place (:class:`TextView`). :class:`LivePump` reads the

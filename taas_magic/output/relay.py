@@ -1,5 +1,8 @@
 """Rank output -> the cell: incremental decoding, ``\\r`` kept, coalesced, last lines kept.
 
+Runs in the kernel, on the run's own thread, where the supervisor feeds it each rank's bytes; a rank
+imports only its marker (:func:`display_marker`, rank/shell.py).
+
 Bytes from a rank's pipes are decoded with an incremental UTF-8 decoder (a character
 split across two reads is not mangled, as IPython's ``%%script`` does). Rank 0's text
 goes to the cell as it is, ``\\r`` included, so tqdm bars update in place. With

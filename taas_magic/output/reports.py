@@ -1,5 +1,8 @@
 """The rank's half of ``taas.report`` and of the health line: cheap to call, sent in batches.
 
+Runs in each rank: :func:`report` on the cell's thread, the sending on a daemon thread of its own
+(``taas-reports``).
+
 ``taas.report(step, loss=...)`` is :func:`report` in a rank: for plain numbers it only
 appends a tuple to a list (a few hundred nanoseconds), so a training loop that reports every
 step is not slowed; a daemon thread sends what piled up every quarter of a second as one

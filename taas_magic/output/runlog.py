@@ -25,9 +25,9 @@ Where it is kept:
   (:func:`prune_logs`): a log file untouched for 30 days is removed, and beyond the newest
   1,000 log files the oldest are.
 
-It is written by the run's thread and read by the views (the cell's stream in the kernel's
-main thread, the live widget's pump): one lock, and listeners called after each entry
-(they only wake their reader).
+Runs in the kernel: written by the run's own thread and read by the views (the cell's stream on
+the kernel's main thread, the live widget's pump thread), with one lock and listeners called after
+each entry (they only wake their reader); old logs are pruned on a helper thread.
 """
 
 from __future__ import annotations

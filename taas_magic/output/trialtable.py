@@ -1,5 +1,7 @@
 """What the cell shows of a search: one table and one chart, updated in place, and the best trial's last lines.
 
+Runs in the kernel, on the search's own thread (kernel/trials/searchrun.py).
+
 The search (kernel/trials/searchrun.py) hands :func:`search_display` a :class:`TrialRow` per trial
 asked so far and gets two displays' data, each published under its own display id
 (``update_display_data`` after the first), when something changed, at most twice a second,

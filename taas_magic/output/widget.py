@@ -1,5 +1,8 @@
 """The run's live view as a widget: it survives a page reload because its state lives in the kernel.
 
+Runs in the kernel: fed by its pump's thread (output/liveview.py), and answering a view's
+``backlog`` in its comm handler, on the kernel's main thread.
+
 Why anywidget (over ipywidgets' own controls): the view needs code in the page, to redraw
 ``\\r`` lines in place and to ask the kernel for the entries after the last one it has; with
 ipywidgets alone that means building and shipping a JupyterLab extension, while anywidget's

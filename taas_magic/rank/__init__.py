@@ -1,4 +1,25 @@
 """What runs inside a rank process: ``python -m taas_magic.rank``.
 
 Nothing here imports IPython or torch eagerly: a rank pays for what its cell uses.
+
+- ``__main__.py``: the entry point of a rank, a warm spare (``--spare``) and the spare factory
+  (``--factory``).
+- ``main.py``: a rank's program: lifeline, handshake, the cell, what goes back, exit.
+- ``startup.py``: how every process the kernel starts begins and ends (a rank, a warm spare, a data
+  worker): watchdog, handshake, write rule, lifeline, channel, exit.
+- ``execute.py``: the cell, run as a module's body, the way IPython would but not interactively.
+- ``shell.py``: a non-interactive IPython shell for the rank, built only when the cell needs one.
+- ``spare.py``: a warm spare: Python and torch imported ahead of time, waiting for a cell.
+- ``factory.py``: the spare factory: imports once, forks the spares.
+- ``lifeline.py``: a rank never outlives the kernel, nor leaves its children behind.
+- ``devices.py``: GPU binding before the cell; nccl served by gloo on CPU.
+- ``loaders.py``: the rank's half of a registered loader: prepared elements.
+- ``inbox.py``: the channel's one reader thread during the cell: elements, a trial's answers, pdb's
+  lines, the hold.
+- ``cellpdb.py``: ``breakpoint()``, ``pdb.set_trace()``, ``dist.breakpoint`` and ``%pdb on``'s
+  post-mortem -> pdb prompting through the kernel.
+- ``lightning.py``: the ``Trainer``'s extra logger, for the live chart.
+- ``groups.py``: the default process group outlives the cell while its sharded names are gathered.
+- ``identity.py``: whether this process is a rank, its device, seed and report; what ``import taas``
+  answers by.
 """

@@ -1,3 +1,9 @@
+"""``python -m taas_magic.rank``: a rank, a warm spare (``--spare``), or the spare factory (``--factory FD``).
+
+Runs in each rank and spare (rank/main.py), and in the spare factory (rank/factory.py, which never
+returns here: each fork it makes goes on as a spare), on the process's main thread.
+"""
+
 import sys
 
 from taas_magic.rank import lifeline

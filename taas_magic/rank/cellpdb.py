@@ -1,5 +1,8 @@
 """A rank's pdb, whose prompt is in the notebook cell (the kernel's half: kernel/supervision/prompts.py).
 
+Runs in each rank, on the cell's thread, where pdb stops; the ``Hold`` arrives on the inbox's reader
+thread (rank/inbox.py).
+
 ``breakpoint()``, ``pdb.set_trace()``, ``torch.distributed.breakpoint(rank=k)`` and, with
 IPython's ``%pdb on``, an exception in the cell stop the rank in :class:`CellPdb`: the
 standard library's ``pdb.Pdb``, every command as it is, whose input and output are the

@@ -1,4 +1,7 @@
-"""The rank's device: its own GPU before the cell runs, or gloo in place of nccl on CPU."""
+"""The rank's device: its own GPU before the cell runs, or gloo in place of nccl on CPU.
+
+Runs in each rank, on its main thread, before the cell.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Run the cell's code as a module's body, the way IPython would, but not interactively.
 
+Runs in each rank, on its main thread, which runs the cell.
+
 The last expression statement is split off and evaluated, so it can become the cell's
 ``Out``. The person's cell text is registered in ``linecache`` under the cell's file
 name (as IPython's compilerop does), so a traceback shows the cell's own lines with

@@ -1,5 +1,9 @@
 """The spare factory: one process that imports torch once and forks every warm spare from itself.
 
+Runs in the spare factory (``python -m taas_magic.rank --spare --factory FD``, started by the
+kernel: launch/local/sparefactory.py), on its one thread; each fork becomes a spare and runs
+rank/main.py.
+
 Importing torch is most of what a spare costs (1 to 2 s here, 3 to 4 s with a CUDA build),
 and the pool starts new spares the moment a cell's ranks are gone: a cell run right after
 another used to wait for that import. The kernel's pool (launch/local/sparefactory.py) starts this

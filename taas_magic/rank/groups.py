@@ -9,7 +9,7 @@ gather is done. An ``init_process_group`` after a deferred destroy does the dest
 cell that destroys and starts again works as before. Any other group, and any cell that never
 imported DTensor, is destroyed at once, as without taas.
 
-Runs on the cell's thread (the wrappers) and the rank's main thread after the cell.
+Runs in each rank: on the cell's thread (the wrappers), and on the rank's main thread after the cell.
 """
 
 from __future__ import annotations

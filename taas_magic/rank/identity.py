@@ -1,5 +1,9 @@
 """Whether this process is a rank, and the rank's device, seed and report: what ``import taas`` answers by.
 
+Runs wherever ``import taas`` is: in each rank (set on its main thread by rank/main.py, read on any
+thread of its cell), in the kernel (the notebook's defaults; its checkpoint calls on the cell's
+thread) and in a data worker (the defaults).
+
 The rank bootstrap (rank/main.py) calls :func:`enter` before the cell runs; anywhere else (the
 notebook, a data worker, a subprocess the cell starts, which inherits the rank's environment
 but is not a rank) the defaults hold: not a rank, the CPU, seed 0, reports ignored. The state
@@ -8,7 +12,7 @@ sees what the bootstrap set, whichever was imported first.
 
 The calls of the face that answer by it are here too: :func:`get_worker_info`, the checkpoints
 (:func:`save_checkpoint`, :func:`load_checkpoint`, :func:`checkpoint_path`, over
-taas_magic/checkpoints.py) and :func:`lightning_logger`; ``taas.report`` calls :data:`reporter`.
+taas_magic/writes/checkpoints.py) and :func:`lightning_logger`; ``taas.report`` calls :data:`reporter`.
 This module imports nothing heavy: torch only inside a rank's calls, where it is loaded.
 """
 
@@ -65,7 +69,7 @@ def save_checkpoint(obj: Any, sharded: bool | None = None) -> str | None:
     """
     if not _in_rank:
         raise RuntimeError("taas.save_checkpoint works inside a taas cell; in the notebook, use torch.save")
-    from taas_magic import checkpoints
+    from taas_magic.writes import checkpoints
 
     folder = checkpoints.run_folder()
     assert folder is not None  # the kernel names it in every rank's spec
@@ -100,7 +104,7 @@ def load_checkpoint(map_location: Any = None, notebook_folder: str | None = None
     device in a rank and on the CPU in the notebook, unless ``map_location`` says otherwise; a sharded one
     is loaded into ``into``. Outside a rank the folder is ``notebook_folder`` (the session's last run's,
     which the face reads)."""
-    from taas_magic import checkpoints
+    from taas_magic.writes import checkpoints
 
     if map_location is None:
         map_location = own_device() if _in_rank else "cpu"
@@ -109,7 +113,7 @@ def load_checkpoint(map_location: Any = None, notebook_folder: str | None = None
 
 def checkpoint_path(notebook_folder: str | None = None) -> str | None:
     """``taas.checkpoint_path``: the file :func:`load_checkpoint` would read now."""
-    from taas_magic import checkpoints
+    from taas_magic.writes import checkpoints
 
     return checkpoints.newest(checkpoints.run_folder() if _in_rank else notebook_folder)
 

@@ -1,5 +1,8 @@
 """The rank's one reader of its channel during the cell, for the frames it waits for.
 
+Runs in each rank: the reader on a daemon thread of its own (``taas-inbox``), :meth:`Inbox.take` on
+whichever thread of the cell waits.
+
 Several parts of a rank wait for frames from the kernel while the cell runs: its prepared
 loaders (``Elements``, ``End``: rank/loaders.py), a search's trial (``Suggested``:
 search/trial.py), the debugger's prompt (``Answer``: rank/cellpdb.py) and rank 0 handing

@@ -1,5 +1,9 @@
 """A rank never outlives the kernel that started it, nor leaves its children behind.
 
+Runs in each rank, spare and data worker (rank/startup.py): the lifeline's reader on a daemon
+thread, the watchdog as a forked process; its :func:`prctl` also in the spare factory and in the
+allocation keeper's ``salloc`` before it starts.
+
 Three independent guards, as ipykernel's parent poller and torch's spawn do, and one more:
 
 - the lifeline: the kernel holds the write end of the rank's stdin pipe for the whole

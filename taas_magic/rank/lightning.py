@@ -1,5 +1,7 @@
 """Lightning's ``self.log(...)`` in the live chart, with no change to the cell.
 
+Runs in each rank, on the cell's thread, where Lightning calls its loggers.
+
 When a cell imports Lightning (``lightning.pytorch`` or ``pytorch_lightning``), every
 ``Trainer`` it makes gets one more logger, :func:`logger`, which passes what Lightning logs
 (every ``log_every_n_steps``, on the ranks Lightning logs from) to ``taas.report``. The

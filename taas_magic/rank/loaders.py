@@ -1,5 +1,8 @@
 """What the cell sees in a rank in place of a registered loader: prepared elements.
 
+Runs in each rank, on the cell's thread (``for x in loader``); the frames it waits for are read by
+the inbox's thread (rank/inbox.py).
+
 The kernel pickles the cell's closure with every registered loader it reaches (at any
 depth: a dict of loaders, a function's default) replaced by a reference, and the rank
 rebuilds each reference as a :class:`PreparedLoader`. ``for x in loader`` starts the

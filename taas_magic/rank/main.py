@@ -1,5 +1,8 @@
 """A rank's life: lifeline, authenticated handshake, the cell, what goes back, exit.
 
+Runs in each rank (``python -m taas_magic.rank``, or a spare once a cell takes it), on its main
+thread, which runs the cell.
+
 The kernel starts ``python -m taas_magic.rank`` with the rank's environment (RANK,
 WORLD_SIZE, ...), its own pipes for stdout/stderr, and writes ``HOST PORT KEY`` on
 stdin. The rank then:
@@ -29,7 +32,6 @@ import signal
 import sys
 import types
 
-from taas_magic import checkpoints
 from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
@@ -40,7 +42,7 @@ from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
 from taas_magic.transfer import cudaipc, memfile, returns, sharded
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
-from taas_magic.writes import outbox, savers
+from taas_magic.writes import checkpoints, outbox, savers
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05

@@ -1,5 +1,7 @@
 """A non-interactive IPython shell for the rank, built only when the cell needs one.
 
+Runs in each rank, on the cell's thread, built on its first use.
+
 ``!cmd``, ``%time`` and friends arrive in the rank as ``get_ipython().system(...)``
 and ``get_ipython().run_line_magic(...)`` (translated in the kernel with IPython's own
 transformers). ``display(...)`` and matplotlib's inline backend need an initialised

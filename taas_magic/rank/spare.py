@@ -1,5 +1,9 @@
 """A spare rank: Python and torch imported ahead of time, waiting for a cell to take it.
 
+Runs in a spare (``python -m taas_magic.rank --spare``, or a fork of the spare factory) until a cell
+takes it and it becomes a rank, single-threaded while it waits; the spare factory imports what it
+names (rank/factory.py).
+
 The kernel's pool (launch/local/spares.py) starts ``python -m taas_magic.rank --spare`` with
 OpenMP and OpenBLAS at one thread, so importing torch (and numpy) starts no thread: a
 spare that becomes a rank other than 0 must still be single-threaded when it unshares

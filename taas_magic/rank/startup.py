@@ -1,5 +1,7 @@
 """How every process the kernel starts begins and ends: a rank, a warm spare, a data worker.
 
+Runs in each rank, spare and data worker, on its main thread, first thing and last.
+
 The kernel (or a host's agent) writes a ``wire.Handshake`` line, ``HOST PORT KEY``, and a
 ``wire.Placement`` line (its peer id, its name, its write rule) on the process's stdin, which
 then stays open as its lifeline; a warm spare gets one more line between the two, the

@@ -1,5 +1,8 @@
 """The kernel's half of one trial: its Optuna trial, its values, its objective, its pruning.
 
+Runs in the kernel, on each trial's own run thread (its supervisor calls it) and on the search's
+thread (kernel/trials/searchrun.py).
+
 A trial's run (kernel/runs/execution.py) is given its :class:`TrialLink`, which the run's
 supervisor thread calls:
 

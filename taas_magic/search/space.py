@@ -1,5 +1,7 @@
 """The grid of ``--sampler grid``, read from the cell's own suggestions.
 
+Runs in the kernel, on the cell's thread, as the search is planned (kernel/trials/searchplan.py).
+
 Optuna's ``GridSampler`` must be given its grid before the first trial, but a cell asks for
 its values as it runs (define-by-run). The cell's text says them: :func:`grid_space` reads
 every ``<anything>.suggest_categorical/int/float(...)`` call whose arguments are literals and

@@ -1,5 +1,8 @@
 """The search's Optuna study: its sampler, its pruner, where it is kept.
 
+Runs in the kernel: made on the cell's thread as the search is planned, asked and told on the
+search's own thread.
+
 No search algorithm is ours: ``--sampler tpe|random|grid`` is Optuna's ``TPESampler``
 (with ``constant_liar``, which keeps trials running side by side from being given the same
 point: Optuna 5's default, set here for Optuna 4 too), ``RandomSampler`` or ``GridSampler``

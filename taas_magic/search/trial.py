@@ -1,5 +1,9 @@
 """``taas.trial()``: the trial a cell's suggestions come from, in a search or alone.
 
+Runs wherever ``taas.trial()`` is called: in a rank, on the cell's thread (a :class:`RemoteTrial`
+waits for its answer through rank/inbox.py), and in the notebook, on the kernel's cell thread (a
+:class:`FixedTrial`).
+
 Both kinds have Optuna's ``suggest_float(name, low, high, *, step=None, log=False)``,
 ``suggest_int(name, low, high, *, step=1, log=False)``, ``suggest_categorical(name, choices)``,
 ``number`` and ``params``, plus one keyword of ours, ``default=``:

@@ -15,20 +15,29 @@ use the same three pieces:
   mapping (no copy), and loses only the segments that fail (and those that share an
   object with one that failed).
 
-``cudaipc.py`` carries CUDA storages between processes of one host device to device
-(torch's CUDA IPC handles in the frame, each receiver copying onto its own GPU), where the
-run offers it; any failure falls back to the memory file, which serves everything else.
+Beside them:
 
-The kernel's and the rank's ends: ``handoff.py`` sends the closure and answers the ranks'
-requests for it; ``returns.py`` is rank 0 sending what the cell bound; ``results.py`` is the
-kernel binding it in the notebook. ``records.py`` is the data workers' element format.
+- ``pickler.py``: the cloudpickle pickler every taas pickle of notebook code goes through, with
+  its own reducer for code objects (the notebook's lines kept).
+- ``cudaipc.py`` carries CUDA storages between processes of one host device to device
+  (torch's CUDA IPC handles in the frame, each receiver copying onto its own GPU), where the
+  run offers it; any failure falls back to the memory file, which serves everything else.
+- ``unwrap.py`` says which wrappers (DistributedDataParallel, ``torch.compile``'s
+  OptimizedModule, FSDP) travel as the module they wrap.
+- ``records.py``: the data workers' element format, read back without a copy.
 
-``unwrap.py`` says which wrappers (DistributedDataParallel, ``torch.compile``'s
-OptimizedModule, FSDP) travel as the module they wrap.
+The kernel's and the rank's ends:
+
+- ``handoff.py`` sends the closure and answers the ranks' requests for it.
+- ``returns.py`` is rank 0 sending what the cell bound.
+- ``results.py`` is the kernel binding it in the notebook; the final expression -> ``Out``.
 
 Sharded names (an FSDP2 or DTensor-sharded module, a state dict of DTensors) are made whole
-before rank 0 packs them: ``sharded.py`` is every rank's gather after the cell (the names agreed,
-then each DTensor's ``full_tensor()`` in turn, rank 0 keeping CPU copies), ``unshard.py`` makes
-rank 0's module an ordinary one again, and ``dcphandle.py`` is the handle a name too big for the
-notebook's host becomes, to the DCP checkpoint the ranks wrote for it.
+before rank 0 packs them:
+
+- ``sharded.py`` is every rank's gather after the cell (the names agreed, then each DTensor's
+  ``full_tensor()`` in turn, rank 0 keeping CPU copies);
+- ``unshard.py`` makes rank 0's module an ordinary one again;
+- ``dcphandle.py`` is the handle a name too big for the notebook's host becomes, to the DCP
+  checkpoint the ranks wrote for it.
 """

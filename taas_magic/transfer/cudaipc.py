@@ -1,5 +1,9 @@
 """CUDA storages between the kernel and the ranks of its host by CUDA IPC: device to device.
 
+Runs in the kernel (:func:`kernel_ready` and the closure's export in a run's plan step; rank 0's
+storages copied on the run's own thread; :func:`release` as the run ends) and in each rank, on its
+main thread (the closure's handles opened; rank 0's results exported).
+
 The exporter synchronises the devices involved, then hands out torch's own IPC handle of
 each CUDA storage (``untyped_storage._share_cuda_()``, the 8-item tuple
 torch/multiprocessing/reductions.py sends: device, memory handle, size, offset in the

@@ -12,8 +12,8 @@ In the notebook, :meth:`CheckpointHandle.load` reads the checkpoint with no proc
 with ``into=module``, straight into that module's own tensors (nothing else allocated). Both
 are public torch APIs. The folder stays with the run's checkpoints (remove it yourself).
 
-:func:`save` runs in every rank, on the cell's thread; :func:`template` in rank 0; the handle
-in the kernel, on whatever thread the notebook calls it from.
+Runs in every rank, on the cell's thread (:func:`save`; :func:`template` in rank 0 only), and in
+the kernel, on whatever thread the notebook calls the handle from.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """How the closure reaches the ranks: its pickle in the frame, its tensor bytes in one shared map.
 
+Runs in the kernel (the closure packed and written in a run's plan step; a rank's
+``ClosureHostWanted`` answered on the run's own thread) and in each rank (:class:`ReceivedClosure`,
+on its main thread).
+
 The kernel pickles the closure once (transfer/pack.py) and writes the tensor and array
 bytes once (transfer/memfile.py): below ``HANDOFF_BYTES`` inside the ``closure`` frame,
 above it to one owner-only file in ``/dev/shm`` that every rank maps copy-on-write, so a

@@ -1,5 +1,8 @@
 """Blob bytes in one owner-only memory file that the receiver maps, or inline when small.
 
+Runs in the kernel and in each rank, at both ends of the closure and of rank 0's results; the
+writing, hashing and checking on a few helper threads (``taas-transfer``).
+
 The writer lays the blobs out 64-byte aligned and writes each straight from where it
 lives (a tensor's storage, an array's buffer; a CUDA storage is copied to the host
 once) into a file created ``0600`` in ``/dev/shm`` (in the temp dir when ``/dev/shm``

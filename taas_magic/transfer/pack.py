@@ -1,5 +1,8 @@
 """Pickle named values as segments of one stream, with tensor and array bytes out of band.
 
+Runs in the kernel (the closure, packed in a run's plan step) and in rank 0 (its names, after the
+cell, on its main thread).
+
 Contract:
 
 - ``pack(items)`` pickles each ``(name, value)`` in order with one cloudpickle pickler

@@ -1,5 +1,8 @@
 """The cloudpickle pickler every taas pickle of notebook code goes through.
 
+Runs wherever taas pickles notebook code: in the kernel (the closure, a registered loader) and in
+rank 0 (its names).
+
 Contract: a function, method, lambda or class defined in a notebook cell keeps its code's
 ``co_filename`` (``/tmp/ipykernel_.../123.py``, which the kernel's linecache maps to
 ``Cell In[3]``) and every line number, whatever cloudpickle release is installed.

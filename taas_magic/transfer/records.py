@@ -1,5 +1,9 @@
 """One element as a record in a cache segment, and reading it back without a copy.
 
+Runs in each data worker (writing records), in each rank (reading them on the cell's thread:
+rank/loaders.py) and in a Ray host agent or Slurm task (publishing and mirroring them between
+hosts).
+
 A worker appends records to its own segment files (``os.pwrite``, no mmap needed)::
 
     record = "TAAS" | skeleton length (8) | record length (8) | skeleton | pad | buffers

@@ -1,5 +1,8 @@
 """Rank 0's names -> the notebook namespace; its final expression -> the cell's ``Out``.
 
+Runs in the kernel: :func:`keep_result` on the run's own thread as the ``Result`` frame arrives; the
+names bound on the cell's thread that takes the run (kernel/runs/background.py).
+
 The ``Result`` frame (authenticated) holds the pickle's segments, where each tensor's
 bytes are, and the digests of the memory file rank 0 wrote (transfer/returns.py). The
 kernel maps that file shared, checks it, removes its name at once (the mapping keeps

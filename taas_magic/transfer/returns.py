@@ -1,5 +1,8 @@
 """What rank 0 sends back: the names its cell bound or changed, and its final value.
 
+Runs in each rank, on its main thread: every rank notes its names before the cell, rank 0 sends them
+after it.
+
 Before the cell, every rank notes the identity of every name in its namespace (so every rank
 knows the names its cell bound, which the ranks gather whole when they are sharded:
 transfer/sharded.py). After it, rank 0 pickles once (transfer/pack.py), in this order: every

@@ -1,5 +1,8 @@
 """Sharded values come back whole: the ranks gather together what rank 0 sends (FSDP2, DTensor).
 
+Runs in every rank, on its main thread after the cell (:func:`bring_whole`), and in the kernel's
+plan step (:func:`gather_limit`).
+
 A name rank 0 binds to an FSDP2 (``fully_shard``) or DTensor-sharded module, or to a state
 dict of DTensors, holds only rank 0's shards: alone, rank 0 cannot send it. So after the cell,
 before rank 0 sends its names (transfer/returns.py), every rank runs :func:`bring_whole`, on the
@@ -41,7 +44,6 @@ from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
-from taas_magic import checkpoints
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import dcphandle, unshard
 from taas_magic.transfer.cudaipc import size_text
@@ -293,7 +295,7 @@ def _bring_whole(dist: ModuleType, results: CellResults, closure: dict[str, Any]
     outcome = _Outcome()
     try:  # collectives: every rank calls each one alike, whatever it holds
         agreed = _agree(dist, plans)
-        decision = _decide(agreed, plans, spec.gather_bytes, checkpoints.run_folder())
+        decision = _decide(agreed, plans, spec.gather_bytes, spec.checkpoints or None)
         saved: dict[str, Any] = {}
         for name, path in decision.handles.items():
             if path not in saved:

@@ -1,5 +1,8 @@
 """Load a packing's segments: tensors and arrays built on the blob bytes, failures kept to their names.
 
+Runs wherever a packing is loaded: in each rank (the closure, on its main thread) and in the kernel
+(rank 0's names, on the cell's thread that binds them).
+
 Contract:
 
 - :class:`Blobs` turns a blob's persistent id into a storage or array *on* the bytes it

@@ -1,5 +1,7 @@
 """Wrappers that travel as what they wrap: a DDP model comes back as its module.
 
+Runs in rank 0, on its main thread, as it packs its names (transfer/pack.py's ``unwrap=True``).
+
 A ``DistributedDataParallel`` pickles in rank 0 while its process group lives, but it
 cannot be unpickled in a kernel that has none; ``torch.compile``'s ``OptimizedModule``
 drags compiled code along. Neither is what a person wants back: the trained module is.

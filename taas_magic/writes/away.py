@@ -1,5 +1,8 @@
 """Does a host see the notebook's repository? The run's marker, and where ranks write on a host that does not.
 
+Runs in the kernel (the run's marker, written in its plan step) and in a Ray host agent or Slurm
+task (:func:`settle`: does this host see the repository, and where its ranks write).
+
 On a cluster the ranks of other hosts are told the notebook's repository by its path. Where that
 path is the same folder on every host (a shared filesystem: NFS, Lustre, a home mounted
 everywhere), a rank writes there in place, as on one host. Where it is not (a node's own disk

@@ -1,5 +1,8 @@
 """Is a DCP checkpoint whole? Its ``.metadata`` against its files, read without running its pickle.
 
+Runs in the kernel, on the run's own thread: the ledger as the ranks name their saves, the check as
+the run releases its layers.
+
 ``torch.distributed.checkpoint`` writes each rank's part (``__{rank}_{n}.distcp``) in place, then
 the coordinator writes ``.metadata`` (through ``.metadata.tmp`` and a rename), which lists every
 part's bytes (``storage_data``: relative path, offset, length): it is the only completion

@@ -1,5 +1,8 @@
 """The Python-level write diversion, for hosts that forbid user namespaces.
 
+Runs in a rank whose writes are diverted where the overlay is refused: installed on its main thread
+before the cell, its patched functions on whichever thread writes.
+
 A copy-on-write view of the repository kept by Python itself: paths under the
 repository are resolved through a private layer directory. A write goes to the layer
 (appending or updating copies the repository's file up first); a delete leaves a

@@ -14,8 +14,8 @@ repository that leads out of it is refused). A refused path, a piece out of orde
 that fails each drop that file, said in one line. Two ranks sending the same path: the last to
 finish is the one that stays.
 
-Runs on the run's thread: :meth:`receive` from the supervisor, :meth:`close` at the run's clean-up
-(kernel/runs/run.py), once the ranks are gone.
+Runs in the kernel, on the run's own thread: :meth:`receive` from the supervisor, :meth:`close` at
+the run's clean-up (kernel/runs/run.py), once the ranks are gone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """A rank's private layer over the repository, kept by Python: the bookkeeping of divert.py.
 
+Runs in a rank under the Python fallback (writes/divert.py, writes/shared.py), on whichever thread
+writes, and in the kernel, whose write rule asks where a path is (writes/rule.py).
+
 Given a repository and a layer directory, :class:`Layer` says where a path is read and
 written: a path under the repository (compared after ``os.path.abspath``, not ``realpath``,
 so a symbolic link from outside into it is not followed; the layer itself is never inside)

@@ -1,5 +1,9 @@
 """Inside a rank other than 0: divert every write under the repository to a scratch layer.
 
+Runs in a rank other than 0 (and in a GPU spare that will be one), on its main thread before any
+other thread starts, and in the namespace helper, the kernel's probe of whether this host allows it
+(``python -m taas_magic.writes.namespace LOWER SCRATCH``, started by writes/rule.py).
+
 An unprivileged user + mount namespace (``unshare(CLONE_NEWUSER | CLONE_NEWNS)``) with an
 overlay mount over the repository: the repository is the lower layer (reads see it as
 it is), the rank's private scratch directory is the upper layer (every create,

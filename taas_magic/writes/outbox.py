@@ -1,5 +1,8 @@
 """In a rank on a host that does not see the notebook's repository: what it wrote for it, sent to the kernel.
 
+Runs in a rank on a host that does not see the repository: entered at its start (rank/startup.py),
+sent on its main thread as it ends.
+
 writes/away.py found the host away and gave each of its ranks, rank 0 included, the write rule's
 private layer over the repository there, and the notebook's repository (``Placement.away``).
 :func:`enter` (rank/startup.py, right after the write rule) takes that: from then on a folder a

@@ -1,5 +1,9 @@
 """The write rule: only rank 0 writes to the repository (kernel side).
 
+Runs in the kernel: the rule decided in a run's plan step, the layers reported and removed as the
+run releases them (the run's own thread), the overlay probed once (on a helper thread as the
+extension loads, or the cell's) in a namespace helper process (writes/namespace.py).
+
 The repository is, in order: what ``%taas config repo PATH`` set, the ``TAAS_REPO``
 environment variable, the top of the git work tree holding the kernel's working
 directory, or that directory itself. Ranks other than 0 get a private scratch layer

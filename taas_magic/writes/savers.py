@@ -1,5 +1,8 @@
 """In a rank: the saves in which every rank writes its own part, recognised from the save itself.
 
+Runs in each rank: installed on its main thread before the cell, its hooks on whichever thread of
+the cell saves.
+
 The write rule keeps a rank other than 0 from writing to the repository, because unguarded code
 written for one process (``torch.save(model.state_dict(), "m.pt")`` on every rank) would race. A
 collective checkpoint is the opposite case: each rank must write its own part, or the checkpoint

@@ -20,7 +20,8 @@ everything it starts; every other path stays diverted.
 A deletion under a shared directory acts on the repository too, so rotating checkpoints is
 rank 0's job, as torchtitan, accelerate, the HF Trainer and Lightning do it.
 
-Runs on whichever thread makes the save (a mount is per process); :data:`_lock` serialises it.
+Runs in each rank, on whichever thread makes the save (a mount is per process); :data:`_lock`
+serialises it.
 """
 
 from __future__ import annotations

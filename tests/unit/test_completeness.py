@@ -1,5 +1,5 @@
 """A DCP checkpoint's completeness, read from its .metadata without running its pickle (writes/completeness.py),
-the sharded checkpoints of taas.save_checkpoint (checkpoints.py), and --shared's folders (writes/rule.py)."""
+the sharded checkpoints of taas.save_checkpoint (writes/checkpoints.py), and --shared's folders (writes/rule.py)."""
 
 import os
 import pickle
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from taas_magic import checkpoints
 from taas_magic.protocol import CheckpointSaved
+from taas_magic.writes import checkpoints
 from taas_magic.writes.completeness import Ledger, check_dcp, owner, read_parts
 from taas_magic.writes.rule import resolve_shared
 

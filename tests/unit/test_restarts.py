@@ -10,12 +10,12 @@ import time
 import psutil
 import pytest
 
-from taas_magic import checkpoints
 from taas_magic.autopsy import stacks
 from taas_magic.errors import Failure, PeerFailed, RankFailed, RunTimeout, WorkerFailed
 from taas_magic.kernel.supervision.restarts import how, refusal, restart_line
 from taas_magic.peers import RANK, WORKER, Peer
 from taas_magic.procs import kill_tagged
+from taas_magic.writes import checkpoints
 
 
 def _raised(line: int, kind: str = "ValueError") -> PeerFailed:
@@ -50,7 +50,7 @@ def test_the_restart_line_names_the_attempt_the_rank_and_how():
 
 SAVE_FOREVER = """
 import sys, torch
-from taas_magic import checkpoints
+from taas_magic.writes import checkpoints
 folder = sys.argv[1]
 checkpoints.save({"step": 1}, folder, keep=2)
 print("saved", flush=True)

@@ -1,5 +1,8 @@
 """The ``%taas`` line commands, as one table: :data:`COMMANDS`.
 
+Runs in the kernel, on the cell's thread: a ``%taas`` line, or ``taas.wait`` / ``trials`` /
+``study`` called in a cell (kernel/magic/fromcode.py); the docs' build reads the table too.
+
 Each row (:class:`LineCommand`) is one way to write a command: its words, its argument if it
 takes one, what it does, and the function that does it. Everything about the commands is read
 from the rows, never written again:

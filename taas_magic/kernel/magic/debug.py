@@ -1,6 +1,8 @@
 """``%debug`` (and ``%taas debug [RUN]``) after a run whose rank raised: that rank's traceback with
 the locals of each frame, as the rank captured them when it failed.
 
+Runs in the kernel, on the cell's thread.
+
 The rank is gone by then (every rank is stopped when one fails), so there is no live frame to
 step through: the rank sent, with its error, each frame's place and the ``repr`` of its locals
 (rank/cellpdb.py ``frames_with_locals``, each cut to 200 characters). For a live prompt at

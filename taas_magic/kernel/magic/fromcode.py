@@ -1,5 +1,8 @@
 """What ``taas`` calls in the notebook read from the loaded extension's session.
 
+Runs wherever ``taas`` calls it: in the kernel, on the cell's thread, and in a rank, where it finds
+no session.
+
 - ``taas.wait()``, ``taas.trials()``, ``taas.study()``: the handlers of ``%taas wait``, ``%taas
   trials`` and ``%taas study`` (kernel/magic/commands.py), called with their typed arguments on
   the loaded magic's session and settings: what the line does, without a line to parse;

@@ -3,6 +3,8 @@ isolation auto|overlay|python``, ``warm off|auto|N``, ``cluster [ADDRESS|slurm [
 ``trials`` and ``study``, the last search's. The runs' are runcommands.py's; which line calls
 which is the table of kernel/magic/commands.py.
 
+Runs in the kernel, on the cell's thread.
+
 Each applies one command to the session's state (kernel/runs/session.py), printing what it did;
 a value it refuses raises IPython's ``UsageError`` with the line the cell shows. The session's
 settings stay the magic's traitlets (``%config TaasMagics.warm``): the magic

@@ -1,5 +1,8 @@
 """``%%taas`` and ``%taas``: orchestration only (parse -> plan -> run -> render).
 
+Runs in the kernel, on the cell's thread (the kernel's main thread): it plans a run and waits for it
+there, while the run goes on its own thread (kernel/runs/background.py).
+
 Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
 ``ipython_config.py`` work (kernel/magic/settings.py makes them from the option table);
 ``pragma.settle`` decides each run's settings once, a pragma option always winning over a
@@ -29,7 +32,6 @@ from taas_magic.cell.cellcode import translate
 from taas_magic.cell.closure import select_closure
 from taas_magic.cell.options import SETTINGS
 from taas_magic.cell.pragma import PragmaOptions, RunSettings, parse_cell, settle
-from taas_magic.checkpoints import DEFAULT_KEEP
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel.magic import commands
 from taas_magic.kernel.magic.debug import no_ipython_post_mortem
@@ -47,6 +49,7 @@ from taas_magic.launch.contract import Backend, GpuSlice, Spares
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from taas_magic.transfer.handoff import HANDOFF_BYTES
+from taas_magic.writes.checkpoints import DEFAULT_KEEP
 
 
 @magics_class

@@ -1,5 +1,7 @@
 """``%taas runs``, ``attach``, ``wait`` and ``stop``: the runs of this kernel, from any cell.
 
+Runs in the kernel, on the cell's thread, whichever thread the run is on.
+
 A detached run (``--detach``) goes on while the notebook is used; these find it by its id (or
 a prefix; none: the newest running run, else the newest whose names were not taken,
 kernel/runs/background.py) and:

@@ -1,5 +1,8 @@
 """The session's settings: ``TaasMagics`` traitlets, so ``%config`` and ``ipython_config.py`` work.
 
+Runs in the kernel, on the cell's thread: ``%config`` sets a traitlet there, and it is checked as it
+is set.
+
 A setting that is the session default of a pragma option is made from that option's row
 of ``options.OPTIONS`` (:func:`option_trait`): its type, its default and what it accepts
 are the row's, so the two cannot drift; ``pragma.settle`` then decides a run's options

@@ -1,4 +1,7 @@
-"""The text a person reads: ``%taas help`` around the commands' rows, ``%taas status`` and ``%taas runs``."""
+"""The text a person reads: ``%taas help`` around the commands' rows, ``%taas status`` and ``%taas runs``.
+
+Runs in the kernel, on the cell's thread.
+"""
 
 from __future__ import annotations
 

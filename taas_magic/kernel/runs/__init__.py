@@ -1,10 +1,14 @@
 """One run: its plan, the object that owns what it takes, its thread, and the cell that shows it.
 
-``runplan.py`` turns a parsed cell into a planned :class:`~.run.Run` (closure, write rule,
-spec, header); ``run.py`` owns every resource of the run and releases them in reverse;
-``execution.py`` starts the data workers and each attempt's ranks and hands them to
-supervision; ``background.py`` is the run's thread and this kernel's list of runs;
-``foreground.py`` the cell that waits (and serves pdb prompts); ``views.py`` and
-``frontend.py`` choose and feed the live view or the text stream; ``session.py`` is what
-the line commands set and every cell reads; ``summary.py`` the run in a few words.
+- ``runplan.py``: a parsed cell turned into a planned :class:`~.run.Run` (closure, write rule, spec,
+  header), everything decided before anything starts.
+- ``run.py``: the ``Run``: owns every resource of the run and releases them in reverse.
+- ``execution.py``: starts the data workers and each attempt's ranks and hands them to supervision.
+- ``background.py``: the run's own thread (``RunThread``) and this kernel's list of runs.
+- ``foreground.py``: the cell that waits (as a coroutine or blocking), the interrupt, and the
+  console of the ranks' pdb prompts.
+- ``frontend.py``: does the page restore widgets; ``kernel_info`` answered while a cell waits.
+- ``views.py``: which view a run gets in a cell (the live view or the text stream), and putting it there.
+- ``session.py``: what the line commands set and every cell reads: repository, spares, cluster, runs.
+- ``summary.py``: the run in a few words: ``RunSummary``, ``LastRun``, the header line.
 """

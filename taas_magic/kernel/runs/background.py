@@ -1,5 +1,9 @@
 """A run on its own thread, and the runs of this kernel.
 
+Runs in the kernel: :class:`RunThread` starts the run's own thread (``taas-run-ID``), where its work
+runs; it is waited for, taken and stopped from the cell's thread, and :class:`Runs` is read there
+and closed at the kernel's exit.
+
 Every run, in the foreground or detached (``--detach``), is supervised on a thread of its own
 (:class:`BackgroundRun`): the same supervisor, stop ladder, autopsy and release as ever
 (kernel/runs/execution.py, kernel/runs/run.py), writing everything it shows into its log

@@ -1,5 +1,7 @@
 """The kernel's main thread while it waits for a run: the cell's output shown, the interrupt handled.
 
+Runs in the kernel, on the cell's thread (its main thread), while the run goes on its own thread.
+
 A run is supervised on its own thread (kernel/runs/background.py); the cell that waits for it
 (a foreground cell, ``%taas attach``, ``%taas wait``) shows the run's log in the cell as it
 grows (output/cellstream.py) and returns when the run ends. Two ways to wait, one behaviour:

@@ -1,5 +1,10 @@
 """What the kernel knows of the front ends showing it: can they restore widgets, and which cell is which.
 
+Runs in the kernel: on the cell's thread (the probe sent as the extension loads, the choice of a
+view), in comm handlers (the widget manager's control comm; the probe's answer, heard on ipykernel's
+shell channel thread), in ipykernel's main shell dispatch, which it wraps to answer ``kernel_info``
+while a cell waits, and, for :func:`cell_publisher`, on whichever thread publishes.
+
 A run's live view is a widget (output/widget.py) only where the page has ipywidgets' manager
 and anywidget: there a reload brings the view back. Anywhere else (a terminal, nbclient,
 a front end without widgets, the tests' own client) the run is shown as it always was, as the

@@ -1,13 +1,13 @@
 """The plan step: everything a cell's run needs, decided and held before anything starts.
 
-Runs in the kernel, in the cell's thread. :func:`plan` takes the closure as shipped, the data run
-(when the cell reads registered loaders) and the backend (the magic's one choice of local processes
-or the attached cluster: a cluster's GPUs are held from then on), decides the write rule and the run
-spec every rank receives, then makes the run (kernel/runs/run.py), which takes the rest (its log,
-folders, layers, server and handoff), and writes the header as the log's first entry. A
-plan that fails half-way releases what it took and raises one clear error: nothing was
-launched. Local GPUs held by another run of this kernel (a detached one) are such an error,
-naming that run.
+Runs in the kernel, on the cell's thread (for a search's trials, on the search's own thread:
+kernel/trials/searchrun.py). :func:`plan` takes the closure as shipped, the data run (when the cell
+reads registered loaders) and the backend (the magic's one choice of local processes or the attached
+cluster: a cluster's GPUs are held from then on), decides the write rule and the run spec every rank
+receives, then makes the run (kernel/runs/run.py), which takes the rest (its log, folders, layers,
+server and handoff), and writes the header as the log's first entry. A plan that fails half-way
+releases what it took and raises one clear error: nothing was launched. Local GPUs held by another
+run of this kernel (a detached one) are such an error, naming that run.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """The notebook session's state that ``%taas`` line commands set and every cell reads.
 
+Runs in the kernel: set on the cell's thread by the magic and the line commands, read there and by
+runs and searches on their own threads.
+
 :class:`Session` holds the repository and the isolation (so the write rule), the warm
 spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers)
 and the last run, for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is

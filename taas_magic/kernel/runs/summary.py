@@ -1,5 +1,8 @@
 """A run in a few words: the run's header line, its summary in ``%taas runs``, and the last run the session keeps.
 
+Runs in the kernel: written by a run's plan step and its own thread, read on the cell's thread by
+``%taas status`` and ``%taas runs``.
+
 The run (kernel/runs/run.py) and its plan (kernel/runs/runplan.py) write these; the face's
 ``%taas status`` and ``%taas runs`` (kernel/magic/status.py) read them.
 """

@@ -1,5 +1,8 @@
 """Which view a run gets in a cell, and putting it there.
 
+Runs in the kernel, on the cell's thread: it chooses the view and starts its pump
+(output/liveview.py), whose own thread feeds it from then on.
+
 Three views of one log (output/runlog.py), chosen per cell (kernel/runs/frontend.py says whether
 the page restores widgets):
 

@@ -1,5 +1,9 @@
 """One run's pdb prompts: from its ranks to the cell that waits for the run, and the person's lines back.
 
+Runs in the kernel, on two threads: the run's own (the supervisor's :meth:`PromptDesk.arrived` and
+:meth:`PromptDesk.answers`) and the cell's that waits for the run (:meth:`PromptDesk.next_prompt`,
+:meth:`PromptDesk.answer`).
+
 A rank in pdb (rank/cellpdb.py) sends a ``Prompt`` each time pdb wants a command. The run's
 supervisor (its own thread) hands it here (:meth:`PromptDesk.arrived`); the cell that waits
 for the run (the kernel's main thread: kernel/runs/foreground.py) takes it (:meth:`next_prompt`),

@@ -1,5 +1,8 @@
 """``--restarts K``: which failures start the ranks again, and what the cell says when they do.
 
+Runs in the kernel, on the run's own thread (kernel/runs/background.py); the rule is a pure
+function.
+
 As torchrun's elastic agent (``--max-restarts``) and Ray Train's ``FailureConfig(max_failures)``:
 when an attempt fails, every rank of it is stopped and all of them start again, fresh
 processes, up to K times; every rank sees ``TORCHELASTIC_RESTART_COUNT`` (the attempt) and

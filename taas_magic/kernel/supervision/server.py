@@ -1,5 +1,8 @@
 """The kernel's end of the rank channel: a loopback listener and authenticated connections.
 
+Runs in the kernel: the listener is opened in the run's plan step (kernel/runs/run.py), and its
+connections are driven on the run's own thread by the supervisor's selector loop.
+
 Driven by the supervisor's selector loop, never blocking on a peer: a connection is
 read only to complete the fixed-size handshake (wire.py) until it has proven the run's
 key; a peer that fails is closed, having had nothing of it unpickled. Each rank may

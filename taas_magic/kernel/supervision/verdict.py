@@ -1,5 +1,7 @@
 """How a run failed, as a pure function of what happened: events in, a verdict out; no I/O, no clock.
 
+Runs in the kernel, on the run's own thread, fed by the supervisor.
+
 The supervisor feeds it every event (mux.py) and the timeout (:class:`TimedOut`); it keeps
 what the policy needs and decides (as torch's elastic agent keeps its restart policy apart
 from its processes, and ``errors/__init__.py`` names the first failure the root cause):

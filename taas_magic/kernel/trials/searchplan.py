@@ -1,5 +1,7 @@
 """The plan step of a search (``--trials K``): its slots, its study, its header, before any trial starts.
 
+Runs in the kernel, on the cell's thread.
+
 :func:`plan_search` decides, in the cell, what every trial will share, and fails there with
 one line and nothing started when it cannot:
 

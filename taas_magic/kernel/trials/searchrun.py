@@ -1,5 +1,8 @@
 """A search (``--trials K``): K runs of one cell, side by side as the GPUs allow, asked and told through Optuna.
 
+Runs in the kernel: started from the cell's thread, its loop on the search's own thread (a
+``RunThread``), each trial's run on a thread of its own (a ``BackgroundRun``).
+
 :class:`SearchRun` is started from the cell like a run (kernel/runs/background.py's ``RunThread``:
 stopped, waited for and taken once the same way) and its thread is the search's loop:
 

@@ -1,4 +1,7 @@
-"""One agent per host (a Ray actor): starts that host's ranks with the local machinery.
+"""One agent per host (a Ray actor, or a Slurm task's): starts that host's ranks with the local machinery.
+
+Runs in a Ray host agent (the actor process Ray starts on each host, on the actor's one thread) and
+in a Slurm task (launch/slurm/task.py holds one); the pumps on threads of their own.
 
 The agent runs :class:`~taas_magic.launch.local.processes.LocalProcessGroup` on its host, so ranks there
 are started, isolated (the write rule) and stopped exactly as in the local mode: fresh

@@ -1,5 +1,8 @@
 """The kernel's end of each host's channels: the hub the hosts' output and control channels connect to.
 
+Runs in the kernel, on the run's own thread: made as an attempt's ranks start, read by the
+supervisor's selector as it reads local pipes.
+
 Both cluster engines use it: each host's Ray agent (launch/hosts/agent.py through launch/ray/processes.py) and
 each Slurm task (launch/slurm/step.py) connects its ranks' output channels and one control
 channel here, proving the run's key before the kernel reads a byte. A control channel carries

@@ -1,9 +1,10 @@
 """The local engine's backend: a run's ranks and data workers are processes on this host.
 
-Runs in the kernel. The ranks come from the warm spares when there are enough (launch/local/spares.py),
-fresh processes otherwise (launch/local/processes.py); the data workers are fresh processes, and
-they need no courier: every rank maps their cache. While a run goes, spares for its restart and
-for the next cell are warmed off the supervisor's thread (launch/local/standby.py).
+Runs in the kernel: made on the cell's thread, started and released on the run's own thread. The
+ranks come from the warm spares when there are enough (launch/local/spares.py), fresh processes
+otherwise (launch/local/processes.py); the data workers are fresh processes, and they need no
+courier: every rank maps their cache. While a run goes, spares for its restart and for the next
+cell are warmed off the supervisor's thread (launch/local/standby.py).
 """
 
 from __future__ import annotations

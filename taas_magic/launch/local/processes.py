@@ -1,5 +1,8 @@
 """Ranks as fresh local processes: never forked from the kernel, each in its own session.
 
+Runs in the kernel, on the run's own thread (a run's ranks and data workers), and in a Ray host
+agent or Slurm task, which starts its host's ranks with it (launch/hosts/agent.py).
+
 Forking a kernel that has touched CUDA breaks the child ("cannot re-initialize CUDA in
 forked subprocess"); starting ``python -m taas_magic.rank`` does not. Each rank gets:
 

@@ -1,5 +1,9 @@
 """The kernel's half of the spare factory (rank/factory.py): start it, ask it for spares, hear their exits.
 
+Runs in the kernel, on whichever thread asks for spares: the cell's (the extension's load, a cell's
+ranks), the run's own, or the standby thread (launch/local/standby.py); the factory itself is a
+process of its own (rank/factory.py).
+
 :class:`SpareFactory` starts ``python -m taas_magic.rank --spare --factory FD`` once (as the
 extension loads, or with the first spares); while it imports, :meth:`SpareFactory.spawn`
 says None and the pool starts a spare the slow way (a fresh interpreter), except for a

@@ -1,5 +1,9 @@
 """Warm spares: rank processes started ahead of time, with Python and torch imported.
 
+Runs in the kernel: the pool is taken from and refilled on the cell's thread, the run's own and the
+standby thread (launch/local/standby.py), under one lock; the spares themselves are processes
+(rank/spare.py).
+
 After a taas cell (and on ``%taas warm N``) the kernel keeps N spares. The next cell takes
 them instead of starting fresh processes, so it skips the interpreter start and the torch
 imports (about a second each here, 3 to 4 s with a CUDA build of torch). A spare is taken

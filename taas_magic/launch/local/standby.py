@@ -1,5 +1,8 @@
 """Spares warmed while a run runs, on a thread of their own (launch/local/backend.py's ``standby``).
 
+Runs in the kernel, on a helper thread of its own (``taas-standby``), started and settled from the
+run's own thread.
+
 Why a thread: asking the spare factory for forks takes 20 to 40 ms here, and the supervisor
 asks the moment the last rank connects, when rank 0's first line is about to arrive; done on
 the supervisor's thread, it held that line back by as much (a warm DDP cell's first line went

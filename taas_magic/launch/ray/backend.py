@@ -1,8 +1,9 @@
 """The Ray engine's backend: a run's ranks under one agent per host of a Ray cluster.
 
-Runs in the kernel. :meth:`RayBackend.place` plans which hosts run which ranks (launch/placement.py)
-and holds their GPUs (launch/ray/processes.py's :class:`RayLaunch`); the data workers run on the
-cluster's CPU hosts, and a :class:`RayCourier` carries their elements to the ranks' hosts.
+Runs in the kernel: placed on the cell's thread, started and released on the run's own thread.
+:meth:`RayBackend.place` plans which hosts run which ranks (launch/placement.py) and holds their
+GPUs (launch/ray/processes.py's :class:`RayLaunch`); the data workers run on the cluster's CPU
+hosts, and a :class:`RayCourier` carries their elements to the ranks' hosts.
 """
 
 from __future__ import annotations

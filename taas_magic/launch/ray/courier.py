@@ -1,6 +1,9 @@
 """Prepared elements between hosts (the cluster mode): from the data workers' hosts to each
 rank's host, through Ray's object store.
 
+Runs in the kernel, on the run's own thread, where the supervisor hands it deliveries; the records
+are published and mirrored by the Ray host agents (launch/hosts/agent.py).
+
 The local mode hands a rank the address of an element in the workers' cache, which every
 process on the host can map. Across hosts that address means nothing on the rank's host,
 so the kernel's deliveries pass through a :class:`RayCourier` first.

@@ -1,5 +1,9 @@
 """Ranks on a Ray cluster: a placement group, one agent per host, the local machinery on each.
 
+Runs in the kernel: the placement group and its agents are made as the backend is placed (the cell's
+thread), each attempt's ranks started and watched on the run's own thread; :class:`HostAgent` itself
+runs in each Ray host agent.
+
 The kernel plans the hosts (``placement.py``), reserves their GPUs with one placement
 group (one bundle per host, pinned to that host's node id, so the plan is what Ray
 holds), waits for it with a deadline, and starts one :class:`~.agent.HostAgent` actor in

@@ -1,6 +1,6 @@
 """The Slurm engine: a held allocation, and each cell one ``srun`` step in it.
 
-- ``slurmcli.py``: Slurm's own commands (``squeue``, ``scontrol``, ``scancel``), run and read;
+- ``slurmcli.py``: Slurm's own commands (``squeue``, ``scontrol``, ``sinfo``, ``scancel``), run and read;
 - ``allocation.py``: the allocation the session holds (``salloc`` with a lifeline), or the
   one the kernel runs inside; its nodes, GPUs and time left; its queue state while it waits;
 - ``step.py``: one attempt's ranks as one ``srun`` step, its tasks' output and exits back

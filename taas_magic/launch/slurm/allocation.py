@@ -1,5 +1,9 @@
 """The allocation a session holds: one ``salloc`` the kernel made, or the job the kernel runs inside.
 
+Runs in the kernel (:class:`Allocation`, on the cell's thread; ``salloc``'s lines read on a helper
+thread, ``taas-salloc``) and in the allocation keeper (:func:`keep`,
+``python -m taas_magic.launch.slurm.allocation``), which holds ``salloc``.
+
 ``%taas cluster slurm [OPTIONS]`` asks Slurm once ("reserve once, iterate", as Monarch does):
 ``salloc OPTIONS --no-kill cat``. ``salloc`` keeps the allocation while its command runs; its
 command is ``cat`` reading a pipe, so the allocation lasts exactly as long as that pipe is

@@ -1,6 +1,6 @@
 """The Slurm engine's backend: a run on the held allocation, each attempt one ``srun`` step (launch/slurm/step.py).
 
-Runs in the kernel.
+Runs in the kernel: made on the cell's thread, each attempt's step started on the run's own thread.
 The allocation is the session's (launch/slurm/allocation.py): a run holds nothing of its own
 beyond its steps, so a cell pays Slurm's queue never, only a step's start. ``--gpus N`` asks
 for N tasks with one GPU each (``--gpus-per-task=1``) on the fewest of the allocation's nodes

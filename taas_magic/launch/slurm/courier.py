@@ -1,6 +1,9 @@
 """Prepared elements between Slurm nodes, through the kernel (the Ray engine's go through Ray's
 object store: launch/ray/courier.py).
 
+Runs in the kernel, on the run's own thread with the supervisor; the Slurm tasks
+(launch/slurm/task.py) publish and mirror the records.
+
 The coordinator names an element by where a data worker stored it (segment path and offset on
 the worker's node). A rank on that same node reads it there, as in the local mode. For a rank
 on another node, the kernel first asks the worker's task for the record (``publish``), then the

@@ -1,5 +1,8 @@
 """Slurm's own commands, run and read: the only place taas speaks to Slurm besides ``salloc`` and ``srun``.
 
+Runs in the kernel, on the thread that asks: the cell's (the allocation and its queue) or the run's
+own (a step's nodes and their state).
+
 Nothing here needs an accounting database: job and node state come from the controller
 (``squeue``, ``scontrol``, ``sinfo``). Every command runs with :func:`command_env`: the
 kernel's environment without the ``SLURM_*`` variables of a job the kernel may itself run

@@ -1,5 +1,8 @@
 """One attempt's ranks as one ``srun`` step in the held allocation.
 
+Runs in the kernel, on the run's own thread; ``srun``'s own output is read on a helper thread
+(``taas-srun``).
+
 ``srun --jobid=J --ntasks=N [--gpus-per-task=1] --input=all python -m taas_magic.launch.slurm.task``:
 Slurm places the N tasks across the allocation's nodes and binds each its GPU; each task
 (launch/slurm/task.py) connects to this step's output hub with the run's key and says where

@@ -1,5 +1,8 @@
 """One task of a cell's ``srun`` step: ``python -m taas_magic.launch.slurm.task``.
 
+Runs in each Slurm task (``python -m taas_magic.launch.slurm.task``, started by the kernel's
+``srun``): the commands on its main thread, its stdin lifeline on a thread of its own.
+
 Slurm starts one per rank, wherever it placed them. Each task:
 
 1. reads the kernel's output hub (host, port, the run's key) on its stdin, which ``srun

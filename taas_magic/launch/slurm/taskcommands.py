@@ -1,5 +1,7 @@
 """The kernel's end of each Slurm task's command channel: JSON lines, each command numbered.
 
+Runs in the kernel, on the run's own thread, where launch/slurm/step.py reads the tasks' lines.
+
 A task sends one line when it connects (where Slurm put it), then one answer per command,
 echoing the command's number; an answer that comes after its command's patience ran out is
 recognised by its number and dropped, never read as the next command's. Bytes are buffered

@@ -1,5 +1,8 @@
 """``taas.save_checkpoint`` / ``taas.load_checkpoint``: what a restarted run resumes from.
 
+Runs in each rank, on the cell's thread (``taas.save_checkpoint`` / ``taas.load_checkpoint``), and
+in the kernel, on the cell's thread, where the notebook loads the last run's newest checkpoint.
+
 A run's checkpoints live in one folder, ``<root>/<run id>/checkpoint-000001.pt``, ... where
 the root is ``TaasMagics.checkpoint_dir`` or, by default, ``<repository>/.taas/checkpoints``
 (rank 0 may write in the repository; the folder holds a ``.gitignore`` of ``*`` so git
