@@ -22,10 +22,6 @@ PACKAGE = ROOT / "taas_magic"
 ENTRY = re.compile(r"^\s*- ``(\w+\.py|\w+/)``", re.MULTILINE)  # a line of the map
 BARE = re.compile(r"(?<![\w./-])(\w+\.py|\w+/)(?![\w.])")  # courier.py, not raycourier.py nor ray/courier.py
 RUNS = re.compile(r"\bRuns (in|on|wherever) ")
-NOT_YET = {  # docstrings being rewritten on another branch
-    "taas_magic/kernel/supervision/attempts.py",
-    "taas_magic/kernel/supervision/dataplane.py",
-}
 
 
 def _docstring(path: Path) -> str:
@@ -69,7 +65,5 @@ def _modules() -> list[Path]:
 @pytest.mark.parametrize("path", _modules(), ids=lambda path: str(path.relative_to(ROOT)))
 def test_each_module_says_where_it_runs(path):
     name = str(path.relative_to(ROOT))
-    if name in NOT_YET:
-        pytest.skip("docstrings being rewritten on another branch")
     docstring = " ".join(_docstring(path).split())  # a sentence may break across lines
     assert RUNS.search(docstring), f"{name}'s docstring does not say where it runs (Runs in / on / wherever ...)"

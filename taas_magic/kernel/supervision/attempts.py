@@ -1,6 +1,8 @@
 """The attempts of one run: start the ranks, supervise them, and after a failure either start
 them all again or raise the failure, as ``--restarts`` allows (restarts.py says which).
 
+Runs in the kernel, on the run's own thread (kernel/runs/background.py), with the supervisor.
+
 As torch's elastic agent's ``_invoke_run``: the loop knows nothing of selectors or frames; it
 drives a :class:`Supervised` (kernel/supervision/supervisor.py) through each attempt::
 

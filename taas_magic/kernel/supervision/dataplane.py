@@ -1,10 +1,13 @@
 """The data side of one run, set up by the kernel before any process starts.
 
-Given the registered loaders the cell's closure reached and the run's settings, :class:`DataRun`
-makes their plans (``--units`` checked here, before anything is launched), pickles each loader
-once (the same bytes go to the workers and, for ``loader.dataset`` and friends, to the
-ranks), makes the cache directories and the workers' launch plan (``prepare``), with the
-environment and write rule of a rank other than 0, minus any GPU, and starts them (``start``).
+Runs in the kernel: :class:`DataRun` is made on the cell's thread by the plan step (kernel/runs/runplan.py),
+prepared and started on the run's own thread (kernel/runs/execution.py). Given the registered loaders the
+cell's closure reached and the run's settings, it makes their plans (``--units`` checked here, before
+anything is launched), pickles each loader once (the same bytes go to the workers and, for
+``loader.dataset`` and friends, to the ranks), makes the cache directories and the workers' launch plan
+(``prepare``), with the environment and write rule of a rank other than 0, minus any GPU. The run's
+backend starts the workers (launch/contract.py's ``start_workers``, and on a cluster its ``courier``);
+:meth:`DataRun.start` then makes the kernel's side of them, the :class:`DataPlane`.
 """
 
 from __future__ import annotations
