@@ -63,12 +63,19 @@ def _start_node(address: str, gpus: int, hidden: Path, log: Path) -> subprocess.
     raise RuntimeError(f"a Ray node did not start: {log.read_text()[-3000:]}")
 
 
-def _head():
-    """The head, the notebook's host (no GPU): started again once if Ray gives up waiting for it."""
-    try:
-        return cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    except Exception:  # noqa: BLE001 - "The current node timed out during startup": Ray waits 30 s, on a busy machine
-        return cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+def _head(tries: int = 3):
+    """The head, the notebook's host (no GPU). Ray gives a starting node 30 s to register, a bound it
+    hard-codes (ray/_private/node.py): on a busy machine it can give up while its processes still
+    start. Then what it started is stopped (``ray stop --force``: on this machine only the tests run
+    Ray) and it is started again."""
+    for attempt in range(tries):
+        try:
+            return cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+        except Exception:  # noqa: BLE001 - "The current node timed out during startup"
+            if attempt == tries - 1:
+                raise
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                           capture_output=True, timeout=120, check=False)
 
 
 @pytest.fixture(scope="module")
