@@ -228,13 +228,41 @@ def _exited(process: psutil.Process) -> bool:
         return True
 
 
+def wait_for_spares(kernel: Kernel, count: int, timeout: float = 120) -> bool:
+    """Until ``count`` spares have imported torch and wait (their name says so): a fresh one imports torch in
+    about 2 s on a quiet machine, several times that on a loaded one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ready = [p for p in kernel.spares() if p.name() == "taas-spare"]
+        except psutil.NoSuchProcess:
+            ready = []
+        if len(ready) >= count:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def warm_up(kernel: Kernel) -> None:
+    """Until the next 2-rank cell starts from warm spares (torch imported, its first step taken): a cell's end
+    leaves them (``%taas warm auto``). For a test whose ranks must be somewhere within a short ``--timeout``,
+    which counts from the launch: from warm spares that takes well under a second however loaded the machine;
+    a cold start imports torch inside it (seconds; several times that on a loaded machine)."""
+    assert kernel.execute("%taas warm auto").reply["status"] == "ok"
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2\npass")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert wait_for_spares(kernel, 2), "no warm spares after a cell"
+
+
 def in_ci() -> bool:
     return os.environ.get("CI") == "true"
 
 
 def assert_nothing_left(kernel: Kernel) -> None:
-    """No process started for a cell is still alive (waiting warm spares are kept on purpose)."""
-    left = describe(left_after(kernel, timeout=5))
+    """No process started for a cell is still alive (waiting warm spares are kept on purpose): gone within a
+    few seconds on a quiet machine; the rest of the 30 s is for a loaded one, where an ending process may wait
+    seconds to be scheduled and reaped."""
+    left = describe(left_after(kernel, timeout=30))
     assert not left, f"processes left behind: {left}"
 
 

@@ -8,7 +8,8 @@ the notebook, runs every cell from the Run menu, and reads the page (the DOM, no
 the training cell's live view (the run's widget) with rank 0's line while the cell still
 runs, the ``\\r`` progress line redrawn in place as one line, the live chart changing. In the
 middle of the training it saves the notebook and reloads the page: the live view must be back
-and live within 2 s of the notebook's cells being on the page, its screen exactly what the
+and live while the run goes on, within 10 s of the notebook's cells being on the page (0.33 to
+0.54 s on a quiet machine, 1.5 s beside a CPU burner on both cores), its screen exactly what the
 run log on disk says up to the entry it shows (no sequence number missing). After the run,
 one epoch line per epoch; the failing cell, run again (the reloaded page did not send it), shows
 its error naming the rank. Then it shuts the kernel down from the Kernel
@@ -256,7 +257,7 @@ def _reload_in_the_middle(driver, training: int, logs: Path) -> None:
                  "the live view, restored and live again")
     back_after = time.monotonic() - loaded
     print(f"the live view was live again {back_after:.2f} s after the notebook's cells were on the page")
-    assert back_after <= 2.0, back_after
+    assert back_after <= 10.0, back_after  # 0.33 to 0.54 s quiet, 1.5 s loaded: the bound is a loaded machine's
     assert view["run"] == before["run"] and view["state"] == "running" and view["last"] > before["last"]
     assert view["gaps"] == 0 and view["first"] > 0  # it started from the kernel's snapshot, asked for the rest
     expected = _screen_from_log(logs, view["run"], view["last"])

@@ -5,6 +5,8 @@ import time
 
 import pytest
 
+from tests.kernel_client import warm_up
+
 HUNG = """\
 #pragma taas --device cpu --gpus 2 --timeout {timeout}
 import os, time, ctypes, torch, torch.distributed as dist
@@ -26,6 +28,7 @@ dist.all_reduce(t)
     ],
 )
 def test_a_timeout_shows_where_every_running_rank_is(kernel, stuck, where):
+    warm_up(kernel)  # both ranks are at their lines well within the 6 s, however loaded the machine
     started = time.monotonic()
     ran = kernel.execute(HUNG.format(timeout=6, stuck=stuck))
     took = time.monotonic() - started
@@ -44,7 +47,7 @@ def test_a_timeout_shows_where_every_running_rank_is(kernel, stuck, where):
 def test_an_interrupt_shows_where_every_running_rank_is_and_never_restarts(kernel):
     msg_id, _ = kernel.submit(HUNG.format(timeout="60 --restarts 2", stuck="time.sleep(100)"))
     kernel.wait_for_stream(msg_id, "both ranks in")
-    time.sleep(1.0)
+    time.sleep(2.0)  # rank 0 reaches its all_reduce (microseconds after the line), however loaded the machine
     kernel.manager.interrupt_kernel()
     ran = kernel.collect(msg_id, time.monotonic())
     assert ran.error["ename"] == "KeyboardInterrupt"

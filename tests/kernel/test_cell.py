@@ -15,7 +15,8 @@ dist.init_process_group(backend="nccl", init_method="env://")
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 print(f"rank {dist.get_rank()} total {total.item()}", flush=True)
-time.sleep(1.0)
+while not os.path.exists(GO_ON):  # the test makes it once rank 0's line has reached it
+    time.sleep(0.01)
 doubled = scale(total.item())
 dist.destroy_process_group()
 doubled + offset
@@ -23,16 +24,21 @@ doubled + offset
 
 
 @pytest.mark.minimums
-def test_rank0_streams_live_and_names_come_back(kernel):
-    kernel.execute("offset = 100\ndef scale(v):\n    return v * 2")
-    ran = kernel.execute(ALL_REDUCE)
+def test_rank0_streams_live_and_names_come_back(kernel, tmp_path):
+    go_on = tmp_path / "go-on"
+    kernel.execute(f"offset = 100\ndef scale(v):\n    return v * 2\nGO_ON = {str(go_on)!r}")
+    msg_id, started = kernel.submit(ALL_REDUCE)
+    try:  # streamed live: the ranks wait until the line has come, however long this machine takes to bring it
+        before = kernel.wait_for_stream(msg_id, "rank 0 total")
+    finally:
+        go_on.touch()
+    ran = kernel.collect(msg_id, started)
     assert ran.reply["status"] == "ok", ran.error_text()
-    out = ran.stream("stdout")
+    out = "".join(m.content["text"] for m in before if m.type == "stream" and m.content["name"] == "stdout")
+    out += ran.stream("stdout")
     assert "config g2.8" in out.splitlines()[0] and "2 rank(s)" in out
     assert "nccl is served by gloo" in out
     assert "rank 0 total 3.0" in out and "rank 1" not in out
-    line_at = next(m.at for m in ran.messages if m.type == "stream" and "rank 0 total" in m.content["text"])
-    assert line_at < ran.reply_at - 0.5  # streamed while the ranks were still sleeping
     assert ran.result["text/plain"] == "106.0"
     after = kernel.execute("print(doubled, float(total), type(total).__name__)")
     assert after.stream("stdout") == "6.0 3.0 Tensor\n"

@@ -195,6 +195,6 @@ def test_daemonised_grandchildren_are_gone_after_the_cell(kernel, tmp_path, endi
     assert ran.reply["status"] == ("ok" if ending == "done = True" else "error"), ran.error_text()
     pids = [int(pid) for rank in (0, 1) for pid in (tmp_path / str(rank)).read_text().split()]
     assert len(pids) == 6
-    left = wait_until_gone([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=5)
+    left = wait_until_gone([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
     running = [process for process in left if process.status() != psutil.STATUS_ZOMBIE]
     assert not running, [(process.pid, process.cmdline()) for process in running]

@@ -81,7 +81,7 @@ def test_a_hundred_cells_leave_no_trace():
             else:
                 assert ran.reply["status"] == "ok", ran.error_text()
                 outcomes["ok"] += 1
-        assert not left_after(kernel, timeout=5)
+        assert not left_after(kernel, timeout=30)
         after = _footprint(kernel)
         assert outcomes == {"ok": 80, "error": 10, "interrupted": 10}
         assert after["children"] == 0, describe(kernel.children())

@@ -5,9 +5,7 @@ import os
 import signal
 import time
 
-import psutil
-
-from tests.kernel_client import Kernel, wait_until_gone
+from tests.kernel_client import wait_for_spares, wait_until_gone
 
 PIDS = "#pragma taas --device cpu --gpus 2 --output all\nimport os, sys\nprint('pid', os.getpid(), 'torch' in sys.modules, flush=True)"
 
@@ -24,7 +22,7 @@ def _pids(ran) -> dict[int, bool]:
 def test_later_cells_start_from_spares_and_never_reuse_a_process(kernel):
     kernel.execute("%taas warm auto")
     kernel.execute(PIDS)  # leaves two spares behind
-    assert _wait_for_spares(kernel, 2)
+    assert wait_for_spares(kernel, 2)
     spares = {p.pid for p in kernel.spares()}
     ran = kernel.execute(PIDS)
     first = _pids(ran)
@@ -37,7 +35,7 @@ def test_later_cells_start_from_spares_and_never_reuse_a_process(kernel):
 def test_no_state_passes_from_one_cell_to_the_next(kernel):
     kernel.execute("%taas warm auto")
     kernel.execute("#pragma taas --device cpu --gpus 2\nimport json\njson.left_behind = 1")
-    assert _wait_for_spares(kernel, 2)
+    assert wait_for_spares(kernel, 2)
     spares = {p.pid for p in kernel.spares()}
     ran = kernel.execute("#pragma taas --device cpu --gpus 2 --output all\nimport json, os\nprint('leak', hasattr(json, 'left_behind'), os.getpid())")
     assert ran.stream().count("leak False") == 2, ran.stream()
@@ -47,7 +45,7 @@ def test_no_state_passes_from_one_cell_to_the_next(kernel):
 def test_spares_take_the_environment_and_cwd_of_the_launch_not_their_own(kernel, tmp_path):
     kernel.execute("%taas warm auto")
     kernel.execute(PIDS)
-    assert _wait_for_spares(kernel, 2)
+    assert wait_for_spares(kernel, 2)
     spares = {p.pid for p in kernel.spares()}
     kernel.execute(f"import os\nos.environ['TAAS_TEST_LATE'] = 'late'\n_old = os.getcwd()\nos.chdir({str(tmp_path)!r})")
     try:
@@ -81,7 +79,7 @@ def test_a_cell_that_comes_while_the_spares_warm_takes_them_instead_of_fresh_pro
 
 def test_warm_off_and_n_control_the_spares_and_status_reports_their_memory(kernel):
     kernel.execute("%taas warm 3")
-    assert _wait_for_spares(kernel, 3)
+    assert wait_for_spares(kernel, 3)
     status = kernel.execute("%taas status").stream()
     assert "warm spares: 3, 3 waiting" in status and "MB resident" in status
     kernel.execute("%taas warm off")
@@ -94,10 +92,10 @@ def test_warm_off_and_n_control_the_spares_and_status_reports_their_memory(kerne
 def test_spares_and_their_factory_die_with_the_kernel(new_kernel):
     lone = new_kernel()
     lone.execute("%taas warm 2")
-    assert _wait_for_spares(lone, 2)
+    assert wait_for_spares(lone, 2)
     for _ in range(20):  # once the factory has imported, the spares after a cell are forks of it
         lone.execute(PIDS)
-        assert _wait_for_spares(lone, 2)
+        assert wait_for_spares(lone, 2)
         factories, spares = lone.factories(), lone.spares()
         if len(factories) == 1 and all(spare.ppid() == factories[0].pid for spare in spares):
             break
@@ -105,18 +103,4 @@ def test_spares_and_their_factory_die_with_the_kernel(new_kernel):
     else:
         raise AssertionError(f"the spares never came from the factory: {factories}, {[s.ppid() for s in spares]}")
     os.kill(lone.pid, signal.SIGKILL)
-    assert not wait_until_gone(spares + factories, timeout=5)
-
-
-def _wait_for_spares(kernel: Kernel, count: int, timeout: float = 30) -> bool:
-    """Until ``count`` spares have imported torch and wait (their name says so)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ready = [p for p in kernel.spares() if p.name() == "taas-spare"]
-        except psutil.NoSuchProcess:
-            ready = []
-        if len(ready) >= count:
-            return True
-        time.sleep(0.1)
-    return False
+    assert not wait_until_gone(spares + factories, timeout=30)

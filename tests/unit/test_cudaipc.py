@@ -187,7 +187,7 @@ def test_results_the_kernel_cannot_copy_are_sent_again_through_host_memory(monke
     reply, whole = take_device_copies(first)  # on this host the kernel has no cuda:0
     assert whole is None
     channel = _Channel(protocol.encode(Elements(0, 0, [])), reply)  # a stray delivery first
-    why = returns.await_kernel(Inbox(channel).take, seconds=1)
+    why = returns.await_kernel(Inbox(channel).take, seconds=30)
     assert why == "RuntimeError: the kernel has no cuda:0"
     second = returned.message(False, why)
     try:
@@ -229,8 +229,8 @@ def test_the_supervisor_keeps_only_a_whole_result_and_answers_rank_0(monkeypatch
 
 def test_rank_0_stops_waiting_when_the_kernel_releases_it_is_gone_or_is_silent():
     released = _Channel(protocol.encode(Released()))
-    assert returns.await_kernel(Inbox(released).take, seconds=1) is None and not released.frames
-    assert returns.await_kernel(Inbox(_Channel()).take, seconds=1) is None  # the connection is closed
+    assert returns.await_kernel(Inbox(released).take, seconds=30) is None and not released.frames
+    assert returns.await_kernel(Inbox(_Channel()).take, seconds=30) is None  # the connection is closed
     # no answer in time: rank 0 sends its results again through host memory rather than lose them
     silent = _Channel()
     silent.receive = threading.Event().wait  # nothing comes, and the connection stays open

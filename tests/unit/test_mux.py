@@ -27,7 +27,7 @@ class _Process:
         return self.code
 
 
-def _until(mux: Mux, done, seconds: float = 10.0) -> list:
+def _until(mux: Mux, done, seconds: float = 60.0) -> list:
     events: list = []
     deadline = time.monotonic() + seconds
     while not done(events):
@@ -49,7 +49,7 @@ def test_a_peer_gets_its_greeting_then_what_waited_and_its_exit_comes_after_its_
     thread.start()
     try:
         assert PeerConnected(RANK_0) in _until(mux, lambda events: PeerConnected(RANK_0) in events)
-        thread.join(10)
+        thread.join(60)
         channel = connected["channel"]
         assert channel.receive() == Released() and channel.receive() == Elements(0, 0, [("seg", 8)])
         channel.send(RankError("raised ValueError: x", "Traceback ..."))
@@ -68,7 +68,7 @@ def test_a_peer_gets_its_greeting_then_what_waited_and_its_exit_comes_after_its_
         channel.close()
         _until(mux, lambda events: not mux.rank_streams_open())  # its channel's end is read too
     finally:
-        thread.join(10)
+        thread.join(60)
         mux.close()
         server.close()
         for fd in (process.stdout_fd, process.stderr_fd):

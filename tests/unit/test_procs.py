@@ -42,9 +42,10 @@ def test_ladder_escalates_to_kill_and_takes_the_group_down():
         started = time.monotonic()
         report = stop_groups([proc])
         assert report.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
-        assert time.monotonic() - started < 5
+        # the ladder's own waits and no more (4.5 s at most; here 2.5 s and the kill): the slack is a loaded machine's
+        assert time.monotonic() - started < sum(grace for _, grace in LADDER) + 10
         # the group's SIGKILL reached the child too; on a loaded machine it may take a moment to be scheduled and die
-        _, alive = psutil.wait_procs([child], timeout=5)
+        _, alive = psutil.wait_procs([child], timeout=60)
         assert not alive or alive[0].status() == psutil.STATUS_ZOMBIE
     finally:
         proc.stdout.close()

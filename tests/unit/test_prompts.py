@@ -120,13 +120,13 @@ def test_the_inbox_acts_on_a_hold_while_the_cell_waits_for_something_else():
     held = threading.Event()
     inbox.on(Hold, lambda frame: held.set())
     kernel.send(Hold.KIND, wire.dumps(Hold(True)))
-    assert held.wait(5)  # handled on the reader's thread: nobody took anything
+    assert held.wait(60)  # handled on the reader's thread: nobody took anything
     assert inbox.take(lambda frame: isinstance(frame, Answer), timeout=0.05) is None
     kernel.send(Answer.KIND, wire.dumps(Answer("p x")))
-    assert inbox.take(lambda frame: isinstance(frame, Answer), timeout=5) == Answer("p x")
+    assert inbox.take(lambda frame: isinstance(frame, Answer), timeout=60) == Answer("p x")
     kernel.close()
     with pytest.raises(OSError):
-        inbox.take(lambda frame: True, timeout=5)
+        inbox.take(lambda frame: True, timeout=60)
     channel.close()
 
 

@@ -128,7 +128,7 @@ def test_what_carries_a_runs_tag_is_ended_and_nothing_else():
     other = subprocess.Popen(sleeper, env={**os.environ, "TAAS_OWNER": "1-abd-ranks"}, start_new_session=True)
     try:
         assert kill_tagged("1-abc-") == [tagged.pid]
-        assert tagged.wait(timeout=5) == -signal.SIGKILL
+        assert tagged.wait(timeout=60) == -signal.SIGKILL
         assert psutil.Process(other.pid).is_running() and other.poll() is None
     finally:
         other.kill()

@@ -30,7 +30,7 @@ class Work(RunThread):
 
 def _ended(run: Work) -> Work:
     run.start()
-    assert run.join(10)
+    assert run.join(60)
     return run
 
 

@@ -97,7 +97,7 @@ def test_unauthenticated_connection_is_dropped():
     attacker = socket.create_connection(server.address)
     nonce = attacker.recv(wire.NONCE_SIZE)
     attacker.sendall(wire.hello_mac(wire.new_key(), nonce, 0) + wire.RANK.pack(0))
-    thread.join(5)
+    thread.join(60)
     assert outcome["result"] is False
     assert attacker.recv(1) == b""  # the kernel closed it
     assert server.rejected == 1
@@ -112,7 +112,7 @@ def test_rank_with_key_connects_and_exchanges_frames():
     thread = threading.Thread(target=lambda: outcome.setdefault("result", _serve_one(server)))
     thread.start()
     channel = wire.BlockingChannel.connect(*server.address, key, 1)
-    thread.join(5)
+    thread.join(60)
     connection = outcome["result"]
     assert connection.peer_id == 1
     connection.send(wire.encode_body("spec", wire.dumps({"x": 1})))
@@ -136,7 +136,7 @@ def test_the_blocking_accept_serves_the_hub_with_the_same_hello():
     taken: set[int] = set()
 
     def accept_one() -> tuple[socket.socket, int] | None:
-        accepted = wire.accept(listener, key, lambda claimed: claimed < 4 and claimed not in taken, timeout=5)
+        accepted = wire.accept(listener, key, lambda claimed: claimed < 4 and claimed not in taken, timeout=60)
         if accepted is not None:
             taken.add(accepted[1])
         return accepted
@@ -145,8 +145,8 @@ def test_the_blocking_accept_serves_the_hub_with_the_same_hello():
     for attempt_key, channel in ((key, 2), (wire.new_key(), 3), (key, 2)):
         thread = threading.Thread(target=lambda: results.append(accept_one()))
         thread.start()
-        sock, _ = wire.connect(address, attempt_key, channel, timeout=5)
-        thread.join(5)
+        sock, _ = wire.connect(address, attempt_key, channel, timeout=60)
+        thread.join(60)
         if results[-1] is None:
             assert sock.recv(1) == b""  # the hub closed it, having unpickled nothing
         sock.close()
@@ -161,7 +161,7 @@ def test_the_blocking_accept_gives_up_on_a_peer_that_never_says_hello():
     silent = socket.create_connection(listener.getsockname()[:2])
     started = time.monotonic()
     assert wire.accept(listener, wire.new_key(), lambda claimed: True, timeout=0.3) is None
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # its 0.3 s, not for ever (the rest: a loaded machine's scheduling)
     silent.recv(wire.NONCE_SIZE)
     assert silent.recv(1) == b""  # closed by the hub
     silent.close()

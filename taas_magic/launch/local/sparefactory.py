@@ -34,7 +34,10 @@ from taas_magic.launch.rankenv import Binding
 from taas_magic.procs import exit_fd, pid_alive
 
 FACTORY_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare", "--factory")
-ANSWER_SECONDS = 5.0  # a ready factory forks in milliseconds; past this it is taken for broken
+# a ready factory forks in milliseconds; past this it is taken for broken. A request that comes while it takes
+# its first step (rank/factory.py) waits for the step: about 1 s of CPU, 4 to 5 s of wall time on a loaded 2-core
+# machine, where the 5 s this was took a working factory for broken
+ANSWER_SECONDS = 30.0
 # how long a cell's rank waits for a factory still importing (1 to 2 s here, 3 to 4 s with a CUDA build;
 # a fresh interpreter would take as long) before it is taken for broken and the rank starts fresh
 IMPORT_SECONDS = 60.0
