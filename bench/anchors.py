@@ -173,7 +173,7 @@ def _gone(process: psutil.Process) -> bool:
         return True
 
 
-def _started_during(since: float, before: set[int]) -> list[psutil.Process]:
+def _started_during(since: float, before: set[int], markers: tuple[str, ...]) -> list[psutil.Process]:
     me = psutil.Process()
     ours = {p.pid for p in me.children(recursive=True)}
     found = []
@@ -184,7 +184,7 @@ def _started_during(since: float, before: set[int]) -> list[psutil.Process]:
         if (info["create_time"] or 0) < since - 1 or _gone(process):
             continue
         cmdline = " ".join(info["cmdline"] or ())
-        if info["pid"] in ours or any(marker in cmdline for marker in _ORPHAN_MARKERS):
+        if info["pid"] in ours or any(marker in cmdline for marker in markers):
             found.append(process)
     return found
 
@@ -203,10 +203,12 @@ def _reap(processes: list[psutil.Process], grace: float = 3.0) -> None:
             time.sleep(0.05)
 
 
-def run_with_deadline(name: str, run: Callable[[str], tuple[float, float]], cwd: str,
-                      deadline: float = DEADLINE_SECONDS) -> tuple[float, float] | str:
+def run_with_deadline(name: str, run: Callable[[str], tuple[float, float]], cwd: str, deadline: float = DEADLINE_SECONDS,
+                      markers: tuple[str, ...] = _ORPHAN_MARKERS) -> tuple[float, float] | str:
     """One run of an anchor: its (first line, whole) seconds, or why there are none (it raised,
-    or it passed ``deadline``). Every process it started is gone when this returns."""
+    or it passed ``deadline``). Every process it started is gone when this returns: its descendants,
+    and the processes of this user started meanwhile whose command line holds one of ``markers``
+    (orphans re-parented away; the bench runs alone, the tests name markers of their own)."""
     before = set(psutil.pids())
     since = time.time()
     outcome: dict[str, Any] = {}
@@ -220,7 +222,7 @@ def run_with_deadline(name: str, run: Callable[[str], tuple[float, float]], cwd:
     thread = threading.Thread(target=target, name=f"anchor {name}", daemon=True)
     thread.start()
     thread.join(deadline)
-    _reap(_started_during(since, before))
+    _reap(_started_during(since, before, markers))
     if thread.is_alive():
         return f"hung past its {deadline:.0f} s deadline (stopped)"
     if "figures" in outcome:

@@ -208,7 +208,7 @@ def with_deadline(run: Callable[[], Any], deadline: float = DEADLINE_SECONDS, sp
             kept = {spare.pid} | {p.pid for p in psutil.Process(spare.pid).children(recursive=True)}
         except psutil.NoSuchProcess:
             pass
-    anchors._reap([p for p in anchors._started_during(since, before) if p.pid not in kept])
+    anchors._reap([p for p in anchors._started_during(since, before, anchors._ORPHAN_MARKERS) if p.pid not in kept])
     if thread.is_alive():
         return f"hung past its {deadline:.0f} s deadline (stopped)"
     return outcome["value"] if "value" in outcome else f"failed: {outcome['error']}"
