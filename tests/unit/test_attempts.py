@@ -12,23 +12,10 @@ from taas_magic.kernel.supervision.verdict import TimedOut, Verdict
 from taas_magic.output.relay import OutputRelay
 from taas_magic.peers import RANK, Peer, PeerIds
 from taas_magic.protocol import RankError
+from tests.unit.recording import WrittenText
 
 RANK_1 = Peer(RANK, 1)
 DONE = "the outcome"
-
-
-class _Text:
-    """A stream of the relay: what it wrote, in order."""
-
-    def __init__(self):
-        self.written: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.written.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 class _Group:
@@ -51,8 +38,8 @@ class _Supervised:
 
     def __init__(self, plays: list, log: list):
         self.plays, self.log = list(plays), log
-        self.stderr = _Text()
-        self.relay = OutputRelay("rank0", PeerIds(2), {"stdout": _Text(), "stderr": self.stderr})
+        self.stderr = WrittenText()
+        self.relay = OutputRelay("rank0", PeerIds(2), {"stdout": WrittenText(), "stderr": self.stderr})
         self.verdict = Verdict(2, host=lambda peer: "host-a")
 
     def attach(self, group, running) -> None:

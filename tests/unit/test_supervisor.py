@@ -23,6 +23,7 @@ from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay
 from taas_magic.peers import PeerIds
 from taas_magic.protocol import Display, Released, Report, Result
+from tests.unit.recording import WrittenText
 
 SESSION = {"cache_ram": "64M", "ahead": 16, "timeout": None, "restarts": 0, "place_timeout": 60.0, "output": "rank0"}
 WAIT = 10.0  # seconds a condition may take on a loaded machine
@@ -108,28 +109,12 @@ class _Group:
         self.close()
 
 
-class _Text:
-    def __init__(self):
-        self.written: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.written.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    @property
-    def text(self) -> str:
-        return "".join(self.written)
-
-
 class _Cell:
     """What a run shows: the relay's two streams and the published displays."""
 
     def __init__(self, ids: PeerIds, output: str):
         self.ids, self.output = ids, output
-        self.streams = {"stdout": _Text(), "stderr": _Text()}
+        self.streams = {"stdout": WrittenText(), "stderr": WrittenText()}
         self.displays: list = []
 
     def relay(self, on_marker) -> OutputRelay:
