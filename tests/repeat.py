@@ -2,16 +2,23 @@
 
     python tests/repeat.py tests/browser/test_jupyterlab.py -n 30
     python tests/repeat.py "tests/kernel/test_detach.py::test_wait_wakes_at_once" -n 30 --stop-on-failure
+    python tests/repeat.py $(cat tests/time-asserting.txt) -n 30 --burn 2
 
 What a flaky test is: one that fails once in N cold runs. Each run is a new interpreter (a new
 kernel, new spares, new ports), as CI's is; the pytest cache is off. The table at the end gives
 each run's outcome and wall time, the pass count (``passed N of M``), and, for every failing run,
 the file its full output was kept in. Exit status 0 only when every run passed.
+
+``--burn K`` keeps K busy-looping processes (normal priority) running for the whole repeat, so the
+tests run on a machine as loaded as a person's, whose first ``pytest`` runs beside whatever else it
+does; they are ended whatever happens. ``tests/time-asserting.txt`` lists the tests that assert what
+happens within a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -35,6 +42,18 @@ def run_once(tests: list[str], extra: list[str], timeout: float) -> tuple[bool, 
     return passed, time.monotonic() - started, output
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _burners(count: int) -> list[multiprocessing.Process]:
+    burners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
+    for burner in burners:
+        burner.start()
+    return burners
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tests", nargs="+", help="pytest node ids or paths")
@@ -42,7 +61,18 @@ def main() -> int:
     parser.add_argument("--stop-on-failure", action="store_true")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    parser.add_argument("--burn", type=int, default=0, help="busy-looping processes beside the runs (a loaded machine)")
     args = parser.parse_args()
+    burners = _burners(args.burn)
+    try:
+        return _repeat(args)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.join()
+
+
+def _repeat(args: argparse.Namespace) -> int:
     keep = Path(tempfile.mkdtemp(prefix="taas-repeat-"))
     outcomes: list[tuple[bool, float]] = []
     for number in range(1, args.runs + 1):
@@ -60,7 +90,7 @@ def main() -> int:
     times = [seconds for _, seconds in outcomes]
     print(f"{' '.join(args.tests)}: passed {passes} of {len(outcomes)} "
           f"(median {statistics.median(times):.1f} s, min {min(times):.1f}, max {max(times):.1f}; "
-          f"{os.cpu_count()} cores)")
+          f"{os.cpu_count()} cores, {args.burn} burner(s))")
     return 0 if passes == len(outcomes) else 1
 
 
