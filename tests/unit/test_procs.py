@@ -13,7 +13,11 @@ def _start(code):
 
 
 def test_sigint_is_enough_for_a_cooperative_process():
-    proc = subprocess.Popen([sys.executable, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(60)"],
+    # Python's own SIGINT handler, set by the child itself: a process started from a shell's background job
+    # inherits SIGINT ignored, and Python then keeps ignoring it (CI once ran the suite so: SIGINT did nothing).
+    cooperative = ("import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                   "print('ready', flush=True)\ntime.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", cooperative],
                             start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"  # Python's own SIGINT handler is in place now
