@@ -164,10 +164,11 @@ class PeerFailed(RunError):
         return super().__new__(cls)
 
     def __init__(self, peer: Peer, host: str, what: Failure, last_lines: tuple[str, ...] = (),
-                 notes: tuple[str, ...] = ()):
+                 notes: tuple[str, ...] = (), stopped: bool = True):
+        """``stopped``: every rank was stopped; False: kept ranks, each of which ended its cell and lives on."""
         super().__init__(f"{self._who(peer)} on {host} {what.summary}")
         self.peer, self.host, self.what = peer, host, what
-        self.last_lines, self.notes = tuple(last_lines), tuple(notes)
+        self.last_lines, self.notes, self.stopped = tuple(last_lines), tuple(notes), stopped
 
     @property
     def summary(self) -> str:
@@ -186,10 +187,14 @@ class PeerFailed(RunError):
         return f"rank {peer.index}" if peer.is_rank else f"data worker {peer.index}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (PeerFailed, (self.peer, self.host, self.what, self.last_lines, self.notes))
+        return (PeerFailed, (self.peer, self.host, self.what, self.last_lines, self.notes, self.stopped))
 
     def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "PeerFailed":
-        return PeerFailed(self.peer, self.host, self.what, last_lines, (*self.notes, *notes))
+        return PeerFailed(self.peer, self.host, self.what, last_lines, (*self.notes, *notes), self.stopped)
+
+    def on_kept_ranks(self) -> "PeerFailed":
+        """This failure where no rank was stopped: every kept rank ended its cell (kernel/supervision/keptcell.py)."""
+        return PeerFailed(self.peer, self.host, self.what, self.last_lines, self.notes, stopped=False)
 
     @classmethod
     def from_worker_report(cls, peer: Peer, host: str, loader: str, report: WorkerFailure) -> "PeerFailed":
@@ -216,6 +221,7 @@ class PeerFailed(RunError):
         """The cell's error lines: what happened and the notes, the traceback, the last lines of output."""
         who = self._who(self.peer)
         stopped = "every rank was stopped" if self.peer.is_rank else "every rank and worker was stopped"
+        stopped = stopped if self.stopped else "every rank ended its cell"
         lines = [f"taas: {who} on {self.host} {self.summary}; {stopped}.", *self.notes]
         if self.traceback_text:
             lines.append(f"--- traceback of {who} ---")

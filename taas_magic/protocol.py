@@ -18,6 +18,7 @@ Kernel -> peer::
     Suggested       answer to Suggest: the trial's value for that name, or why not     a rank
     Answer          the person's line at a rank's pdb prompt, or None: nobody can be prompted   a rank
     Hold            a rank is in pdb: raise every group's timeout (or put them back)  the other ranks
+    Interrupt       the person interrupted a kept cell: SIGINT, as a terminal's ^C     every kept rank
 
 Peer -> kernel::
 
@@ -34,11 +35,11 @@ Peer -> kernel::
     Resumed         the rank left pdb (continue, or nobody to prompt)                          a rank
     CheckpointSaved a collective save's folder, written in place by every rank (writes/savers.py)  a rank
     FilePart        a piece of a file for the repository, from a host that does not see it (writes/outbox.py)  a rank
+    CellDone        a kept rank ended its cell (after its results and its error) and waits for the next  a rank
 
-IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a body whose MAC wire.py verified;
-it refuses a kind it does not know or that travels the other way (:class:`ProtocolError`) before anything is unpickled, and
-a pickle that is not the frame its kind names after. Frames are pickled whole (protocol 5, as the spec always was): a frame
-costs its pickle and nothing more, so the hot ones (Report, Elements, Want) pay no conversion on either side.
+IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a body whose MAC wire.py
+verified; it refuses an unknown kind, or one of the other direction (:class:`ProtocolError`), before unpickling anything,
+and a pickle that is not its kind's frame after. Frames are pickled whole (protocol 5): the hot ones pay no conversion.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ NO_NUMBER = -1  # a display the kernel publishes itself (the board, the data lin
 
 
 class ProtocolError(ConnectionError):
-    """An authenticated peer sent a frame of an unknown kind, of the other direction, or whose
-    pickle is not the frame its kind names (a bug, not an attack: the MAC was good)."""
+    """A frame of an unknown kind, of the other direction, or not its kind's (a bug, not an attack: the MAC was good)."""
 
 
 class Frame:
@@ -74,13 +74,11 @@ class Frame:
 
 class ToPeer(Frame):
     """Sent by the kernel to a rank or a data worker."""
-
     DIRECTION = wire.KERNEL_TO_RANK
 
 
 class ToKernel(Frame):
     """Sent by a rank or a data worker to the kernel."""
-
     DIRECTION = wire.RANK_TO_KERNEL
 
 
@@ -140,6 +138,12 @@ class End(ToPeer, kind="end"):
 
 
 @dataclass(frozen=True)
+class NextPass(ToPeer, kind="pass"):
+    feed: int
+    pass_no: int
+
+
+@dataclass(frozen=True)
 class Job(ToPeer, kind="job"):
     """A data worker's share of the run (kernel/supervision/dataplane.py)."""
 
@@ -167,17 +171,10 @@ class Horizon(ToPeer, kind="horizon"):
 
 
 @dataclass(frozen=True)
-class NextPass(ToPeer, kind="pass"):
-    feed: int
-    pass_no: int
-
-
-@dataclass(frozen=True)
 class Stop(ToPeer, kind="stop"):
     feed: int
 
 
-# -- peer -> kernel ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Suggested(ToPeer, kind="suggested"):
     """The trial's value for ``name`` (the same for every rank of the trial), or ``error``."""
@@ -195,12 +192,18 @@ class Answer(ToPeer, kind="answer"):
 
 
 @dataclass(frozen=True)
+class Interrupt(ToPeer, kind="interrupt"):
+    """A kept rank's cell is interrupted: the rank sends SIGINT to its process group (rank/betweencells.py)."""
+
+
+@dataclass(frozen=True)
 class Hold(ToPeer, kind="hold"):
     """``on``: a rank is in pdb, raise every process group's timeout; off: put the cell's timeouts back."""
 
     on: bool
 
 
+# -- peer -> kernel ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankError(ToKernel, kind="error"):
     summary: str
@@ -223,6 +226,11 @@ class Prompt(ToKernel, kind="prompt"):
 @dataclass(frozen=True)
 class Resumed(ToKernel, kind="resumed"):
     """The rank left pdb: it runs again."""
+
+
+@dataclass(frozen=True)
+class CellDone(ToKernel, kind="cell-done"):
+    raised: bool  # the cell raised (its RankError went first); the rank, its globals and its group are kept
 
 
 @dataclass(frozen=True)
@@ -253,8 +261,7 @@ class Report(ToKernel, kind="report"):
 
 @dataclass(frozen=True)
 class Result(ToKernel, kind="result"):
-    """What rank 0's cell bound (transfer/returns.py); the kernel fills ``made`` and ``cuda_ipc``
-    in its own copy when it copies the CUDA storages (transfer/results.py)."""
+    """What rank 0's cell bound (transfer/returns.py); the kernel fills ``made`` and ``cuda_ipc`` (transfer/results.py)."""
 
     skeleton: bytes
     segments: list  # transfer.pack.Segment per name
@@ -279,8 +286,7 @@ class Suggest(ToKernel, kind="suggest"):
 
 @dataclass(frozen=True)
 class CheckpointSaved(ToKernel, kind="checkpoint"):
-    """A rank began a collective save into ``folder`` (writes/savers.py): the kernel checks it once the
-    ranks are gone (writes/completeness.py)."""
+    """A rank began a collective save into ``folder`` (writes/savers.py), checked at the end (writes/completeness.py)."""
 
     folder: str  # absolute, as the rank sees it (under the repository)
     saver: str  # who saves: "torch.distributed.checkpoint", "accelerate save_state", ...
@@ -346,11 +352,8 @@ def encode(frame: Frame) -> bytes:
 
 def decode(kind: str, data: bytes | memoryview, direction: type[F]) -> F:
     """The frame in a body wire.py has verified; ``direction``: ToKernel (the kernel reads) or ToPeer.
-
-    Raises:
-        ProtocolError: an unknown kind, one of the other direction (nothing unpickled), or a
-            pickle that is not a frame of that kind.
-    """
+    Raises ProtocolError for an unknown kind, one of the other direction (nothing unpickled), or a pickle
+    that is not a frame of that kind."""
     cls = KINDS.get(kind)
     if cls is None or not issubclass(cls, direction):
         raise ProtocolError(f"a frame of unknown kind {kind!r}" if cls is None else f"a {kind!r} frame the wrong way")
@@ -366,11 +369,8 @@ def decode_body(body: bytes | memoryview, direction: type[F]) -> F:
 
 
 def expect(frame: Frame, cls: type[F], what: str = "") -> F:
-    """``frame``, which must be a ``cls`` (``what``: how to name one in the error if it is not).
-
-    Raises:
-        ConnectionError: it is another frame (the kernel and the peer disagree on the order).
-    """
+    """``frame``, which must be a ``cls`` (``what``: how to name one in the error if it is not). Raises
+    ConnectionError when it is another frame (the kernel and the peer disagree on the order)."""
     if not isinstance(frame, cls):
         raise ConnectionError(f"expected {what or f'a {cls.KIND!r} frame'} from the kernel, got a {frame.KIND!r} frame")
     return frame

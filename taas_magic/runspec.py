@@ -103,3 +103,4 @@ class RunSpec:
     gather_why: str = ""  # where that limit comes from, for the line that says a name became a handle
     shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (absolute; writes/savers.py)
     seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k
+    keep: bool = False  # --keep: after the cell the rank says CellDone and waits for the next (kernel/runs/kept.py)

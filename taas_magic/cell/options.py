@@ -256,6 +256,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--output", "rank0|all", "output", Choice(*OUTPUT_MODES),
            "rank0 (default): only rank 0's output reaches the cell; all: every rank's, prefixed [rank k]",
            default="rank0", setting="output"),
+    Option("--keep", "", "keep", Flag(),
+           "keep the ranks after the cell, with their globals and process group: the next --keep cell of the same "
+           "shape runs in them (%taas release ends them)", default=False, setting="keep"),
     Option("--detach", "", "detach", Flag(),
            "run in the background: the cell returns at once with the live view; %taas wait binds rank 0's names",
            default=False),

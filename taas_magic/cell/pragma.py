@@ -43,6 +43,7 @@ class PragmaOptions:
     place_timeout: float | None = None  # None: the session default
     restarts: int | None = None  # None: the session default (0)
     detach: bool = False  # --detach: the cell returns at once, the run goes on (kernel/runs/background.py)
+    keep: bool | None = None  # --keep: the ranks stay for the next cell (kernel/runs/kept.py); None: the session default
     trials: int | None = None  # --trials K: a search of K trials (kernel/trials/searchrun.py); None: one run
     parallel: int | None = None  # trials at a time (None: as the GPUs allow; one on a host without GPUs)
     objective: str = "loss"  # the metric rank 0 reports that judges a trial
@@ -71,6 +72,7 @@ class RunSettings:
     place_timeout: float
     output: str
     detach: bool = False
+    keep: bool = False  # --keep: the ranks stay for the next cell (kernel/runs/kept.py)
     trials: int | None = None
     parallel: int | None = None
     objective: str = "loss"
@@ -162,6 +164,8 @@ def _check_search(values: dict[str, object]) -> None:
             raise PragmaError(f"{alone[0]} belongs to a search: add --trials K")
     elif "--detach" in values:
         raise PragmaError("--detach with --trials: a search runs in its cell (interrupt it to stop every trial)")
+    elif "--keep" in values:
+        raise PragmaError("--keep with --trials: every trial starts its own ranks, and none is kept")
 
 
 def _config_name(line: str, lineno: int) -> str:

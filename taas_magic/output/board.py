@@ -280,3 +280,7 @@ def _interval(batches: Sequence[tuple[float, int]], window: int = HEALTH_BATCHES
         return None
     return (recent[-1][0] - recent[0][0]) / count
 
+
+def health_by_rank(board: Board) -> dict[int, dict]:
+    """Each rank's last health figures (cpu, rss, gpu_memory), for the ranks that sent any (kept ranks' memory)."""
+    return {rank: record.health[1] for rank, record in enumerate(board.ranks) if record.health is not None}

@@ -167,10 +167,24 @@ def start(channel: PeerChannel) -> None:
     threading.Thread(target=_send_forever, name="taas-reports", daemon=True).start()
 
 
+_paused = threading.Event()  # a kept rank between cells (rank/betweencells.py): nothing is sent
+
+
+def pause() -> None:
+    """A kept rank between its cells: no batches and no health until :func:`resume` (nobody reads them)."""
+    _paused.set()
+
+
+def resume() -> None:
+    _paused.clear()
+
+
 def _send_forever() -> None:
     last_health = 0.0
     while True:
         time.sleep(SEND_SECONDS)
+        if _paused.is_set():
+            continue
         now = time.monotonic()
         health = now - last_health >= HEALTH_SECONDS
         if health:

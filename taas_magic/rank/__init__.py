@@ -5,6 +5,8 @@ Nothing here imports IPython or torch eagerly: a rank pays for what its cell use
 - ``__main__.py``: the entry point of a rank, a warm spare (``--spare``) and the spare factory
   (``--factory``).
 - ``main.py``: a rank's program: lifeline, handshake, the cell, what goes back, exit.
+- ``betweencells.py``: a kept rank (``--keep``) between cells: ``CellDone``, then the next cell's spec
+  and closure; the kernel's interrupt as SIGINT.
 - ``startup.py``: how every process the kernel starts begins and ends (a rank, a warm spare, a data
   worker): watchdog, handshake, write rule, lifeline, channel, exit.
 - ``execute.py``: the cell, run as a module's body, the way IPython would but not interactively.

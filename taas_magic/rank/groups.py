@@ -9,6 +9,10 @@ gather is done. An ``init_process_group`` after a deferred destroy does the dest
 cell that destroys and starts again works as before. Any other group, and any cell that never
 imported DTensor, is destroyed at once, as without taas.
 
+Kept ranks (``--keep``, :func:`keep_across_cells`) keep their default group from cell to cell: there a
+cell's ``init_process_group`` while the group exists and its ``destroy_process_group`` of the default
+group do nothing, so a cell written for fresh ranks runs unchanged in kept ones.
+
 Runs in each rank: on the cell's thread (the wrappers), and on the rank's main thread after the cell.
 """
 
@@ -22,6 +26,13 @@ from typing import Any, Callable
 DTENSOR = "torch.distributed.tensor"
 
 _destroy: Callable[[], Any] | None = None  # the default group's destroy, asked for and deferred
+_kept = False  # the ranks are kept across cells: the default group stays
+
+
+def keep_across_cells() -> None:
+    """From now on the cells' init and destroy of the default group do no harm (see the module docstring)."""
+    global _kept
+    _kept = True
 
 
 def defer_destroy(dist: ModuleType) -> None:
@@ -33,6 +44,8 @@ def defer_destroy(dist: ModuleType) -> None:
     @functools.wraps(original)
     def destroy_process_group(group: Any = None) -> None:
         global _destroy
+        if _kept and (group is None or group is dist.group.WORLD):
+            return None  # the kept ranks' group: the next cell uses it
         if (group is None or group is dist.group.WORLD) and DTENSOR in sys.modules and dist.is_initialized():
             _destroy = original
             return None
@@ -40,6 +53,8 @@ def defer_destroy(dist: ModuleType) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if _kept and dist.is_initialized():
+            return None  # made by an earlier cell of these kept ranks: the same group
         finish_destroy()
         return init(*args, **kwargs)
 

@@ -20,7 +20,9 @@ stdin. The rank then:
    (transfer/returns.py); a failing rank sends its traceback; a rank on a host that does not see
    the repository also sends what it wrote for it (writes/outbox.py): last, or before its traceback;
 5. exits through ``startup.finish`` (0, or 1 when the cell raised), so no atexit hook or
-   non-daemon thread of the cell can hang the run.
+   non-daemon thread of the cell can hang the run; or, kept (``--keep``), says ``CellDone`` and waits
+   for the next cell's spec and closure, its ``__main__`` and its process group as the cell left them
+   (rank/betweencells.py), until the kernel lets it go.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ import types
 from taas_magic.autopsy import dump as stacks
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
-from taas_magic.protocol import Hold, PeerChannel, RankError, Spec, Suggest, Suggested
-from taas_magic.rank import cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
+from taas_magic.protocol import Hold, Interrupt, PeerChannel, RankError, Spec, Suggest, Suggested
+from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
@@ -47,6 +49,15 @@ from taas_magic.writes import checkpoints, outbox, savers
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
 STDOUT_BUFFER = 1 << 16
+
+
+class CellFailed(Exception):
+    """The cell, or what follows it, failed and said so to the kernel: the rank exits with ``code``, or,
+    kept (``--keep``), waits for the next cell."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 def _send_error(channel: PeerChannel, summary: str, text: str,
@@ -76,15 +87,12 @@ def _own_output() -> None:
     lifeline.flush_periodically(sys.stdout, FLUSH_SECONDS)
 
 
-def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -> types.ModuleType:
-    """A fresh ``__main__`` for the cell, IPython's stand-ins, the rank's device, its sources, its run's data."""
-    identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
-    checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
+def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.ModuleType:
+    """Once per rank: a fresh ``__main__`` for its cells, IPython's stand-ins, the rank's device, the hooks."""
     reports.start(channel)
-    savers.install(outbox.for_kernel(channel.send), spec.shared)  # collective checkpoints: every rank's part in place (writes/)
-    search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
-    cellpdb.install(cellpdb.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
+    if spec.keep:
+        groups.keep_across_cells()  # the cells' init and destroy of the default group do no harm
     when_imported("torch.distributed", groups.defer_destroy)  # the default group outlives the cell's sharded names' gather
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
@@ -103,9 +111,18 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
         from taas_magic.rank.devices import serve_nccl_with_gloo
 
         when_imported("torch.distributed", serve_nccl_with_gloo)
+    return module
+
+
+def _cell_setup(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -> None:
+    """Each cell: its run's data (seed, checkpoints, savers' folders), its trial, its prompt, its sources."""
+    identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
+    checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
+    savers.install(outbox.for_kernel(channel.send), spec.shared)  # collective checkpoints: every rank's part in place (writes/)
+    search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
+    cellpdb.install(cellpdb.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
     execute.register_source(spec.filename, spec.display_source)
     execute.register_cells(spec.cells)
-    return module
 
 
 def _ask(inbox: Inbox, frame: Suggest) -> Suggested:
@@ -126,7 +143,7 @@ def _load_closure(spec: RunSpec, channel: PeerChannel, inbox: Inbox, received: R
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel, then we exit
         _send_error(channel, f"could not load the cell's closure: {type(exc).__name__}: {exc}",
                     execute.format_cell_traceback(exc, spec.filename))
-        startup.finish(EXIT_CELL_RAISED)
+        raise CellFailed(EXIT_CELL_RAISED) from None
 
 
 def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> object:
@@ -139,7 +156,7 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _send_error(channel, f"called sys.exit({exc.code!r})", execute.format_cell_traceback(exc, spec.filename))
-            startup.finish(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED)
+            raise CellFailed(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED) from None
         return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
         cellpdb.cell_ended()
@@ -151,7 +168,7 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the report goes out whole (see _send_error)
         _send_error(channel, f"raised {type(exc).__name__}: {exc}", execute.format_cell_traceback(exc, spec.filename),
                     execute.signature(exc, spec.filename), _frames(exc, spec.filename))
-        startup.finish(EXIT_CELL_RAISED)
+        raise CellFailed(EXIT_CELL_RAISED) from None
 
 
 def _frames(error: BaseException, filename: str) -> tuple:
@@ -180,7 +197,7 @@ def _bring_whole(spec: RunSpec, channel: PeerChannel, results: returns.CellResul
     except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
         _send_error(channel, f"could not gather its sharded names: {type(exc).__name__}: {exc}",
                     execute.format_cell_traceback(exc, spec.filename))
-        startup.finish(EXIT_CELL_RAISED)
+        raise CellFailed(EXIT_CELL_RAISED) from None
     finally:
         groups.finish_destroy()
 
@@ -199,7 +216,7 @@ def _send_results(spec: RunSpec, inbox: Inbox, results: returns.CellResults, clo
         except Exception as exc:  # noqa: BLE001 - the cell succeeded; say why its results cannot follow
             _send_error(inbox.channel, f"could not send back its results: {type(exc).__name__}: {exc}",
                         execute.format_cell_traceback(exc, spec.filename))
-            startup.finish(EXIT_CELL_RAISED)
+            raise CellFailed(EXIT_CELL_RAISED) from None
         startup.flush_output()
         inbox.send(message)
         if not message.ipc:
@@ -211,17 +228,12 @@ def _send_results(spec: RunSpec, inbox: Inbox, results: returns.CellResults, clo
         memfile.remove(message.data.path)  # the kernel dropped that message: the second one has every byte
 
 
-def main() -> None:
-    channel = startup.begin(spare="--spare" in sys.argv)
-    rank = int(os.environ["RANK"])
-    spec = outbox.here(channel.expect(Spec).spec)  # the kernel sends it as soon as we connect (its folders as this host has them)
-    stacks.arm(stacks.stack_file(spec.stacks_dir, rank) if spec.stacks_dir else "")  # the hang autopsy, from here on
-    received = receive_closure(channel, keep_original=rank == 0, own_gpu=spec.device == "cuda")
+def _one_cell(spec: RunSpec, inbox: Inbox, module: types.ModuleType, received: ReceivedClosure, rank: int) -> None:
+    """The cell: its setup, its closure loaded into ``module``, run, its sharded names gathered, rank 0's
+    results sent. Raises CellFailed once a failure was reported."""
+    channel = inbox.channel
     sys.path[:] = spec.sys_path
-    sys.argv = ["taas-rank"]
-    _own_output()
-    inbox = Inbox(channel, {Hold: cellpdb.on_hold})  # the channel's one reader from here (rank/inbox.py)
-    module = _cell_module(spec, channel, inbox, rank)
+    _cell_setup(spec, channel, inbox, rank)
     closure, loaders = _load_closure(spec, channel, inbox, received)
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
@@ -232,6 +244,32 @@ def main() -> None:
     results, closure = _bring_whole(spec, channel, _cell_results(spec, module.__dict__, before, final), closure, rank)
     if rank == 0:
         _send_results(spec, inbox, results, closure, received, loaders)
+
+
+def main() -> None:
+    channel = startup.begin(spare="--spare" in sys.argv)
+    rank = int(os.environ["RANK"])
+    spec = outbox.here(channel.expect(Spec).spec)  # the kernel sends it as soon as we connect (its folders as this host has them)
+    stacks.arm(stacks.stack_file(spec.stacks_dir, rank) if spec.stacks_dir else "")  # the hang autopsy, from here on
+    received = receive_closure(channel, keep_original=rank == 0, own_gpu=spec.device == "cuda")
+    sys.path[:] = spec.sys_path
+    sys.argv = ["taas-rank"]
+    _own_output()
+    inbox = Inbox(channel, {Hold: cellpdb.on_hold, Interrupt: betweencells.interrupted})  # its one reader (rank/inbox.py)
+    module = _rank_module(spec, channel, rank)
+    cell: tuple[RunSpec, ReceivedClosure] | None = (spec, received)
+    while cell is not None:
+        spec, received = cell
+        try:
+            _one_cell(spec, inbox, module, received, rank)
+            raised = False
+        except CellFailed as failed:
+            if not spec.keep:
+                startup.finish(failed.code)
+            raised = True
+        if not spec.keep:
+            break
+        cell = betweencells.between_cells(inbox, raised, rank)  # None: the kernel let the kept ranks go
     outbox.ship(channel.send)  # on a host that does not see the repository: what the rank wrote for it (writes/)
     channel.close()
     startup.finish(0)

@@ -54,9 +54,11 @@ _lock = threading.Lock()
 def install(send: Callable[[ToKernel], None], folders: tuple[str, ...] = ()) -> None:
     """Recognise the savers from now on, telling the kernel through ``send``; share ``folders`` now (``--shared``)."""
     global _send
-    _send = send
+    first, _send = _send is None, send
     for folder in folders:
         _share_quietly(folder, "--shared", FILES_LAYOUT)
+    if not first:
+        return  # a kept rank's next cell: the savers are recognised already
     when_imported("torch.distributed.checkpoint", _patch_dcp)
     when_imported("accelerate.accelerator", _patch_accelerate)
     when_imported("transformers.trainer", _patch_trainer)

@@ -19,7 +19,7 @@ def test_help_and_usage_name_every_option_with_its_value():
 
 def test_every_option_parses_and_sets_its_own_field():
     samples = {"--gpus": "2", "--device": "cpu", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
-               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": "",
+               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": "", "--keep": "",
                "--trials": "8", "--parallel": "2", "--objective": "acc", "--maximize": "", "--sampler": "grid",
                "--prune": "halving", "--study": "s1", "--shared": "ckpt,out/zero"}
     assert set(samples) == {option.flag for option in OPTIONS}
@@ -32,6 +32,7 @@ def test_every_option_parses_and_sets_its_own_field():
     assert (search.trials, search.parallel, search.objective, search.maximize, search.sampler, search.prune,
             search.study) == (8, 2, "acc", True, "grid", "halving", "s1")
     assert parse_options("--gpus 2").detach is False
+    assert parse_options("--gpus 2 --keep").keep is True and parse_options("--gpus 2").keep is None  # None: the session's
     with pytest.raises(PragmaError, match="--detach takes no value"):
         parse_options("--gpus 2 --detach=yes")
     with pytest.raises(PragmaError, match=r"--gpus N\|auto is required"):
@@ -60,7 +61,7 @@ def test_a_setting_with_an_invalid_value_is_refused_naming_what_is_accepted(sett
         magics.spares.close(wait=30)  # the factory it started at load, reaped (not left to the garbage collector)
 
 
-SESSION = {"cache_ram": "2G", "ahead": 8, "timeout": 30.0, "restarts": 1, "place_timeout": 5.0, "output": "all"}
+SESSION = {"cache_ram": "2G", "ahead": 8, "timeout": 30.0, "restarts": 1, "place_timeout": 5.0, "output": "all", "keep": False}
 
 
 def test_a_runs_settings_are_the_pragmas_then_the_sessions_then_the_tables_defaults():
@@ -95,7 +96,7 @@ def test_status_shows_every_options_session_default_from_the_table():
 
     defaults = shown_defaults(dict(SESSION, cache_ram=""))
     line = next(line for line in status_text(None, 0, defaults).splitlines() if line.startswith("defaults: "))
-    assert line == "defaults: --cache-ram auto, --ahead 8, --timeout 30.0, --restarts 1, --place-timeout 5.0, --output all"
+    assert line == "defaults: --cache-ram auto, --ahead 8, --timeout 30.0, --restarts 1, --place-timeout 5.0, --output all, --keep False"
 
 
 @pytest.mark.parametrize(("text", "after_two_ranks"), [("off", 0), ("auto", 2), ("0", 0), ("5", 5)])

@@ -30,6 +30,7 @@ from typing import Callable
 
 from IPython.core.error import UsageError
 
+from taas_magic.errors import LaunchError
 from taas_magic.kernel.magic import debug, linecommands, runcommands
 from taas_magic.kernel.magic.linecommands import MagicSettings
 from taas_magic.kernel.magic.status import help_text
@@ -90,7 +91,14 @@ def _slurm(session: Session, settings: MagicSettings, options: str = "") -> None
 
 
 def _runs(session: Session, settings: MagicSettings) -> None:
-    runcommands.list_runs(session.runs)
+    runcommands.list_runs(session.runs, session.kept)
+
+
+def _release(session: Session, settings: MagicSettings) -> None:
+    try:
+        print(session.release_kept())
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _attach(session: Session, settings: MagicSettings, run: str | None = None) -> None:
@@ -136,6 +144,7 @@ COMMANDS = (
     LineCommand(("warm",), "warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus",
                 linecommands._set_warm, "off|auto|N"),
     LineCommand(("runs",), "this kernel's runs: state, ranks, start time, last line", _runs),
+    LineCommand(("release",), "end the kept ranks (--keep): their processes, globals, memory and GPUs", _release),
     LineCommand(("attach",), "show a run's live view here: what it showed so far, then live until it ends",
                 _attach, "RUN", optional=True),
     LineCommand(("wait",), "wait for a (detached) run, then bind rank 0's names and return its value",

@@ -158,3 +158,4 @@ def _status(session: Session, settings: MagicSettings) -> None:
     print(f"runs: {len(running)} running" + (f" ({', '.join(run.id for run in running)}; %taas runs lists them)"
                                              if running else ""))
     print("\n".join(session.cluster.status_lines()) if session.cluster is not None else "cluster: none (local processes)")
+    print("\n".join(session.kept.status_lines()) if session.kept is not None else "kept ranks: none (--keep keeps them)")

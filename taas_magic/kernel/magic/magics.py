@@ -60,6 +60,7 @@ class TaasMagics(Magics):
     ahead = option_trait("--ahead", "Default for --ahead: elements per rank that may wait before workers pause.")
     place_timeout = option_trait("--place-timeout", "Default for --place-timeout: seconds to wait for a cluster's GPUs.")
     restarts = option_trait("--restarts", "Default for --restarts: times a failed run starts again within its cell.")
+    keep = option_trait("--keep", "Default for --keep: True keeps every cell's ranks for the next cell (%taas release).")
     max_output_lines = Int(HEAD_LINES, config=True, help="Lines of rank output a cell shows before the rest goes to a log file.")
     max_output_bytes = Int(HEAD_BYTES, config=True, help="Bytes of rank output a cell shows before the rest goes to a log file.")
     tail_output_lines = Int(TAIL_LINES, config=True, help="Last lines shown at the end of a cell whose output was elided.")
@@ -82,9 +83,9 @@ class TaasMagics(Magics):
         self.frontend = Frontend(shell)  # whether a page that restores widgets shows this kernel
 
     def close(self) -> None:
-        """Unloading: every run stopped, the spares, the widget probe and the cluster (a Slurm
-        allocation this session made is given back) gone."""
+        """Unloading: runs stopped; kept ranks, spares, the widget probe and the cluster (a Slurm allocation) gone."""
         self.session.runs.close()
+        self.session.release_kept(stopped=True)
         self.spares.close(wait=5.0)
         self.frontend.close()
         if self.session.cluster is not None:

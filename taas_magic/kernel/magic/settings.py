@@ -16,9 +16,9 @@ A value out of range is refused when it is set, with one message naming what is 
 
 from __future__ import annotations
 
-from traitlets import Enum, Float, Int, TraitError, TraitType, Unicode
+from traitlets import Bool, Enum, Float, Int, TraitError, TraitType, Unicode
 
-from taas_magic.cell.options import SETTINGS, Choice, Count, Seconds, Size, Value, option
+from taas_magic.cell.options import SETTINGS, Choice, Count, Flag, Seconds, Size, Value, option
 from taas_magic.kernel.runs.session import Warm
 
 SESSION_ONLY: dict[str, Value] = {  # what the settings no option has accept
@@ -45,6 +45,8 @@ def option_trait(flag: str, help: str) -> TraitType:
         if seconds is None:
             return Float(None, allow_none=True, config=True, help=help)
         return Float(seconds, config=True, help=help)
+    if isinstance(row.value, Flag):
+        return Bool(bool(row.default), config=True, help=help)
     assert isinstance(row.value, Count) and isinstance(row.default, int), f"{flag} has a value kind option_trait knows"
     return Int(row.default, config=True, help=help)
 

@@ -9,6 +9,9 @@
   console of the ranks' pdb prompts.
 - ``frontend.py``: does the page restore widgets; ``kernel_info`` answered while a cell waits.
 - ``views.py``: which view a run gets in a cell (the live view or the text stream), and putting it there.
-- ``session.py``: what the line commands set and every cell reads: repository, spares, cluster, runs.
+- ``session.py``: what the line commands set and every cell reads: repository, spares, cluster, runs,
+  kept ranks.
+- ``kept.py``: kept ranks (``--keep``): what outlives their cells (server, layers, backend), and which
+  notebook values they already have.
 - ``summary.py``: the run in a few words: ``RunSummary``, ``LastRun``, the header line.
 """

@@ -29,12 +29,14 @@ from typing import Callable
 
 from taas_magic import wire
 from taas_magic.autopsy import stacks
+from taas_magic.errors import LaunchError
 from taas_magic.kernel.runs.run import Run
 from taas_magic.kernel.supervision.dataplane import DataPlane
+from taas_magic.kernel.supervision.keptcell import run_kept_cell
 from taas_magic.kernel.supervision.restarts import Attempts
 from taas_magic.kernel.supervision.supervisor import MarkerHook, RunOutcome, RunParts, never, not_a_search, run_ranks
 from taas_magic.launch.contract import ProcessGroup
-from taas_magic.output.board import Board
+from taas_magic.output.board import Board, health_by_rank
 from taas_magic.output.relay import OutputRelay, TextOut
 from taas_magic.peers import Peer
 from taas_magic.procs import kill_tagged
@@ -119,9 +121,16 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
     execution = Execution(run, stop_asked)
     attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
     try:
+        if run.kept is not None:  # the kept ranks: started by the first cell, given each later one
+            if run.on_kept and not run.kept.running:  # its closure has only what those ranks lacked
+                raise LaunchError("taas: the kept ranks ended after this cell was planned (a rank died): run the cell "
+                                  "again, and new ranks start")
+            return run_kept_cell(execution.parts(), run.kept.ranks, execution.start_ranks)
         return run_ranks(execution.parts(), execution.start_ranks,
                          execution.start_data if run.data is not None else None, attempts)
     finally:
+        if run.kept is not None:
+            run.kept.health = health_by_rank(execution.board)
         if run.trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)
             run.trial.metrics = execution.board.metrics()
         else:

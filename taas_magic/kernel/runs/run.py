@@ -41,6 +41,7 @@ from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
+from taas_magic.kernel.runs.kept import KeptRanks
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.kernel.supervision.dataplane import DataRun
 from taas_magic.kernel.supervision.prompts import PromptDesk
@@ -100,12 +101,16 @@ class Held:
 class Run:
     """One cell's run: its settings, the closure as shipped, and each part it holds, whole once made."""
 
-    def __init__(self, held: Held, releases: ExitStack, spec: RunSpec, rule: WriteRule, record: LastRun) -> None:
+    def __init__(self, held: Held, releases: ExitStack, spec: RunSpec, rule: WriteRule, record: LastRun,
+                 kept: KeptRanks | None = None) -> None:
         """Take over ``held`` and its ``releases`` (the plan step's stack), then the log, the folders, the
         scratch layers, the server and the closure handoff, in that order; a part that cannot be taken
-        releases every one before it, ``held``'s too, and raises."""
+        releases every one before it, ``held``'s too, and raises. A cell on ``kept`` ranks borrows their
+        backend, stacks folder, layers and server (kernel/runs/kept.py): they outlive the run."""
         self.settings, self.packing, self.registered = held.settings, held.packing, held.registered
         self.data, self.backend, self.trial = held.data, held.backend, held.trial
+        self.kept = kept
+        self.on_kept = kept is not None and kept.running  # planned for ranks already running: its closure is partial
         self.rule, self.record = rule, record  # record: for %taas status, the header printed
         self.spec = spec
         self.on_ranks_gone: list[Callable[[], None]] = []  # called the moment its ranks are gone (a search's slot)
@@ -117,18 +122,26 @@ class Run:
         self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
         try:
             self.prompts = PromptDesk(self.log.say, self.log.debugger)  # the ranks' pdb prompts (kernel/supervision/prompts.py)
-            stacks_dir = stacks.make_dir(spec.run_id)
-            self._stack.callback(remove_tree, stacks_dir)
+            if kept is None:
+                stacks_dir = stacks.make_dir(spec.run_id)
+                self._stack.callback(remove_tree, stacks_dir)
+                self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
+                self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
+            else:
+                stacks_dir, self.peers, self.layers = kept.stacks_dir, kept.peers, kept.layers
+                kept.busy_with = spec.run_id
+                self._stack.callback(kept.cell_over)
             self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)
-            self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
-            self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
             self._stack.callback(self._remove_layers)
             self.landing = Landing(rule.repository)  # files from hosts that do not see the repository, written into it
             self.marker = None if self.backend.loopback_only else Marker(rule.repository)  # does each host see it
             if self.marker is not None:
                 self._stack.callback(self.marker.remove)
-            self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
-            self._stack.callback(self.server.close)
+            if kept is None:
+                self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
+                self._stack.callback(self.server.close)
+            else:
+                self.server = kept.server
             self.handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
             self._stack.callback(self.handoff.remove)
             self.bodies = [protocol.encode(protocol.Spec(self.spec)), self.handoff.body]
@@ -140,8 +153,8 @@ class Run:
     # -- what the ranks are started with -------------------------------------------------------
     @property
     def owner(self) -> str:
-        """The ``TAAS_OWNER`` tag of the ranks (and of what they start), for the sweeps."""
-        return f"{os.getpid()}-{self.spec.run_id}-ranks"
+        """The ``TAAS_OWNER`` tag of the ranks (and of what they start), for the sweeps; kept ranks have their own."""
+        return self.kept.owner if self.kept is not None else f"{os.getpid()}-{self.spec.run_id}-ranks"
 
     def launch_plan(self, handshake: str, attempt: int) -> LaunchPlan:
         """Attempt ``attempt``'s ranks: torchrun's variables (restarts too) and the owner tag in
@@ -202,13 +215,18 @@ class Run:
     def bind_results(self, result: Result | None, namespace: dict) -> object:
         """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""
         try:
-            return apply_results(namespace, result, self.packing, self.registered)
+            final = apply_results(namespace, result, self.packing, self.registered)
+            if self.kept is not None and result is not None:  # the ranks have these: never sent back unless rebound
+                self.kept.names.remember({s.name: namespace[s.name] for s in result.segments if s.bind and s.name in namespace})
+                self.kept.names.forget(result.deleted)
+            return final
         finally:
             memfile.remove_run(os.getpid(), self.spec.run_id)
 
     def _ranks_gone(self) -> None:
         kill_tagged(f"{os.getpid()}-{self.spec.run_id}-")  # what the ranks and workers started and left
-        self.backend.release()  # no rank is left: the spares start warming now, not after the clean-up
+        if self.kept is None:  # kept ranks hold their backend until they are released
+            self.backend.release()  # no rank is left: the spares start warming now, not after the clean-up
         for callback in self.on_ranks_gone:
             callback()
 
@@ -217,9 +235,11 @@ class Run:
             self.log.say(line, "stderr")
         for line in self.saves.report(self.rule.repository, self.peers.ranks):
             self.log.say(line, "stderr")
-        for line in self.layers.report(self.rule.repository, tuple(self.saves.folders)):
+        lines = self.layers.report(self.rule.repository, tuple(self.saves.folders))
+        for line in lines if self.kept is None else self.kept.new_lines(lines):
             self.log.say(line, "stderr")
-        self.layers.remove()
+        if self.kept is None:  # kept ranks' layers stay with them
+            self.layers.remove()
 
     def _drop_results_on_failure(self, kind: type[BaseException] | None, *_: object) -> bool:
         if kind is not None:  # rank 0 may have written its results before the run failed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +27,7 @@ from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.errors import LaunchError
 from taas_magic.feed import registry
+from taas_magic.kernel.runs.kept import KeptRanks, NameTokens, Shape
 from taas_magic.kernel.runs.run import Held, Run
 from taas_magic.kernel.runs.session import Session
 from taas_magic.kernel.runs.summary import LastRun, closure_size, gpus_held_text, header_line
@@ -58,14 +60,23 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
     """Everything the run needs, decided and held before anything starts; the header is its log's first entry.
     A search's ``trial`` is told to its ranks (its number) and answers their suggestions (kernel/trials/searchrun.py)."""
     registered = registry.registered()
-    packing = serialise_closure(closure, registered)
     session = context.session
+    kept, kept_lines = _kept(settings, context) if settings.keep else (None, [])
+    if kept is not None and kept.running:
+        closure = kept.names.unsent(closure)  # the kept ranks have the rest, or their own value of it
+    elif kept is not None:
+        kept.names = NameTokens()  # new ranks: they have nothing yet
+    packing = serialise_closure(closure, registered)
     with ExitStack() as releases:  # a plan that fails half-way releases what it took
         used = sorted(packing.externals_used)
+        if used and kept is not None:
+            raise LaunchError("taas: --keep with registered loaders (taas.register) is not supported yet: "
+                              "run this cell without --keep")
         data = DataRun({index: registered[index] for index in used}, context.shell.user_ns, settings) if used else None
         if data is not None:
             releases.callback(data.close)
-        backend = releases.enter_context(context.backend(settings))  # placement held from here
+        # placement held from here (kept ranks hold theirs until they are released)
+        backend = kept.backend if kept is not None else releases.enter_context(context.backend(settings))
         held = Held(settings, packing, registered, data, backend, trial)
         # a search's trials hold their own slices of the GPUs (the search itself is the holder)
         holder = session.runs.gpu_holder() if backend.devices.device == "cuda" and backend.loopback_only \
@@ -82,17 +93,37 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         route = closure_route(packing, spec.cuda_ipc, spec.result_file_bytes)
         closure_text = closure_size(len(packing.skeleton) + tensor_bytes, route)
         in_place = "written in place by every rank: " + ", ".join(os.path.relpath(f, rule.repository) for f in shared)
-        lines = [header_line(settings, backend.devices, spec.run_id, closure_text, why), rule.header(),
+        lines = [header_line(settings, backend.devices, spec.run_id, closure_text, why), *kept_lines, rule.header(),
                  in_place if shared else None,
                  backend.layout(), data.header() if data is not None else None]
         session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
-        run = Run(held, releases.pop_all(), spec, rule, session.last_run)  # whole: it releases all of it from now on
+        run = Run(held, releases.pop_all(), spec, rule, session.last_run, kept)  # whole: it releases all of it from now on
+    if kept is not None:
+        kept.names.remember(closure)  # this cell gives them these
     try:
         run.log.header("\ntaas: ".join(line for line in lines if line))
     except BaseException:
         run.close()
         raise
     return run
+
+
+def _kept(settings: RunSettings, context: PlanContext) -> tuple[KeptRanks, list[str]]:
+    """The kept ranks a ``--keep`` cell runs in, and the header's lines about them (kernel/runs/kept.py)."""
+    if context.session.cluster is not None:
+        raise LaunchError("taas: --keep keeps ranks on this host only for now, and a cluster is attached: "
+                          "%taas cluster local runs cells here, or leave out --keep")
+    if settings.restarts:
+        raise LaunchError("taas: --keep with --restarts: a restart starts new ranks, which would lose what the kept "
+                          "ones hold (a kept cell that fails keeps its ranks where it can): leave out one of them")
+    shape = Shape(settings.gpus, settings.device, "this host")
+    kept, ended = context.session.kept_for(shape, lambda: context.backend(settings))
+    if kept.running:
+        since = time.strftime("%H:%M:%S", time.localtime(kept.started))
+        return kept, [line for line in (ended, f"--keep: cell {kept.cells + 1} on the kept ranks (started {since})") if line]
+    why = kept.ranks.ended_why()
+    lost = f" (the last kept ranks ended: {why})" if why else ""
+    return kept, [line for line in (ended, f"--keep: new ranks, kept after this cell{lost}; %taas release ends them") if line]
 
 
 def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, shared: tuple[str, ...]) -> RunSpec:
@@ -115,4 +146,5 @@ def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, sha
         post_mortem=bool(getattr(context.shell, "call_pdb", False)) and trial is None,  # IPython's %pdb on
         gather_bytes=limit, gather_why=why,  # how much of a sharded name may come back whole to this host
         keep_checkpoints=context.keep_checkpoints, shared=shared, seed=data.seed if data is not None else secrets.randbits(31),
+        keep=held.settings.keep,
     )

@@ -4,8 +4,8 @@ Runs in the kernel: set on the cell's thread by the magic and the line commands,
 runs and searches on their own threads.
 
 :class:`Session` holds the repository and the isolation (so the write rule), the warm
-spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers)
-and the last run, for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is
+spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers),
+the kept ranks (``--keep``) and the last run, for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is
 made and hands it to the line commands (kernel/magic/commands.py); the session's settings are
 not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
 """
@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
-from taas_magic.errors import ClusterError
+from taas_magic.errors import ClusterError, LaunchError
 from taas_magic.kernel.runs.background import Runs
+from taas_magic.kernel.runs.kept import KeptRanks, Shape
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch import engines
-from taas_magic.launch.contract import Attachment, Spares
+from taas_magic.launch.contract import Attachment, Backend, Spares
 from taas_magic.writes.rule import WriteRule, choose_rule, find_repository, probe_overlay_soon
 
 
@@ -34,6 +36,7 @@ class Session:
     cluster: Attachment | None = None  # %taas cluster ADDRESS|slurm, or $TAAS_CLUSTER at load
     last_run: LastRun | None = None
     runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/runs/background.py)
+    kept: KeptRanks | None = None  # --keep's ranks, between and during their cells (kernel/runs/kept.py)
 
     @classmethod
     def start(cls, warm: Warm) -> Session:
@@ -50,6 +53,36 @@ class Session:
         if warm.count is None and not warm.off and session.cluster is None:
             session.spares.prepare()  # the first cell's ranks are forks, not fresh interpreters
         return session
+
+    def kept_for(self, shape: Shape, backend: Callable[[], Backend]) -> tuple[KeptRanks, str | None]:
+        """The kept ranks for a ``--keep`` cell of ``shape``: those kept now if they have that shape, else new
+        ones on ``backend()`` (the kept ones of another shape ended first); and the line that says so, if any.
+
+        Raises:
+            LaunchError: the kept ranks are running another cell (a detached one) now.
+        """
+        kept, line = self.kept, None
+        if kept is not None and kept.busy_with is not None:
+            raise LaunchError(f"taas: the kept ranks are running run {kept.busy_with} now: %taas wait {kept.busy_with} "
+                              "first, or %taas stop it")
+        if kept is not None and kept.shape != shape:
+            line = f"the kept ranks ({kept.shape}) ended: this cell wants {shape}, so new ranks start"
+            self.release_kept()
+        if self.kept is None:
+            self.kept = KeptRanks(shape, backend())
+        return self.kept, line
+
+    def release_kept(self, stopped: bool = False) -> str:
+        """End the kept ranks (``%taas release``; ``stopped``: every run was stopped, unloading), and say what
+        was released."""
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return "taas: no ranks are kept"
+        if kept.busy_with is not None and not stopped:
+            self.kept = kept
+            raise LaunchError(f"taas: the kept ranks are running run {kept.busy_with}: %taas stop {kept.busy_with} first")
+        kept.release()
+        return f"taas: released the kept ranks ({kept.shape}, {kept.cells} cell(s))"
 
     def write_rule(self) -> WriteRule:
         """The write rule for a cell run now: the repository holding the working directory (or the

@@ -7,6 +7,7 @@
 - ``verdict.py``: the pure failure policy: first failure, the silent-death rule, settling.
 - ``attempts.py``: the restart loop: start the ranks, supervise them, start again or end.
 - ``restarts.py``: which failures start the ranks again, and the restart line.
+- ``keptcell.py``: one cell on kept ranks (``--keep``): what a failure or an interrupt keeps.
 - ``dataplane.py``: the data workers' kernel half, set up before any process starts.
 - ``prompts.py``: the ranks' pdb prompts between the ranks and the waiting cell; the hold.
 

@@ -116,9 +116,10 @@ class RunOutcome:
 class Supervisor:
     """One cell's supervision over the data workers and the current attempt's ranks."""
 
-    def __init__(self, parts: RunParts, data: DataPlane | None):
+    def __init__(self, parts: RunParts, data: DataPlane | None, mux: Mux | None = None):  # mux: kept ranks' (keptcell.py)
         self.parts, self.data = parts, data
-        self.mux = Mux(parts.server, parts.ids, parts.greeting)
+        self.kept = mux is not None
+        self.mux = mux if mux is not None else Mux(parts.server, parts.ids, parts.greeting)
         self.relay = parts.relay(self._on_marker)
         loader_name = data.coordinator.name_of if data is not None else _no_feed
         self.verdict = Verdict(parts.ids.ranks, self._host, loader_name)
@@ -131,9 +132,9 @@ class Supervisor:
             self.mux.watch(Peer(WORKER, worker.index), worker)
 
     # -- the attempt's ranks (attempts.py) -------------------------------------------------------
-    def attach(self, group: ProcessGroup, running: Callable[[], None]) -> None:
-        self.group, self.running = group, running
-        for rank in group.children:
+    def attach(self, group: ProcessGroup, running: Callable[[], None], watched: bool = False) -> None:  # watched: kept
+        self.group, self.running = group, None if watched else running
+        for rank in () if watched else group.children:
             self.mux.watch(Peer(RANK, rank.index), rank)
 
     def detach(self) -> None:
@@ -243,8 +244,8 @@ class Supervisor:
         self.displays.show_leftovers()
         return RunOutcome(self.result, dict(self.verdict.exit_codes))
 
-    def close(self) -> None:
-        """Whatever happened: the last output, the last chart, the data line with the cache's size."""
+    def close(self, keep_mux: bool = False) -> None:
+        """Whatever happened: the last output, the last chart, the data line; the mux unless kept ranks keep it."""
         self.relay.flush(force=True)
         if self.parts.board is not None:
             self.parts.board.show(force=True)  # the last reports, drawn
@@ -252,7 +253,8 @@ class Supervisor:
             self.data.workers.close()  # before measuring the cache: nothing writes to it any more
             self.data.progress.show(force=True, usage=self.data.usage())
         self.debugging.close()  # before the mux: a line typed at a prompt now is not sent
-        self.mux.close()
+        if not keep_mux:
+            self.mux.close()
 
     def _host(self, peer: Peer) -> str:
         """Where a rank or data worker of the run runs."""
@@ -301,6 +303,10 @@ class AttemptWatch:
             if verdict.failure is not None:
                 self._settle()
                 return None
+            if verdict.ranks_exited() and supervisor.kept:  # every kept rank said CellDone, after what it printed
+                for rank in range(supervisor.parts.ids.ranks):
+                    supervisor.handle_all(supervisor.mux.drain_pipes(Peer(RANK, rank)))
+                return supervisor.outcome()
             if verdict.ranks_exited() and not supervisor.mux.rank_streams_open():
                 return supervisor.outcome()
             now = time.monotonic()

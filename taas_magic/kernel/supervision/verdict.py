@@ -13,6 +13,7 @@ from its processes, and ``errors/__init__.py`` names the first failure the root 
 - the root cause: the first failure, except that a rank which died without a word (a
   signal, the OOM killer) is the cause of the errors its peers' collectives raise at the
   same moment, whichever the kernel read first: the silent-death rule;
+- a kept rank's ``CellDone`` (``--keep``): its cell is over, as an exit is, though the rank lives on;
 - settling: after a failure, how long a silent death may still claim to be the cause
   (:data:`SETTLE_SECONDS`, unless the cause is already silent or every rank has exited);
 - what to retry: :meth:`Verdict.refusal` (kernel/supervision/restarts.py's rule on the root cause).
@@ -32,7 +33,7 @@ from taas_magic.errors import Failure, PeerFailed, RunError, RunTimeout, describ
 from taas_magic.kernel.supervision import restarts
 from taas_magic.kernel.supervision.mux import Event, FrameArrived, FrameRefused, PeerExited
 from taas_magic.peers import RANK, Peer
-from taas_magic.protocol import Done, RankError, WorkerFailure
+from taas_magic.protocol import CellDone, Done, RankError, WorkerFailure
 
 SETTLE_SECONDS = 0.25  # after a rank's error, how long a silent death may still claim to be the cause
 
@@ -70,6 +71,8 @@ class Verdict:
                 self._fail(PeerFailed(peer, self.host(peer), what), peer)
             case FrameArrived(peer=peer, frame=WorkerFailure() as report) if not peer.is_rank:
                 self._fail(PeerFailed.from_worker_report(peer, self.host(peer), self.loader(report.feed), report), peer)
+            case FrameArrived(peer=peer, frame=CellDone(raised=raised)) if peer.is_rank:
+                self.exits[peer] = 1 if raised else 0  # a kept rank ended its cell and lives on (its report went first)
             case FrameArrived(peer=peer, frame=Done()) if not peer.is_rank:
                 self.workers_done.add(peer.index)
             case FrameRefused(peer=peer, why=why):

@@ -1,0 +1,145 @@
+"""One cell on kept ranks (``--keep``): started once, then given each cell, and never lost to a bad one.
+
+Runs in the kernel, on the run's own thread (kernel/runs/background.py), with the supervisor.
+
+Kept ranks are a :class:`KeptGroup`: their processes and the selector that watches their pipes, channels
+and exits (mux.py), kept from cell to cell by the session (kernel/runs/kept.py). A cell on them:
+
+- the first starts them as a run starts its ranks; each later one sends every rank its spec and closure
+  over the channel it already has, and the mux goes on watching them where the last cell left off;
+- it ends when every rank said ``CellDone`` (rank/betweencells.py), after what it printed, rank 0 after its
+  results; its output is read up to there, and the ranks stay;
+- a rank that raised sends its report and then ``CellDone``: the cell fails with that error. If every
+  rank's cell is over within :data:`KEEP_WAIT_SECONDS` (they all raised, or the others were done), the
+  ranks are kept, globals and group: as IPython keeps a kernel. A rank that still runs then waits in a
+  collective for the one that failed, so every rank is stopped, and their state is lost: the cell says so;
+- an interrupt (``%taas stop``, the person's) is sent to every rank as SIGINT (an ``Interrupt`` frame):
+  a cell stopped in Python code ends on every rank within :data:`INTERRUPT_WAIT_SECONDS` and the ranks are
+  kept; one stuck in C code or a collective is stopped with the others, and their state is lost;
+- a rank that dies is named as in any run; the others are stopped with it.
+
+There are no restarts here (``--restarts`` with ``--keep`` is refused), and no data workers yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from taas_magic import protocol
+from taas_magic.errors import PeerFailed, RunError, describe_exit
+from taas_magic.kernel.supervision.mux import Mux
+from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts, Supervisor
+from taas_magic.launch.contract import ProcessGroup
+from taas_magic.peers import RANK, Peer
+
+KEEP_WAIT_SECONDS = 1.5  # after a rank's error, how long the others may take to end their cell before all are stopped
+INTERRUPT_WAIT_SECONDS = 3.0  # after an interrupt, how long every rank may take to end its cell
+STEP_SECONDS = 0.02
+KEPT_LINE = "taas: the ranks are kept, with their globals and their process group: the next --keep cell runs in them"
+
+
+def lost_line(why: str) -> str:
+    return f"taas: {why}: every rank was stopped and their state is lost; the next --keep cell starts new ranks"
+
+
+@dataclass
+class KeptGroup:
+    """Kept ranks as supervision sees them: their processes and the selector watching them, once started."""
+
+    group: ProcessGroup | None = None
+    mux: Mux | None = None
+    lost: str | None = None  # why they are gone (their state with them), once they are
+
+    def ended_why(self) -> str | None:
+        """Why ranks that were started no longer run (a cell stopped them, a rank died), or None."""
+        if self.lost is not None or self.group is None:
+            return self.lost
+        dead = [(child.index, code) for child in self.group.children if (code := child.poll()) is not None]
+        return "; ".join(f"rank {index} {describe_exit(code)}" for index, code in dead) or None
+
+    @property
+    def running(self) -> bool:
+        """Started, and every rank still alive (a rank may die between cells: the next cell starts new ones)."""
+        return self.group is not None and self.lost is None and all(child.poll() is None for child in self.group.children)
+
+    def close(self) -> None:
+        """Their channels closed (they leave on their own: rank/betweencells.py), then what is left stopped and reaped."""
+        mux, group, self.mux, self.group = self.mux, self.group, None, None
+        if mux is not None:
+            mux.close()
+        if group is not None:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and any(child.poll() is None for child in group.children):
+                time.sleep(STEP_SECONDS)
+            group.close()
+
+
+def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], ProcessGroup]) -> RunOutcome:
+    """The cell on ``ranks`` (started now by ``start(0)`` if they are not running), supervised until every
+    rank ended it; see the module docstring for what is kept when it fails or is interrupted."""
+    fresh = not ranks.running
+    if fresh:
+        ranks.close()  # a group whose rank died between cells: what is left of it
+        ranks.lost = None
+        parts.server.readmit(range(parts.ids.ranks))  # the new ranks prove the same key on the same listener
+    supervisor = Supervisor(parts, None, mux=None if fresh else ranks.mux)
+    kept = False
+    try:
+        if fresh:
+            ranks.group = start(0)
+            ranks.mux = supervisor.mux
+            supervisor.attach(ranks.group, lambda: None)
+        else:
+            assert ranks.group is not None
+            supervisor.attach(ranks.group, lambda: None, watched=True)
+            for rank in range(parts.ids.ranks):
+                for body in parts.greeting(Peer(RANK, rank)):
+                    supervisor.mux.send(Peer(RANK, rank), body)
+        try:
+            outcome = supervisor.watch()
+        except KeyboardInterrupt:
+            kept = _interrupted(supervisor)
+            raise
+        if outcome is not None:
+            kept = True
+            return outcome
+        kept = _wait_for_every_cell(supervisor, KEEP_WAIT_SECONDS)
+        failure: RunError = supervisor.last_words(
+            (KEPT_LINE,) if kept else (lost_line("a rank was still in its cell after another failed"),))
+        raise failure.on_kept_ranks() if kept and isinstance(failure, PeerFailed) else failure
+    finally:
+        supervisor.mux.channels.greeting = _no_greeting  # the mux outlives the cell: not its frames
+        if not kept:
+            ranks.lost = ranks.lost or "every rank was stopped"
+            if ranks.group is not None:
+                supervisor.stop_everything(ranks.group)
+        supervisor.close(keep_mux=kept)
+        if not kept:
+            ranks.mux = None  # closed with the supervisor
+            ranks.close()
+
+
+def _no_greeting(peer: Peer) -> list[bytes]:
+    return []
+
+
+def _interrupted(supervisor: Supervisor) -> bool:
+    """Every rank interrupted; whether each ended its cell in time (then they are kept)."""
+    for rank in range(supervisor.parts.ids.ranks):
+        supervisor.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt()))
+    kept = _wait_for_every_cell(supervisor, INTERRUPT_WAIT_SECONDS)
+    supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
+    return kept
+
+
+def _wait_for_every_cell(supervisor: Supervisor, seconds: float) -> bool:
+    """Whether every rank ended its cell (said CellDone) within ``seconds``, and is alive."""
+    deadline = time.monotonic() + seconds
+    verdict = supervisor.verdict
+    while not verdict.ranks_exited() and time.monotonic() < deadline:
+        supervisor.handle_all(supervisor.mux.events(STEP_SECONDS))
+        supervisor.handle_all(supervisor.mux.exits())
+    alive = supervisor.group is not None and all(child.poll() is None for child in supervisor.group.children)
+    return verdict.ranks_exited() and alive

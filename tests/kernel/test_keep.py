@@ -1,0 +1,257 @@
+"""Kept ranks (``--keep``) in a real kernel: the ranks, their globals and their gloo group live across
+cells; names travel only when the notebook rebinds them; a failure or an interrupt keeps what it can and
+says what it kept; release, another shape and the kernel's death leave nothing."""
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.kernel_client import Kernel, assert_nothing_left, wait_until_gone
+
+KEEP = "#pragma taas --gpus 2 --device cpu --keep"
+
+
+@pytest.fixture(scope="module")
+def keeper():
+    """A kernel of its own: kept ranks outlive cells, so no other test's kernel sees them."""
+    kernel = Kernel()
+    yield kernel
+    kernel.shutdown()
+
+
+@pytest.fixture()
+def k(keeper):
+    """Each test starts with no kept ranks and leaves none, nor anything else it started."""
+    yield keeper
+    ran = keeper.execute("%taas release")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert_nothing_left(keeper)
+
+
+def ok(kernel: Kernel, code: str, timeout: float = 120):
+    ran = kernel.execute(code, timeout=timeout)
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    return ran
+
+
+def pids_of(text: str) -> dict[int, int]:
+    """``[rank k] pid P`` lines (--output all) -> {k: P}."""
+    return {int(rank): int(pid) for rank, pid in re.findall(r"\[rank (\d)\] pid (\d+)", text)}
+
+
+def test_globals_and_group_are_kept_over_three_cells_and_each_rank_keeps_its_own_values(k):
+    first = ok(k, f"""{KEEP} --output all
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+group = dist.group.WORLD
+w = torch.full((3,), float(dist.get_rank()))
+print("pid", os.getpid())
+dist.destroy_process_group()
+""")
+    assert "--keep: new ranks, kept after this cell" in first.stream()
+    pids = pids_of(first.stream())
+    assert len(pids) == 2
+    ok(k, "assert w.tolist() == [0.0, 0.0, 0.0], w")  # rank 0's w came back to the notebook
+    for cell in (2, 3):
+        ran = ok(k, f"""{KEEP} --output all
+dist.init_process_group("gloo")  # harmless: the kept group
+assert dist.group.WORLD is group
+t = torch.ones(1)
+dist.all_reduce(t)
+w += 1  # each rank its own w: the notebook's copy of rank 0's is not sent back
+print("pid", os.getpid(), "w", w.tolist(), "sum", t.item())
+dist.destroy_process_group()  # harmless too
+""")
+        text = ran.stream()
+        assert f"--keep: cell {cell} on the kept ranks" in text
+        assert pids_of(text) == pids, text
+        assert f"[rank 1] pid {pids[1]} w {[float(cell)] * 3} sum 2.0" in text, text
+        assert f"[rank 0] pid {pids[0]} w {[float(cell - 1)] * 3} sum 2.0" in text, text
+    status = ok(k, "%taas status").stream()
+    assert "kept ranks: 2 rank(s) on cpu, this host, 3 cell(s)" in status and "rank 1 on localhost:" in status
+    assert "MiB host" in status
+
+
+def test_a_name_the_notebook_rebinds_reaches_every_rank_and_only_then(k):
+    ok(k, "lr = 0.1")
+    ok(k, f"""{KEEP} --output all
+seen = lr
+""")
+    ran = ok(k, f"""{KEEP} --output all
+print("lr", lr, "seen", seen)
+""")
+    assert "closure 0 B" in ran.stream()  # nothing travelled: the ranks had lr
+    assert ran.stream().count("lr 0.1 seen 0.1") == 2
+    ok(k, "lr = 0.5")
+    ran = ok(k, f"""{KEEP} --output all
+print("lr", lr)
+""")
+    assert ran.stream().count("lr 0.5") == 2, ran.stream()
+
+
+def test_a_raise_on_every_rank_keeps_the_ranks_and_their_state(k):
+    first = ok(k, f"""{KEEP} --output all
+import os
+state = [os.getpid()]
+print("pid", os.getpid())
+""")
+    ran = k.execute(f"""{KEEP}
+raise ValueError("bad cell")
+""")
+    error = ran.error_text()
+    assert "raised ValueError: bad cell; every rank ended its cell" in error, error
+    assert "the ranks are kept, with their globals and their process group" in error
+    again = ok(k, f"""{KEEP} --output all
+print("pid", os.getpid(), "state", state)
+""")
+    assert pids_of(again.stream()) == pids_of(first.stream())
+    assert "cell 3 on the kept ranks" in again.stream()
+
+
+def test_a_failure_inside_a_collective_is_named_within_5_s_and_the_next_cell_starts_new_ranks(k):
+    first = ok(k, f"""{KEEP} --output all
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+print("pid", os.getpid())
+""")
+    started = time.monotonic()
+    ran = k.execute(f"""{KEEP}
+if dist.get_rank() == 1:
+    raise RuntimeError("rank 1 gave up")
+dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which never comes
+""")
+    named = ran.reply_at
+    error = ran.error_text()
+    assert "rank 1 on localhost raised RuntimeError: rank 1 gave up" in error, error
+    assert "every rank was stopped and their state is lost; the next --keep cell starts new ranks" in error
+    assert named < 5.0, f"the error came {named:.1f} s after the cell started"
+    assert time.monotonic() - started < 20
+    after = time.monotonic()
+    again = ok(k, f"""{KEEP} --output all
+import os
+print("pid", os.getpid(), "has dist", "dist" in globals())
+""")
+    assert time.monotonic() - after < 20
+    assert "--keep: new ranks, kept after this cell (the last kept ranks ended: every rank was stopped)" in again.stream()
+    assert set(pids_of(again.stream()).values()).isdisjoint(pids_of(first.stream()).values())
+    assert again.stream().count("has dist False") == 2
+
+
+def test_an_interrupt_stops_the_cell_on_every_rank_and_keeps_its_state(k):
+    first = ok(k, f"""{KEEP} --output all
+import os, time
+made = "before"
+print("pid", os.getpid())
+""")
+    msg_id, started = k.submit(f"""{KEEP}
+made = "during"
+print("looping", flush=True)
+while True:
+    time.sleep(0.01)
+""")
+    k.wait_for_stream(msg_id, "looping")
+    interrupted = time.monotonic()
+    k.manager.interrupt_kernel()
+    ran = k.collect(msg_id, started)
+    assert time.monotonic() - interrupted < 3 + 2, "the interrupt took too long"  # 3 s, and the kernel's own turn
+    assert ran.reply["status"] == "error" and ran.reply["ename"] == "KeyboardInterrupt"
+    assert "the ranks are kept, with their globals" in ran.stream(), ran.stream()
+    again = ok(k, f"""{KEEP} --output all
+print("pid", os.getpid(), "made", made)
+""")
+    assert pids_of(again.stream()) == pids_of(first.stream())
+    assert again.stream().count("made during") == 2
+
+
+def test_no_group_timeout_fires_over_an_idle_pause_longer_than_it(k):
+    ok(k, f"""{KEEP}
+import datetime, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+""")
+    time.sleep(6)
+    ran = ok(k, f"""{KEEP} --output all
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", t.item())
+""")
+    assert ran.stream().count("sum 2.0") == 2
+
+
+def test_another_shape_ends_the_kept_ranks_in_one_line_and_starts_new_ones(k):
+    first = ok(k, f"""{KEEP} --output all
+import os
+print("pid", os.getpid())
+""")
+    ran = ok(k, """#pragma taas --gpus 3 --device cpu --keep --output all
+import os
+print("pid", os.getpid(), "old", "first" in globals())
+""")
+    text = ran.stream()
+    assert "the kept ranks (2 rank(s) on cpu, this host) ended: this cell wants 3 rank(s) on cpu, this host" in text
+    assert len(pids_of(text)) == 3 and set(pids_of(text).values()).isdisjoint(pids_of(first.stream()).values())
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in pids_of(first.stream()).values())
+
+
+def test_a_rank_that_dies_between_cells_means_new_ranks_and_the_cell_says_so(k):
+    first = ok(k, f"""{KEEP} --output all
+import os
+print("pid", os.getpid())
+""")
+    os.kill(pids_of(first.stream())[1], signal.SIGKILL)
+    time.sleep(0.5)
+    ran = ok(k, f"""{KEEP} --output all
+import os
+print("pid", os.getpid())
+""")
+    assert "--keep: new ranks, kept after this cell (the last kept ranks ended: rank 1 was killed by SIGKILL)" in ran.stream()
+    assert set(pids_of(ran.stream()).values()).isdisjoint(pids_of(first.stream()).values())
+
+
+def test_release_ends_the_ranks_and_frees_everything(k):
+    first = ok(k, f"""{KEEP} --output all
+import os
+print("pid", os.getpid())
+""")
+    ranks = [psutil.Process(pid) for pid in pids_of(first.stream()).values()]
+    released = ok(k, "%taas release").stream()
+    assert "taas: released the kept ranks (2 rank(s) on cpu, this host, 1 cell(s))" in released
+    assert not wait_until_gone(ranks, timeout=15)
+    assert "no ranks are kept" in ok(k, "%taas release").stream()
+
+
+def test_the_session_default_keeps_every_cell_and_the_options_that_cannot_keep_are_refused(k):
+    ok(k, "%config TaasMagics.keep = True")
+    try:
+        first = ok(k, """#pragma taas --gpus 2 --device cpu --output all
+import os
+print("pid", os.getpid())
+""")
+        second = ok(k, """#pragma taas --gpus 2 --device cpu --output all
+print("pid", os.getpid())
+""")
+        assert pids_of(first.stream()) == pids_of(second.stream())
+        refused = k.execute("#pragma taas --gpus 2 --device cpu --restarts 1\npass")
+        assert "taas: --keep with --restarts" in refused.error_text()
+    finally:
+        ok(k, "%config TaasMagics.keep = False")
+    refused = k.execute(f"{KEEP} --trials 2\npass")
+    assert "--keep with --trials" in refused.error_text()
+
+
+def test_the_kernels_death_ends_kept_ranks_within_15_s():
+    kernel = Kernel()
+    try:
+        ran = ok(kernel, f"""{KEEP} --output all
+import os
+print("pid", os.getpid())
+""")
+        ranks = [psutil.Process(pid) for pid in pids_of(ran.stream()).values()]
+        os.kill(kernel.pid, signal.SIGKILL)
+        assert not wait_until_gone(ranks, timeout=15), "kept ranks outlived their kernel"
+    finally:
+        kernel.shutdown()
