@@ -168,6 +168,14 @@ class ScratchLayers:
                 )
         return lines
 
+    def use_workers(self, workers: int) -> None:
+        """Kept ranks' layers: this cell's data workers get fresh ones, the last cell's workers' are removed."""
+        for path in self.worker_dirs.values():
+            remove_tree(path)
+        self.worker_dirs = {worker: os.path.join(self.root, f"worker{worker}") for worker in range(workers)}
+        for path in self.worker_dirs.values():
+            os.mkdir(path, 0o700)
+
     def remove(self) -> None:
         remove_tree(self.root)
 

@@ -67,6 +67,10 @@ def _listening(port: int) -> bool:
 @pytest.fixture
 def lab(tmp_path):
     """A JupyterLab server on loopback over a copy of the quickstart (plus a failing cell)."""
+    yield from _serve(tmp_path, "quickstart.ipynb", _quickstart())
+
+
+def _quickstart() -> dict:
     notebook = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())
     for cell in notebook["cells"]:
         source = "".join(cell["source"])
@@ -76,10 +80,19 @@ def lab(tmp_path):
     # extension that this page restores widgets is the probe it sends when it loads (kernel/runs/frontend.py).
     notebook["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     for extra in (FAILING_CELL, BREAKPOINT_CELL):  # run all stops at the failing one: the breakpoint's is run alone
-        notebook["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-                                  "source": extra.splitlines(keepends=True)})
+        notebook["cells"].append(_code(extra))
+    return notebook
+
+
+def _code(source: str) -> dict:
+    return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+            "source": source.splitlines(keepends=True)}
+
+
+def _serve(tmp_path: Path, name: str, notebook: dict):
+    """JupyterLab on loopback over ``notebook``, saved as ``name``: its URL, and where the run logs go."""
     (tmp_path / "lab").mkdir()
-    (tmp_path / "lab" / "quickstart.ipynb").write_text(json.dumps(notebook))
+    (tmp_path / "lab" / name).write_text(json.dumps(notebook))
     port, token = _free_port(), "taas-browser-test"
     # Every cell in the DOM: JupyterLab 4 renders only the cells in view unless told otherwise.
     settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
@@ -104,7 +117,7 @@ def lab(tmp_path):
     while not _listening(port):
         assert server.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
         time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}/lab/tree/quickstart.ipynb?token={token}", tmp_path / "logs"
+    yield f"http://127.0.0.1:{port}/lab/tree/{name}?token={token}", tmp_path / "logs"
     server.terminate()
     try:
         server.wait(timeout=20)
@@ -366,3 +379,50 @@ def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
     _menu(browser, "Kernel", "Shut Down Kernel")
     _wait(lambda: not [p for p in _run_processes(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
           20, "every process of the run to be gone after the kernel's shutdown")
+
+
+KEPT_CELLS = (
+    "%load_ext taas_magic",
+    "#pragma taas --device cpu --gpus 2 --keep --output all\nimport os\nkept_pid = os.getpid()\nprint('first', os.getpid())\n",
+    "#pragma taas --device cpu --gpus 2 --keep --output all\nprint('again', os.getpid(), kept_pid == os.getpid())\n",
+)
+
+
+@pytest.fixture
+def kept_lab(tmp_path):
+    """JupyterLab over a notebook of two --keep cells (the plain Python kernel, as the quickstart's)."""
+    notebook = {"cells": [_code(cell) for cell in KEPT_CELLS], "nbformat": 4, "nbformat_minor": 5,
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}}}
+    yield from _serve(tmp_path, "kept.ipynb", notebook)
+
+
+def test_kept_ranks_outlive_a_page_reload(kept_lab, browser):
+    """A --keep cell, the page reloaded, the next --keep cell: the same ranks, their globals kept, shown in the live view."""
+    url, _ = kept_lab
+    started = time.time() - 1
+    browser.get(url)
+    _wait(lambda: len(_cells(browser)) == 3, 90, "the notebook's code cells")
+    _wait_idle(browser)
+    browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")[0].click()
+    for index in (0, 1):
+        _run_cell(browser, index)
+        _wait_idle(browser)
+    first = _wait(lambda: "[rank 1] first" in (text := _look(browser, 1)["text"]) and text, 120,
+                  "the first kept cell's lines")
+    pids = {line.split()[1]: line.split()[3] for line in first.splitlines() if line.startswith("[rank") and " first " in line}
+    assert len(pids) == 2, first
+    _menu(browser, "File", "Save Notebook")
+    _wait(lambda: not browser.find_elements(By.CSS_SELECTOR, ".jp-mod-dirty"), 20, "the notebook to be saved")
+    browser.refresh()
+    _wait(lambda: len(_cells(browser)) == 3, 90, "the notebook's cells after the reload")
+    _wait_idle(browser)
+    _run_cell(browser, 2)
+    again = _wait(lambda: (text := _look(browser, 2)["text"]).count(" True") == 2 and text, 120,
+                  "the next kept cell's lines")
+    assert "--keep: cell 2 on the kept ranks" in again, again
+    for rank, pid in pids.items():
+        assert f"[rank {rank} again {pid} True" in again, again
+    assert _look(browser, 2)["view"] is not None, "the kept cell shows the run's live view (a widget)"
+    _menu(browser, "Kernel", "Shut Down Kernel")
+    _wait(lambda: not [p for p in _run_processes(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+          20, "the kept ranks to be gone after the kernel's shutdown")

@@ -255,3 +255,89 @@ print("pid", os.getpid())
         assert not wait_until_gone(ranks, timeout=15), "kept ranks outlived their kernel"
     finally:
         kernel.shutdown()
+
+
+def test_a_timeout_names_where_the_ranks_were_then_keeps_ranks_stopped_in_python_code(k):
+    first = ok(k, f"""{KEEP} --output all
+import os, time
+counter = 0
+print("pid", os.getpid())
+""")
+    ran = k.execute(f"""{KEEP} --timeout 3
+while True:
+    counter += 1
+    time.sleep(0.01)
+""")
+    error = ran.error_text()
+    assert "RunTimeout" in error and "the ranks are kept, with their globals" in error, error
+    again = ok(k, f"""{KEEP} --output all
+print("pid", os.getpid(), "counted", counter > 10)
+""")
+    assert pids_of(again.stream()) == pids_of(first.stream())
+    assert again.stream().count("counted True") == 2
+
+
+def test_a_detached_kept_cell_holds_its_ranks_until_it_is_waited_for(k):
+    ok(k, f"""{KEEP}
+import time
+ready = "no"
+""")
+    detached = ok(k, f"""{KEEP} --detach
+time.sleep(2)
+ready = "yes"
+""")
+    assert detached.reply["status"] == "ok"
+    busy = k.execute(f"{KEEP}\nprint(ready)")
+    found = re.search(r"the kept ranks are running run (\w+) now: %taas wait (\w+) first", busy.error_text())
+    assert found and found.group(1) == found.group(2), busy.error_text()
+    ok(k, f"%taas wait {found.group(1)}")
+    ok(k, "assert ready == 'yes', ready")
+    ran = ok(k, f"{KEEP} --output all\nprint('ready', ready)")
+    assert ran.stream().count("ready yes") == 2
+
+
+def test_a_name_deleted_on_the_ranks_is_freed_there(k):
+    ok(k, f"""{KEEP}
+import gc, weakref, torch
+big = torch.zeros(1 << 20)
+ref = weakref.ref(big)
+""")
+    ok(k, f"""{KEEP}
+del big
+""")
+    ran = ok(k, f"""{KEEP} --output all
+gc.collect()
+print("freed", ref() is None)
+""")
+    assert ran.stream().count("freed True") == 2, ran.stream()
+
+
+def test_unloading_the_extension_ends_kept_ranks():
+    kernel = Kernel()
+    try:
+        ran = ok(kernel, f"""{KEEP} --output all
+import os
+print("pid", os.getpid())
+""")
+        ranks = [psutil.Process(pid) for pid in pids_of(ran.stream()).values()]
+        ok(kernel, "%unload_ext taas_magic")
+        assert not wait_until_gone(ranks, timeout=15), "kept ranks outlived the extension"
+        assert_nothing_left(kernel)
+    finally:
+        kernel.shutdown()
+
+
+def test_a_registered_loader_is_served_to_every_kept_cell_by_its_own_data_workers(k):
+    ok(k, """import torch, taas
+from torch.utils.data import DataLoader, TensorDataset
+kept_loader = taas.register(DataLoader(TensorDataset(torch.arange(32.0)), batch_size=4))
+""")
+    for cell in (1, 2):
+        ran = ok(k, f"""{KEEP} --cpus 2 --output all
+total = sum(float(batch[0].sum()) for batch in kept_loader)
+print("total", total)
+""")
+        totals = [float(value) for value in re.findall(r"\] total (\S+)", ran.stream())]
+        assert len(totals) == 2 and sum(totals) in (496.0, 992.0), ran.stream()  # a share each, or the whole each
+        assert (f"cell {cell} on the kept ranks" if cell > 1 else "new ranks, kept after this cell") in ran.stream()
+    ok(k, "taas.unregister(kept_loader)")

@@ -171,6 +171,29 @@ def test_interrupt_ends_every_rank_of_the_step_within_3_s(attached, slurm):
     assert again.result["text/plain"] == "'4'"  # the GPUs were free again at once
 
 
+def test_kept_ranks_stay_in_the_allocation_across_cells_until_released(attached, slurm):
+    keep = "#pragma taas --gpus 4 --keep --output all\n"
+    first = attached.execute(keep + "import os, torch, torch.distributed as dist\ndist.init_process_group('nccl')\n"
+                             "mine = 10 * dist.get_rank()\nprint('pid', os.getpid(), os.environ['SLURMD_NODENAME'])\n")
+    assert first.reply["status"] == "ok", first.error_text()
+    assert "--keep: new ranks, kept after this cell" in first.stream()
+    pids = dict(re.findall(r"\[rank (\d)\] pid (\d+ \S+)", first.stream()))
+    assert len(pids) == 4
+    second = attached.execute(keep + "t = torch.ones(1)\ndist.all_reduce(t)\n"
+                              "print('pid', os.getpid(), os.environ['SLURMD_NODENAME'], 'mine', mine, 'sum', t.item())\n")
+    assert second.reply["status"] == "ok", second.error_text()
+    assert "--keep: cell 2 on the kept ranks" in second.stream() and "Slurm job" in second.stream()
+    for rank, pid in pids.items():
+        assert f"[rank {rank}] pid {pid} mine {10 * int(rank)} sum 4.0" in second.stream(), second.stream()
+    assert steps(slurm, job_of(attached)), "the kept ranks' step ended with its cell"
+    released = attached.execute("%taas release")
+    assert "released the kept ranks (4 rank(s) on auto, Slurm job" in released.stream(), released.stream()
+    deadline = time.monotonic() + 30
+    while steps(slurm, job_of(attached)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not steps(slurm, job_of(attached)), "the kept ranks' step outlived their release"
+
+
 def test_rank_1_writes_are_diverted_on_its_node(attached):
     ran = attached.execute(
         "#pragma taas --gpus 2\nimport os\nopen(f\"made-by-{os.environ['RANK']}.txt\", 'w').write('x')", timeout=120

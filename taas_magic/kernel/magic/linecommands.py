@@ -107,6 +107,8 @@ def _cluster(session: Session, given: str) -> None:
               else "cluster: none (local processes); %taas cluster ADDRESS attaches a Ray cluster, "
                    "%taas cluster slurm [OPTIONS] a Slurm allocation")
         return
+    if session.kept is not None:  # kept ranks belong to where they started
+        print(session.release_kept())
     previous = session.cluster
     try:
         attached = engines.attach(given, _shown_line())  # the current one stays until this one holds

@@ -125,7 +125,8 @@ def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
             if run.on_kept and not run.kept.running:  # its closure has only what those ranks lacked
                 raise LaunchError("taas: the kept ranks ended after this cell was planned (a rank died): run the cell "
                                   "again, and new ranks start")
-            return run_kept_cell(execution.parts(), run.kept.ranks, execution.start_ranks)
+            return run_kept_cell(execution.parts(), run.kept.ranks, execution.start_ranks,
+                                 execution.start_data if run.data is not None else None)
         return run_ranks(execution.parts(), execution.start_ranks,
                          execution.start_data if run.data is not None else None, attempts)
     finally:

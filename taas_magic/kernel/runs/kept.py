@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Mapping
 
 from taas_magic import wire
 from taas_magic.autopsy import stacks
+from taas_magic.cell.options import MAX_CPUS
 from taas_magic.kernel.supervision.keptcell import KeptGroup
 from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.launch.contract import Backend
@@ -45,7 +46,8 @@ class Shape:
 
     ranks: int
     device: str
-    where: str  # "this host", or the attached cluster
+    where: str  # "this host", or the attached cluster ("Ray at HOST:PORT", "Slurm job N")
+    cluster: int = 0  # which attachment (its id): another cluster at the same address is another shape
 
     def __str__(self) -> str:
         return f"{self.ranks} rank(s) on {self.device}, {self.where}"
@@ -105,7 +107,8 @@ class KeptRanks:
             self._stack.callback(remove_tree, self.stacks_dir)
             self.layers = ScratchLayers(self.peers.ranks)
             self._stack.callback(self.layers.remove)
-            self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
+            # the ranks, and each cell's data workers after them (peers.py numbers them so)
+            self.server = PeerServer(wire.new_key(), len(self.peers) + MAX_CPUS, self.backend.listen_host)
             self._stack.callback(self.server.close)
             self.ranks = KeptGroup()
             self._stack.callback(self.ranks.close)

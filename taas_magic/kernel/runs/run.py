@@ -128,7 +128,9 @@ class Run:
                 self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
                 self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
             else:
-                stacks_dir, self.peers, self.layers = kept.stacks_dir, kept.peers, kept.layers
+                stacks_dir, self.layers = kept.stacks_dir, kept.layers
+                self.peers = PeerIds(kept.peers.ranks, self.data.workers if self.data is not None else 0)
+                self.layers.use_workers(self.peers.workers)  # this cell's data workers' own layers
                 kept.busy_with = spec.run_id
                 self._stack.callback(kept.cell_over)
             self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)

@@ -62,16 +62,14 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
     registered = registry.registered()
     session = context.session
     kept, kept_lines = _kept(settings, context) if settings.keep else (None, [])
-    if kept is not None and kept.running:
-        closure = kept.names.unsent(closure)  # the kept ranks have the rest, or their own value of it
+    if kept is not None and kept.running:  # the kept ranks have the rest, or their own value of it; a registered
+        loaders = {name for name, value in closure.items() if any(value is loader for loader in registered)}
+        closure = {**kept.names.unsent(closure), **{name: closure[name] for name in loaders}}  # loader: served anew
     elif kept is not None:
         kept.names = NameTokens()  # new ranks: they have nothing yet
     packing = serialise_closure(closure, registered)
     with ExitStack() as releases:  # a plan that fails half-way releases what it took
         used = sorted(packing.externals_used)
-        if used and kept is not None:
-            raise LaunchError("taas: --keep with registered loaders (taas.register) is not supported yet: "
-                              "run this cell without --keep")
         data = DataRun({index: registered[index] for index in used}, context.shell.user_ns, settings) if used else None
         if data is not None:
             releases.callback(data.close)
@@ -110,13 +108,12 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
 
 def _kept(settings: RunSettings, context: PlanContext) -> tuple[KeptRanks, list[str]]:
     """The kept ranks a ``--keep`` cell runs in, and the header's lines about them (kernel/runs/kept.py)."""
-    if context.session.cluster is not None:
-        raise LaunchError("taas: --keep keeps ranks on this host only for now, and a cluster is attached: "
-                          "%taas cluster local runs cells here, or leave out --keep")
     if settings.restarts:
         raise LaunchError("taas: --keep with --restarts: a restart starts new ranks, which would lose what the kept "
                           "ones hold (a kept cell that fails keeps its ranks where it can): leave out one of them")
-    shape = Shape(settings.gpus, settings.device, "this host")
+    cluster = context.session.cluster
+    where = "this host" if cluster is None else cluster.status_lines()[0].split(",")[0].removeprefix("cluster: ")
+    shape = Shape(settings.gpus, settings.device, where, id(cluster))
     kept, ended = context.session.kept_for(shape, lambda: context.backend(settings))
     if kept.running:
         since = time.strftime("%H:%M:%S", time.localtime(kept.started))

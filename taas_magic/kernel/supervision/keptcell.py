@@ -16,9 +16,12 @@ and exits (mux.py), kept from cell to cell by the session (kernel/runs/kept.py).
 - an interrupt (``%taas stop``, the person's) is sent to every rank as SIGINT (an ``Interrupt`` frame):
   a cell stopped in Python code ends on every rank within :data:`INTERRUPT_WAIT_SECONDS` and the ranks are
   kept; one stuck in C code or a collective is stopped with the others, and their state is lost;
+- ``--timeout`` names the ranks still running and where they were, as in any run, then interrupts them as
+  above: ranks stopped in Python code are kept;
 - a rank that dies is named as in any run; the others are stopped with it.
 
-There are no restarts here (``--restarts`` with ``--keep`` is refused), and no data workers yet.
+A cell's data workers are its own: started with it, stopped when its ranks end it, then forgotten by the
+kept selector. There are no restarts here (``--restarts`` with ``--keep`` is refused).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from taas_magic import protocol
-from taas_magic.errors import PeerFailed, RunError, describe_exit
+from taas_magic.errors import PeerFailed, RunError, RunTimeout, describe_exit
+from taas_magic.kernel.supervision.dataplane import DataPlane
 from taas_magic.kernel.supervision.mux import Mux
 from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts, Supervisor
 from taas_magic.launch.contract import ProcessGroup
@@ -76,17 +80,28 @@ class KeptGroup:
             group.close()
 
 
-def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], ProcessGroup]) -> RunOutcome:
-    """The cell on ``ranks`` (started now by ``start(0)`` if they are not running), supervised until every
-    rank ended it; see the module docstring for what is kept when it fails or is interrupted."""
+def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], ProcessGroup],
+                  data: Callable[[], DataPlane] | None = None) -> RunOutcome:
+    """The cell on ``ranks`` (started now by ``start(0)`` if they are not running) and its data workers
+    (``data()``, started first), supervised until every rank ended it; see the module docstring for what is
+    kept when it fails or is interrupted."""
     fresh = not ranks.running
     if fresh:
         ranks.close()  # a group whose rank died between cells: what is left of it
         ranks.lost = None
         parts.server.readmit(range(parts.ids.ranks))  # the new ranks prove the same key on the same listener
-    supervisor = Supervisor(parts, None, mux=None if fresh else ranks.mux)
+    else:
+        assert ranks.mux is not None
+        ranks.mux.channels.ids, ranks.mux.channels.greeting = parts.ids, parts.greeting  # this cell's peers and frames
+    parts.server.readmit(range(parts.ids.ranks, len(parts.ids)))  # this cell's data workers, as the last cell's
+    plane = data() if data is not None else None
+    supervisor = Supervisor(parts, plane, mux=None if fresh else ranks.mux)
     kept = False
     try:
+        if plane is not None:
+            plane.progress.show(force=True)
+        if parts.board is not None:
+            parts.board.start()
         if fresh:
             ranks.group = start(0)
             ranks.mux = supervisor.mux
@@ -105,7 +120,10 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
         if outcome is not None:
             kept = True
             return outcome
-        kept = _wait_for_every_cell(supervisor, KEEP_WAIT_SECONDS)
+        if isinstance(supervisor.verdict.failure, RunTimeout):  # --timeout: stopped in Python code, they are kept
+            kept = _interrupt_every_rank(supervisor)
+        else:
+            kept = _wait_for_every_cell(supervisor, KEEP_WAIT_SECONDS)
         failure: RunError = supervisor.last_words(
             (KEPT_LINE,) if kept else (lost_line("a rank was still in its cell after another failed"),))
         raise failure.on_kept_ranks() if kept and isinstance(failure, PeerFailed) else failure
@@ -116,7 +134,9 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
             if ranks.group is not None:
                 supervisor.stop_everything(ranks.group)
         supervisor.close(keep_mux=kept)
-        if not kept:
+        if kept:
+            supervisor.mux.forget_workers()  # stopped with the cell
+        else:
             ranks.mux = None  # closed with the supervisor
             ranks.close()
 
@@ -126,12 +146,17 @@ def _no_greeting(peer: Peer) -> list[bytes]:
 
 
 def _interrupted(supervisor: Supervisor) -> bool:
-    """Every rank interrupted; whether each ended its cell in time (then they are kept)."""
-    for rank in range(supervisor.parts.ids.ranks):
-        supervisor.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt()))
-    kept = _wait_for_every_cell(supervisor, INTERRUPT_WAIT_SECONDS)
+    """The person's interrupt: every rank interrupted, and the cell says what was kept."""
+    kept = _interrupt_every_rank(supervisor)
     supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
     return kept
+
+
+def _interrupt_every_rank(supervisor: Supervisor) -> bool:
+    """SIGINT in every rank (an ``Interrupt`` frame); whether each ended its cell in time (then they are kept)."""
+    for rank in range(supervisor.parts.ids.ranks):
+        supervisor.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt()))
+    return _wait_for_every_cell(supervisor, INTERRUPT_WAIT_SECONDS)
 
 
 def _wait_for_every_cell(supervisor: Supervisor, seconds: float) -> bool:

@@ -302,6 +302,24 @@ class Mux:
         self.exited = {peer for peer in self.exited if not peer.is_rank}
         self.channels.queued = {peer: bodies for peer, bodies in self.channels.queued.items() if not peer.is_rank}
 
+    def forget_workers(self) -> None:
+        """After a kept cell (keptcell.py): its data workers, stopped with it, are forgotten; the ranks stay watched."""
+        watched = self.selector.get_map()
+        for fd, (peer, _) in list(self.pipes.items()):
+            if not peer.is_rank:
+                self.selector.unregister(fd)
+                del self.pipes[fd]
+        for peer in [peer for peer in self.exit_fds if not peer.is_rank]:
+            fd = self.exit_fds.pop(peer)
+            if fd in watched:
+                self.selector.unregister(fd)
+        self.processes = {peer: process for peer, process in self.processes.items() if peer.is_rank}
+        for peer, connection in list(self.channels.connections.items()):
+            if not peer.is_rank:
+                self.channels.close(connection)
+        self.exited = {peer for peer in self.exited if peer.is_rank}
+        self.channels.queued = {peer: bodies for peer, bodies in self.channels.queued.items() if peer.is_rank}
+
     def close(self) -> None:
         self.channels.close_all()
         self.selector.close()
