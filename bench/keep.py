@@ -85,7 +85,7 @@ def compiled(kernel: Kernel) -> tuple[float, float]:
     return calls[0], calls[1]
 
 
-def row(name: str, values: list[float], target: str, beside: list[float] | None = None, unit: str = "s") -> str:
+def row(name: str, values: list[float], beside: list[float] | None, target: str, unit: str = "s") -> str:
     def shown(samples: list[float]) -> str:
         return f"{statistics.median(samples):.3f} {unit} ({min(samples):.3f}-{max(samples):.3f})"
 
@@ -123,9 +123,9 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     print(row("first line", *rows["first"], "kept <= 0.020 s"))
     print(row("a cell with an all_reduce, to its reply", *rows["reduce"], ""))
-    print(row("failed collective: request to the error", rows["failed"][0], ""))
-    print(row("failed collective: the error to the next working cell", rows["next"][0], "<= 5 s"))
-    print(row("interrupt: the interrupt to the reply, ranks kept", interrupts, "<= 3 s"))
+    print(row("failed collective: request to the error", rows["failed"][0], None, ""))
+    print(row("failed collective: the error to the next working cell", rows["next"][0], None, "<= 5 s"))
+    print(row("interrupt: the interrupt to the reply, ranks kept", interrupts, None, "<= 3 s"))
     ratio = second_call / first_call
     print(f"| compiled: first call (compiling) / next call in kept ranks | {first_call:.3f} s / {second_call:.4f} s "
           f"= {ratio:.1%} | | <= 5% |")

@@ -131,8 +131,8 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
         supervisor.mux.channels.greeting = _no_greeting  # the mux outlives the cell: not its frames
         if not kept:
             ranks.lost = ranks.lost or "every rank was stopped"
-            if ranks.group is not None:
-                supervisor.stop_everything(ranks.group)
+            if ranks.group is not None:  # TERM, then KILL: they had their SIGINT, or their time to end the cell
+                supervisor.stop_everything(ranks.group, graceful=False)
         supervisor.close(keep_mux=kept)
         if kept:
             supervisor.mux.forget_workers()  # stopped with the cell

@@ -155,9 +155,9 @@ class Supervisor:
         self.relay.flush(force=True)
         return self.verdict.failure.with_output(self.relay.last_lines(self.verdict.cause), notes)
 
-    def stop_everything(self, group: ProcessGroup) -> None:
+    def stop_everything(self, group: ProcessGroup, graceful: bool = True) -> None:
         self.relay.mute()
-        group.stop()
+        group.stop(graceful)
         if self.data is not None:
             self.data.workers.stop()
 
