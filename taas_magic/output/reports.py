@@ -260,7 +260,7 @@ def _float(value: Any) -> float | None:
 def _health() -> dict:
     """What the health line shows for this rank, measured here (the kernel may be another host)."""
     times = os.times()
-    figures: dict[str, Any] = {"at": time.monotonic(), "cpu": times.user + times.system}
+    figures: dict[str, Any] = {"at": time.monotonic(), "cpu": times.user + times.system, "pid": os.getpid()}
     try:
         with open("/proc/self/statm") as statm:
             figures["rss"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -271,6 +271,7 @@ def _health() -> dict:
     try:
         if cuda is not None and cuda.is_available() and cuda.is_initialized():
             figures["gpu_memory"] = cuda.memory_allocated()
+            figures["gpu"] = cuda.current_device()
             figures["gpu_use"] = cuda.utilization()
     except Exception:  # noqa: BLE001 - no NVML (utilisation), a CUDA error: what was measured is still worth showing
         pass

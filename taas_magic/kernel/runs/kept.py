@@ -148,8 +148,10 @@ class KeptRanks:
             figures = self.health.get(child.index, {})
             memory = [f"{figures['rss'] / 2**20:.0f} MiB host"] if "rss" in figures else []
             if "gpu_memory" in figures:
-                memory.append(f"{figures['gpu_memory'] / 2**20:.0f} MiB GPU")
-            lines.append(f"  rank {child.index} on {child.host}: {', '.join(memory) or 'memory not reported yet'}")
+                memory.append(f"{figures['gpu_memory'] / 2**20:.0f} MiB on GPU {figures.get('gpu', '?')}")
+            process = f"pid {figures['pid']} on {child.host}" if "pid" in figures else f"on {child.host}"
+            lines.append(f"  rank {child.index}, {process} ({self.shape.device}): "
+                         f"{', '.join(memory) or 'memory not reported yet'}")
         return lines
 
     def release(self) -> None:

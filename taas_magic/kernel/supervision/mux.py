@@ -289,36 +289,30 @@ class Mux:
                 self.selector.unregister(fd)
                 del self.pipes[fd]
                 yield OutputEnded(peer, stream)
-        watched = self.selector.get_map()
-        for peer in [peer for peer in self.exit_fds if peer.is_rank]:
-            fd = self.exit_fds.pop(peer)
-            if fd in watched:  # its exit had not woken the selector yet
-                self.selector.unregister(fd)
-        self.processes = {peer: process for peer, process in self.processes.items() if not peer.is_rank}
-        for peer, connection in list(self.channels.connections.items()):
-            if peer.is_rank:
-                self.channels.close(connection)
+        self._forget(lambda peer: peer.is_rank)
         self.channels.server.readmit(range(self.channels.ids.ranks))
-        self.exited = {peer for peer in self.exited if not peer.is_rank}
-        self.channels.queued = {peer: bodies for peer, bodies in self.channels.queued.items() if not peer.is_rank}
 
     def forget_workers(self) -> None:
         """After a kept cell (keptcell.py): its data workers, stopped with it, are forgotten; the ranks stay watched."""
+        self._forget(lambda peer: not peer.is_rank)
+
+    def _forget(self, which: Callable[[Peer], bool]) -> None:
+        """Stop watching the peers ``which`` picks: their pipes, exits, processes and channels."""
         watched = self.selector.get_map()
         for fd, (peer, _) in list(self.pipes.items()):
-            if not peer.is_rank:
+            if which(peer):
                 self.selector.unregister(fd)
                 del self.pipes[fd]
-        for peer in [peer for peer in self.exit_fds if not peer.is_rank]:
+        for peer in [peer for peer in self.exit_fds if which(peer)]:
             fd = self.exit_fds.pop(peer)
-            if fd in watched:
+            if fd in watched:  # its exit had not woken the selector yet
                 self.selector.unregister(fd)
-        self.processes = {peer: process for peer, process in self.processes.items() if peer.is_rank}
+        self.processes = {peer: process for peer, process in self.processes.items() if not which(peer)}
         for peer, connection in list(self.channels.connections.items()):
-            if not peer.is_rank:
+            if which(peer):
                 self.channels.close(connection)
-        self.exited = {peer for peer in self.exited if peer.is_rank}
-        self.channels.queued = {peer: bodies for peer, bodies in self.channels.queued.items() if peer.is_rank}
+        self.exited = {peer for peer in self.exited if not which(peer)}
+        self.channels.queued = {peer: bodies for peer, bodies in self.channels.queued.items() if not which(peer)}
 
     def close(self) -> None:
         self.channels.close_all()
