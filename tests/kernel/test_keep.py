@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.kernel_client import Kernel, assert_nothing_left, wait_until_gone
+from tests.kernel_client import Kernel, assert_nothing_left, debug, wait_until_gone
 
 KEEP = "#pragma taas --gpus 2 --device cpu --keep"
 
@@ -342,3 +342,24 @@ print("total", total)
         assert len(totals) == 2 and sum(totals) in (496.0, 992.0), ran.stream()  # a share each, or the whole each
         assert (f"cell {cell} on the kept ranks" if cell > 1 else "new ranks, kept after this cell") in ran.stream()
     ok(k, "taas.unregister(kept_loader)")
+
+
+def test_a_breakpoint_in_a_kept_cell_prompts_and_the_ranks_stay(k):
+    first = ok(k, f"""{KEEP} --output all
+import os
+secret = 40 + int(os.environ["RANK"])
+print("pid", os.getpid())
+""")
+    session = debug(k, f"""{KEEP}
+if int(os.environ["RANK"]) == 1:
+    breakpoint()
+    seen = secret
+""", ["p secret", "c"])
+    assert session.execution.reply["status"] == "ok", session.text
+    assert session.prompts and "(Pdb rank 1)" in session.prompts[0], session.prompts
+    assert "41" in session.texts[1], session.texts
+    again = ok(k, f"""{KEEP} --output all
+print("pid", os.getpid(), "seen" in globals())
+""")
+    assert pids_of(again.stream()) == pids_of(first.stream())
+    assert f"[rank 1] pid {pids_of(first.stream())[1]} True" in again.stream(), again.stream()
