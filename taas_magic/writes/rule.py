@@ -145,9 +145,9 @@ class ScratchLayers:
         for path in (*self.dirs.values(), *self.worker_dirs.values()):
             os.mkdir(path, 0o700)
 
-    def report(self, repository: str, shared: tuple[str, ...] = ()) -> list[str]:
-        """One line per rank whose writes were diverted: how many changes, the first path. ``shared``: the
-        folders written in place (absolute; writes/savers.py), and the folders above them, are not changes:
+    def report(self, repository: str, shared: tuple[str, ...] = (), fate: str = "diverted and discarded") -> list[str]:
+        """One line per rank whose writes were diverted: how many changes, the first path, and ``fate``. ``shared``:
+        the folders written in place (absolute; writes/savers.py), and the folders above them, are not changes:
         the overlay's mount points for them stay in a rank's layer, also once rank 0 rotated them away."""
         lines = []
         named = [(f"rank {rank}", path) for rank, path in self.dirs.items()]
@@ -164,7 +164,7 @@ class ScratchLayers:
             if changes:
                 lines.append(
                     f"taas: {who} tried to change {len(changes)} path(s) in the repository; "
-                    f"diverted and discarded (first: {changes[0]})"
+                    f"{fate} (first: {changes[0]})"
                 )
         return lines
 

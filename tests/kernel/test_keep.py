@@ -363,3 +363,25 @@ print("pid", os.getpid(), "seen" in globals())
 """)
     assert pids_of(again.stream()) == pids_of(first.stream())
     assert f"[rank 1] pid {pids_of(first.stream())[1]} True" in again.stream(), again.stream()
+
+
+def test_only_rank_0_writes_from_kept_ranks_and_each_diverted_write_is_said_once(k, tmp_path):
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    ok(k, f"%taas config repo {repo}\nimport os\nhere = os.getcwd()\nos.chdir({str(repo)!r})")
+    try:
+        first = ok(k, f"""{KEEP}
+import os
+with open(f"rank{{os.environ['RANK']}}.txt", "w") as f:
+    f.write("first")
+""")
+        second = ok(k, f"""{KEEP}
+with open(f"again{{os.environ['RANK']}}.txt", "w") as f:
+    f.write("second")
+""")
+    finally:
+        ok(k, f"%taas config repo {os.getcwd()}\nos.chdir(here)")
+    assert sorted(path.name for path in repo.iterdir() if path.name != ".git") == ["again0.txt", "rank0.txt"]
+    assert "rank 1 tried to change 1 path(s) in the repository" in first.stream(), first.stream()
+    assert "rank 1 tried to change 2 path(s)" in second.stream(), second.stream()  # its layer, kept with it
+    assert "diverted, kept in its layer until %taas release" in second.stream()

@@ -237,7 +237,8 @@ class Run:
             self.log.say(line, "stderr")
         for line in self.saves.report(self.rule.repository, self.peers.ranks):
             self.log.say(line, "stderr")
-        lines = self.layers.report(self.rule.repository, tuple(self.saves.folders))
+        fate = "diverted and discarded" if self.kept is None else "diverted, kept in its layer until %taas release"
+        lines = self.layers.report(self.rule.repository, tuple(self.saves.folders), fate)
         for line in lines if self.kept is None else self.kept.new_lines(lines):
             self.log.say(line, "stderr")
         if self.kept is None:  # kept ranks' layers stay with them
