@@ -251,19 +251,23 @@ class WorkerFailed(PeerFailed):
 class RunTimeout(RunError):
     """``--timeout`` passed before every rank finished."""
 
-    def __init__(self, timeout: float, running: tuple[int, ...], notes: tuple[str, ...] = ()):
+    def __init__(self, timeout: float, running: tuple[int, ...], notes: tuple[str, ...] = (), stopped: bool = True):
+        """``stopped``: every rank was stopped; False: kept ranks, interrupted, each ended its cell and lives on."""
         ranks = ", ".join(str(rank) for rank in running) or "none"
-        super().__init__(
-            f"taas: the run passed --timeout {timeout:g}s; ranks still running: {ranks}. Every rank was stopped."
-        )
-        self.timeout, self.running = timeout, tuple(running)
+        ending = "Every rank was stopped." if stopped else "Every rank was interrupted and ended its cell."
+        super().__init__(f"taas: the run passed --timeout {timeout:g}s; ranks still running: {ranks}. {ending}")
+        self.timeout, self.running, self.stopped = timeout, tuple(running), stopped
         self.notes = tuple(notes)  # where each rank was (the hang autopsy), then why it was not restarted
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.timeout, self.running, self.notes))
+        return (type(self), (self.timeout, self.running, self.notes, self.stopped))
 
     def with_output(self, last_lines: tuple[str, ...], notes: tuple[str, ...]) -> "RunTimeout":
-        return RunTimeout(self.timeout, self.running, (*self.notes, *notes))  # no process failed: no last lines
+        return RunTimeout(self.timeout, self.running, (*self.notes, *notes), self.stopped)  # no process failed: no last lines
+
+    def on_kept_ranks(self) -> "RunTimeout":
+        """This timeout where no rank was stopped: the kept ranks were interrupted (kernel/supervision/keptcell.py)."""
+        return RunTimeout(self.timeout, self.running, self.notes, stopped=False)
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -114,6 +114,8 @@ def settle(options: PragmaOptions, session: Mapping[str, object], ranks: int) ->
             value = row.value.from_setting(session[row.setting])
         values[row.field] = row.default if value is None else value
     values["gpus"] = ranks
+    if values["trials"] is not None:
+        values["keep"] = False  # a search's trials start their own ranks: TaasMagics.keep is for plain cells
     return RunSettings(configs=options.configs, **values)  # type: ignore[arg-type]  # each row holds its field's type
 
 

@@ -7,10 +7,12 @@ cell put on its device stay as they are; it flushes its output (Python's and C's
 cell when every rank said ``CellDone``, and what the rank printed before that is then in its pipes),
 pauses its reports (nobody reads them between cells, and no health alarm may fire over a long pause),
 says ``CellDone`` and waits for the next cell's spec and closure, which arrive on its channel as the
-first cell's did. The kernel interrupts a kept cell with an ``Interrupt`` frame (the ranks of a cluster
-are not its children): the rank sends SIGINT to its process group, as a terminal's ^C does, so the cell
-raises ``KeyboardInterrupt`` and the rank lives on. One that arrives between cells (late, for a cell
-that already ended) is ignored. The kernel lets the ranks go by closing their channels (``%taas release``, another shape,
+first cell's did; frames the last cell left (elements sent ahead to a loop that stopped early) are
+dropped. The kernel interrupts a kept cell with an ``Interrupt`` frame (the ranks of a cluster are not its
+children): while the cell's code runs, the rank sends SIGINT to its process group, as a terminal's ^C
+does, so the cell raises ``KeyboardInterrupt`` and the rank lives on; outside the cell's code SIGINT is
+ignored (its set-up, what follows it, the wait between cells), and an interrupt that came during the
+set-up is raised as the code begins. The kernel lets the ranks go by closing their channels (``%taas release``, another shape,
 unloading); a kernel that dies ends them through their lifeline (rank/lifeline.py).
 """
 
@@ -21,16 +23,19 @@ import os
 import signal
 
 from taas_magic.output import reports
-from taas_magic.protocol import CellDone, Interrupt, Spec, ToKernel, ToPeer
+from taas_magic.protocol import CellDone, Closure, ClosureHostCopy, Interrupt, Spec, ToKernel, ToPeer
 from taas_magic.rank import startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
 from taas_magic.writes import outbox
 
+_cell_running = False  # the cell's own code runs now: an interrupt is SIGINT to the process group
+_interrupt_asked = False  # the kernel interrupted this cell (perhaps before its code began)
+
 
 class InboxChannel:
-    """The inbox as a channel, for what reads its frames in order (the next cell's closure)."""
+    """The inbox as a channel, for what reads the next cell's closure frames in order."""
 
     def __init__(self, inbox: Inbox):
         self.inbox = inbox
@@ -39,38 +44,66 @@ class InboxChannel:
         self.inbox.send(frame)
 
     def receive(self) -> ToPeer:
-        frame = self.inbox.take(lambda _frame: True)
+        frame = self.inbox.take(lambda frame: isinstance(frame, (Closure, ClosureHostCopy)))
         assert frame is not None  # no timeout: a frame, or the channel's end raised
         return frame
 
 
 def interrupted(_frame: Interrupt) -> None:
-    """On the inbox's reader: SIGINT to the rank's process group (the cell and what it started)."""
-    try:
-        os.killpg(os.getpgrp(), signal.SIGINT)
-    except OSError:
-        os.kill(os.getpid(), signal.SIGINT)
+    """On the inbox's reader: the kernel interrupts the cell. While its code runs, SIGINT to the rank's
+    process group (the cell and what it started); before, :func:`cell_starts` raises it; after, nothing."""
+    global _interrupt_asked
+    _interrupt_asked = True
+    if _cell_running:
+        try:
+            os.killpg(os.getpgrp(), signal.SIGINT)
+        except OSError:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def cell_starts() -> None:
+    """A kept rank's cell code begins: SIGINT raises KeyboardInterrupt in it (an interrupt that came
+    while the cell was being set up raises it now)."""
+    global _cell_running
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _cell_running = True
+    if _interrupt_asked:
+        raise KeyboardInterrupt
+
+
+def cell_ends() -> None:
+    """The cell's code is over: from here to the next cell's code, an interrupt is not the rank's end."""
+    global _cell_running
+    _cell_running = False
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def between_cells(inbox: Inbox, raised: bool, rank: int) -> tuple[RunSpec, ReceivedClosure] | None:
     """Say the cell is done (``raised``: it failed, its report went first), then wait for the next cell:
-    its spec and its closure (not loaded yet); None when the kernel let the ranks go."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cell is over: a late interrupt is not for us
+    its spec and its closure (not loaded yet); None when the kernel let the ranks go.
+
+    Raises:
+        whatever receiving the next cell's closure raised, the channel being alive (the rank then exits 1).
+    """
+    global _interrupt_asked
+    cell_ends()
     startup.flush_output()
     _flush_c_output()
     reports.flush()
     reports.pause()
     try:
         inbox.send(CellDone(raised))
-        frame = inbox.take(lambda frame: isinstance(frame, Spec))
+        frame = inbox.take(lambda frame: isinstance(frame, Spec), drop_older=True)  # the last cell's leftovers go
         assert isinstance(frame, Spec)
+        _interrupt_asked = False
         spec = outbox.here(frame.spec)
         # an InboxChannel reads as a PeerChannel does
         received = receive_closure(InboxChannel(inbox), keep_original=rank == 0, own_gpu=spec.device == "cuda")  # type: ignore[arg-type]  # duck-typed
-    except Exception:  # noqa: BLE001 - the channel ended: the kernel let us go
-        return None
+    except Exception:  # the channel ended: the kernel let us go; else the next cell cannot come (raised)
+        if inbox.ended:
+            return None
+        raise
     reports.resume()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the next cell may be interrupted
     return spec, received
 
 

@@ -66,9 +66,17 @@ class Inbox:
                 self._kept.append(frame)
                 self._arrived.notify_all()
 
-    def take(self, wanted: Callable[[ToPeer], bool], timeout: float | None = None) -> ToPeer | None:
-        """The first frame, kept or still to come, that ``wanted`` accepts; the others stay kept.
-        None when ``timeout`` seconds passed first.
+    @property
+    def ended(self) -> bool:
+        """Whether the channel ended (the kernel closed it, or a bad frame came)."""
+        with self._arrived:
+            return self._closed is not None
+
+    def take(self, wanted: Callable[[ToPeer], bool], timeout: float | None = None,
+             drop_older: bool = False) -> ToPeer | None:
+        """The first frame, kept or still to come, that ``wanted`` accepts; the others stay kept (those
+        that came before it are dropped with ``drop_older``: a kept rank's last cell's). None when
+        ``timeout`` seconds passed first.
 
         Raises:
             OSError (or what the reader met): the channel ended before such a frame came.
@@ -78,6 +86,9 @@ class Inbox:
             while True:
                 for index, frame in enumerate(self._kept):
                     if wanted(frame):
+                        if drop_older:
+                            del self._kept[:index]
+                            return self._kept.pop(0)
                         return self._kept.pop(index)
                 if self._closed is not None:
                     raise self._closed

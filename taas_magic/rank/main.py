@@ -97,8 +97,7 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
-    forwards_display = rank == 0 or spec.output == "all"
-    shell.configure(module, channel.send if forwards_display else None)
+    shell.configure(module, channel.send if rank == 0 or spec.output == "all" else None)  # before IPython's hook
     when_imported("IPython", shell.on_ipython_import)
     for package in ("lightning.pytorch", "pytorch_lightning"):
         # self.log(...) in the live chart
@@ -114,8 +113,11 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     return module
 
 
-def _cell_setup(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -> None:
-    """Each cell: its run's data (seed, checkpoints, savers' folders), its trial, its prompt, its sources."""
+def _cell_setup(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int) -> None:
+    """Each cell: its run's data (seed, checkpoints, savers' folders), its trial, its prompt, its sources,
+    where its displays go (rank 0's, or every rank's with --output all)."""
+    channel = inbox.channel
+    shell.configure(module, channel.send if rank == 0 or spec.output == "all" else None)
     identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     savers.install(outbox.for_kernel(channel.send), spec.shared)  # collective checkpoints: every rank's part in place (writes/)
@@ -149,11 +151,17 @@ def _load_closure(spec: RunSpec, channel: PeerChannel, inbox: Inbox, received: R
 def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> object:
     """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
     try:
+        if spec.keep:
+            betweencells.cell_starts()  # SIGINT raises in the cell's code only: the rank outlives it
         final = execute.run_cell(spec.source, spec.filename, module)
+        if spec.keep:
+            betweencells.cell_ends()
         cellpdb.cell_ended()
         shell.after_cell()
         return final
     except SystemExit as exc:
+        if spec.keep:
+            betweencells.cell_ends()
         if exc.code not in (None, 0):
             _send_error(channel, f"called sys.exit({exc.code!r})", execute.format_cell_traceback(exc, spec.filename))
             raise CellFailed(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED) from None
@@ -233,7 +241,7 @@ def _one_cell(spec: RunSpec, inbox: Inbox, module: types.ModuleType, received: R
     results sent. Raises CellFailed once a failure was reported."""
     channel = inbox.channel
     sys.path[:] = spec.sys_path
-    _cell_setup(spec, channel, inbox, rank)
+    _cell_setup(spec, inbox, module, rank)
     closure, loaders = _load_closure(spec, channel, inbox, received)
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
@@ -256,6 +264,8 @@ def main() -> None:
     sys.argv = ["taas-rank"]
     _own_output()
     inbox = Inbox(channel, {Hold: cellpdb.on_hold, Interrupt: betweencells.interrupted})  # its one reader (rank/inbox.py)
+    if spec.keep:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the cell's code begins (rank/betweencells.py)
     module = _rank_module(spec, channel, rank)
     cell: tuple[RunSpec, ReceivedClosure] | None = (spec, received)
     while cell is not None:
@@ -269,7 +279,12 @@ def main() -> None:
             raised = True
         if not spec.keep:
             break
-        cell = betweencells.between_cells(inbox, raised, rank)  # None: the kernel let the kept ranks go
+        try:
+            cell = betweencells.between_cells(inbox, raised, rank)  # None: the kernel let the kept ranks go
+        except Exception as exc:  # noqa: BLE001 - the next cell cannot come: said, and the rank ends
+            _send_error(channel, f"could not receive the next cell: {type(exc).__name__}: {exc}",
+                        execute.format_cell_traceback(exc, spec.filename))
+            startup.finish(EXIT_CELL_RAISED)
     outbox.ship(channel.send)  # on a host that does not see the repository: what the rank wrote for it (writes/)
     channel.close()
     startup.finish(0)

@@ -385,3 +385,39 @@ with open(f"again{{os.environ['RANK']}}.txt", "w") as f:
     assert "rank 1 tried to change 1 path(s) in the repository" in first.stream(), first.stream()
     assert "rank 1 tried to change 2 path(s)" in second.stream(), second.stream()  # its layer, kept with it
     assert "diverted, kept in its layer until %taas release" in second.stream()
+
+
+def test_a_raise_on_one_rank_while_the_other_is_in_python_code_interrupts_it_and_keeps_both(k):
+    first = ok(k, f"""{KEEP} --output all
+import os, time
+print("pid", os.getpid())
+""")
+    ran = k.execute(f"""{KEEP}
+if os.environ["RANK"] == "1":
+    raise ValueError("only rank 1")
+time.sleep(60)  # rank 0: plain Python, interrupted
+""")
+    error = ran.error_text()
+    assert "rank 1 on localhost raised ValueError: only rank 1; every rank ended its cell" in error, error
+    assert "the ranks are kept" in error and ran.reply_at < 10
+    again = ok(k, f"""{KEEP} --output all
+print("pid", os.getpid())
+""")
+    assert pids_of(again.stream()) == pids_of(first.stream())
+
+
+def test_a_loop_that_leaves_a_registered_loader_early_does_not_feed_the_next_kept_cell(k):
+    ok(k, """import torch, taas
+from torch.utils.data import DataLoader, TensorDataset
+early_loader = taas.register(DataLoader(TensorDataset(torch.arange(64.0)), batch_size=2))
+""")
+    ok(k, f"""{KEEP} --cpus 2
+for batch in early_loader:
+    break  # the elements sent ahead for this pass are left unread
+""")
+    ran = ok(k, f"""{KEEP} --cpus 2 --output all
+print("batches", sum(1 for _ in early_loader))
+""")
+    counts = [int(value) for value in re.findall(r"\] batches (\d+)", ran.stream())]
+    assert len(counts) == 2 and sum(counts) in (32, 64), ran.stream()  # whole passes, none of the last cell's
+    ok(k, "taas.unregister(early_loader)")

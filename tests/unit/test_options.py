@@ -71,6 +71,9 @@ def test_a_runs_settings_are_the_pragmas_then_the_sessions_then_the_tables_defau
     given = settle(parse_options("--gpus auto --ahead 4 --output rank0 --cpus 2"), SESSION, ranks=3)
     assert (given.gpus, given.ahead, given.output, given.cpus) == (3, 4, "rank0", 2)  # the pragma's
     assert (given.cache_ram, given.timeout, given.restarts, given.place_timeout) == (2 << 30, 30.0, 1, 5.0)  # the session's
+    kept = dict(SESSION, keep=True)
+    assert settle(parse_options("--gpus 2"), kept, ranks=2).keep is True  # the session's default
+    assert settle(parse_options("--gpus 2 --trials 3"), kept, ranks=2).keep is False  # a search keeps no ranks
     automatic = dict(SESSION, cache_ram="", timeout=None)
     plain = settle(parse_options("--gpus 1"), automatic, ranks=1)
     assert (plain.cache_ram, plain.timeout, plain.device, plain.units, plain.per_host) == (None, None, "auto", None, None)

@@ -12,10 +12,13 @@ files, its checkpoints' check). The ranks' owner tag is the kept ranks', so a ce
 theirs; releasing them ends the ranks (their channels closed: they leave on their own; the stop ladder for
 the rest), then sweeps what they started, then gives the port and the GPUs back.
 
-Names travel only when needed (:class:`NameTokens`): the ranks already have every notebook value they were
-sent, and rank 0's values that came back are the ranks' own. A name the cell reads is sent only when the
-notebook bound another object to it since; so rank 1's ``w`` is never overwritten by the notebook's copy of
-rank 0's ``w``. A value changed in place in the notebook (``cfg["lr"] = 0.1``) is not sent again: rebind it.
+Names travel only when needed (:class:`NameTokens`): the ranks have every notebook value a cell that
+succeeded sent them, and rank 0's values that came back are the ranks' own. A name the cell reads is sent
+only when the notebook bound another object to it since; so rank 1's ``w`` is never overwritten by the
+notebook's copy of rank 0's ``w``. It follows that a name only rank 0 bound is not sent to the other ranks
+(they never had it: bind it on every rank, or rebind it in the notebook), and that a value changed in place
+in the notebook (``cfg["lr"] = 0.1``) is not sent again: rebind it. A value that takes no weak reference (a
+list, a dict) is held by the tokens until its name is rebound or the ranks are released.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import secrets
 import time
 import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from taas_magic import wire
@@ -42,12 +45,13 @@ from taas_magic.writes.rule import ScratchLayers
 
 @dataclass(frozen=True)
 class Shape:
-    """What a kept cell must match to run in the kept ranks: their count, their device, where they run."""
+    """What a kept cell must match to run in the kept ranks: their count, device, placement, where they run."""
 
     ranks: int
     device: str
-    where: str  # "this host", or the attached cluster ("Ray at HOST:PORT", "Slurm job N")
-    cluster: int = 0  # which attachment (its id): another cluster at the same address is another shape
+    where: str = field(compare=False)  # said: "this host", or the attached cluster ("Ray at HOST:PORT", "Slurm job N")
+    cluster: int = 0  # which attachment (its id; 0: this host): what is compared, not its words
+    per_host: int | None = None  # --per-host on a cluster
 
     def __str__(self) -> str:
         return f"{self.ranks} rank(s) on {self.device}, {self.where}"
@@ -78,7 +82,7 @@ class NameTokens:
 
 
 def _reference(value: object) -> Callable[[], object]:
-    """A weak reference where the value takes one (a model, a tensor), else the value itself (small ones)."""
+    """A weak reference where the value takes one (a model, a tensor), else the value itself (a list, a dict)."""
     try:
         return weakref.ref(value)
     except TypeError:
@@ -124,6 +128,11 @@ class KeptRanks:
     @property
     def running(self) -> bool:
         return self.ranks.running
+
+    @property
+    def holds_local_gpus(self) -> bool:
+        """Running on this host's GPUs (which a plain cell must not be placed on meanwhile)."""
+        return self.running and self.shape.cluster == 0 and self.backend.devices.device == "cuda"
 
     def cell_over(self) -> None:
         """A cell's run on them ended (its parts released)."""

@@ -35,7 +35,7 @@ import traceback as traceback_module
 from contextlib import ExitStack
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Callable
+from typing import Callable, Mapping
 
 from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
@@ -96,6 +96,7 @@ class Held:
     data: DataRun | None  # the data run, when the cell reads registered loaders (its cache folders)
     backend: Backend  # entered: its reserved port, a cluster's placement and agents
     trial: TrialLink | None = None  # a search's trial: its suggestions and its pruning (search/link.py)
+    sent: Mapping[str, object] = dataclasses.field(default_factory=dict)  # the closure's values, by name (kept ranks)
 
 
 class Run:
@@ -107,7 +108,7 @@ class Run:
         scratch layers, the server and the closure handoff, in that order; a part that cannot be taken
         releases every one before it, ``held``'s too, and raises. A cell on ``kept`` ranks borrows their
         backend, stacks folder, layers and server (kernel/runs/kept.py): they outlive the run."""
-        self.settings, self.packing, self.registered = held.settings, held.packing, held.registered
+        self.settings, self.packing, self.registered, self.sent = held.settings, held.packing, held.registered, held.sent
         self.data, self.backend, self.trial = held.data, held.backend, held.trial
         self.kept = kept
         self.on_kept = kept is not None and kept.running  # planned for ranks already running: its closure is partial
@@ -218,7 +219,9 @@ class Run:
         """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""
         try:
             final = apply_results(namespace, result, self.packing, self.registered)
-            if self.kept is not None and result is not None:  # the ranks have these: never sent back unless rebound
+            if self.kept is not None:  # the cell ran: the ranks have what it sent, and rank 0's names are theirs
+                self.kept.names.remember(self.sent)
+            if self.kept is not None and result is not None:
                 self.kept.names.remember({s.name: namespace[s.name] for s in result.segments if s.bind and s.name in namespace})
                 self.kept.names.forget(result.deleted)
             return final

@@ -75,12 +75,16 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
             releases.callback(data.close)
         # placement held from here (kept ranks hold theirs until they are released)
         backend = kept.backend if kept is not None else releases.enter_context(context.backend(settings))
-        held = Held(settings, packing, registered, data, backend, trial)
+        held = Held(settings, packing, registered, data, backend, trial, sent=closure)
         # a search's trials hold their own slices of the GPUs (the search itself is the holder)
         holder = session.runs.gpu_holder() if backend.devices.device == "cuda" and backend.loopback_only \
             and trial is None else None
         if holder is not None:
             raise LaunchError(gpus_held_text(holder.summary()))
+        if kept is None and session.kept is not None and session.kept.holds_local_gpus and backend.devices.device == "cuda" \
+                and backend.loopback_only:
+            raise LaunchError(f"taas: the kept ranks ({session.kept.shape}) hold this host's GPUs: %taas release "
+                              "ends them, or run this cell with --keep")
         rule = session.write_rule()
         try:
             shared = resolve_shared(settings.shared, rule.repository, os.getcwd())
@@ -96,8 +100,6 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
                  backend.layout(), data.header() if data is not None else None]
         session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
         run = Run(held, releases.pop_all(), spec, rule, session.last_run, kept)  # whole: it releases all of it from now on
-    if kept is not None:
-        kept.names.remember(closure)  # this cell gives them these
     try:
         run.log.header("\ntaas: ".join(line for line in lines if line))
     except BaseException:
@@ -113,7 +115,7 @@ def _kept(settings: RunSettings, context: PlanContext) -> tuple[KeptRanks, list[
                           "ones hold (a kept cell that fails keeps its ranks where it can): leave out one of them")
     cluster = context.session.cluster
     where = "this host" if cluster is None else cluster.status_lines()[0].split(",")[0].removeprefix("cluster: ")
-    shape = Shape(settings.gpus, settings.device, where, id(cluster))
+    shape = Shape(settings.gpus, settings.device, where, id(cluster) if cluster is not None else 0, settings.per_host)
     kept, ended = context.session.kept_for(shape, lambda: context.backend(settings))
     if kept.running:
         since = time.strftime("%H:%M:%S", time.localtime(kept.started))

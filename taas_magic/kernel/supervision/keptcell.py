@@ -11,13 +11,15 @@ and exits (mux.py), kept from cell to cell by the session (kernel/runs/kept.py).
   results; its output is read up to there, and the ranks stay;
 - a rank that raised sends its report and then ``CellDone``: the cell fails with that error. If every
   rank's cell is over within :data:`KEEP_WAIT_SECONDS` (they all raised, or the others were done), the
-  ranks are kept, globals and group: as IPython keeps a kernel. A rank that still runs then waits in a
-  collective for the one that failed, so every rank is stopped, and their state is lost: the cell says so;
+  ranks are kept, globals and group: as IPython keeps a kernel. Those still in their cell are interrupted
+  then, and kept if they all end it within :data:`FAILURE_INTERRUPT_SECONDS` (a rank in Python code does);
+  a rank that still runs waits in a collective for the one that failed (or in C code), so every rank is
+  stopped, and their state is lost: the cell says so. A kept rank that exits, even with 0, has failed;
 - an interrupt (``%taas stop``, the person's) is sent to every rank as SIGINT (an ``Interrupt`` frame):
   a cell stopped in Python code ends on every rank within :data:`INTERRUPT_WAIT_SECONDS` and the ranks are
   kept; one stuck in C code or a collective is stopped with the others, and their state is lost;
-- ``--timeout`` names the ranks still running and where they were, as in any run, then interrupts them as
-  above: ranks stopped in Python code are kept;
+- ``--timeout`` names the ranks still running and where they were, as in any run, then interrupts them:
+  ranks stopped in Python code are kept;
 - a rank that dies is named as in any run; the others are stopped with it.
 
 A cell's data workers are its own: started with it, stopped when its ranks end it, then forgotten by the
@@ -38,8 +40,9 @@ from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts, Super
 from taas_magic.launch.contract import ProcessGroup
 from taas_magic.peers import RANK, Peer
 
-KEEP_WAIT_SECONDS = 1.5  # after a rank's error, how long the others may take to end their cell before all are stopped
-INTERRUPT_WAIT_SECONDS = 3.0  # after an interrupt, how long every rank may take to end its cell
+KEEP_WAIT_SECONDS = 1.0  # after a rank's error, how long the others may take to end their cell before they are interrupted
+INTERRUPT_WAIT_SECONDS = 3.0  # after the person's interrupt, how long every rank may take to end its cell
+FAILURE_INTERRUPT_SECONDS = 1.5  # after a failure, how long the interrupted ranks may take (the error waits for it)
 STEP_SECONDS = 0.02
 KEPT_LINE = "taas: the ranks are kept, with their globals and their process group: the next --keep cell runs in them"
 
@@ -95,7 +98,7 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
         ranks.mux.channels.ids, ranks.mux.channels.greeting = parts.ids, parts.greeting  # this cell's peers and frames
     parts.server.readmit(range(parts.ids.ranks, len(parts.ids)))  # this cell's data workers, as the last cell's
     plane = data() if data is not None else None
-    supervisor = Supervisor(parts, plane, mux=None if fresh else ranks.mux)
+    supervisor = Supervisor(parts, plane, kept=True, mux=None if fresh else ranks.mux)
     kept = False
     try:
         if plane is not None:
@@ -120,13 +123,12 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
         if outcome is not None:
             kept = True
             return outcome
-        if isinstance(supervisor.verdict.failure, RunTimeout):  # --timeout: stopped in Python code, they are kept
-            kept = _interrupt_every_rank(supervisor)
-        else:
-            kept = _wait_for_every_cell(supervisor, KEEP_WAIT_SECONDS)
+        # the others end their cell (they all raised), or are interrupted: a rank in Python code then ends it too
+        kept = (not isinstance(supervisor.verdict.failure, RunTimeout) and _wait_for_every_cell(supervisor, KEEP_WAIT_SECONDS)
+                or _interrupt_every_rank(supervisor))
         failure: RunError = supervisor.last_words(
-            (KEPT_LINE,) if kept else (lost_line("a rank was still in its cell after another failed"),))
-        raise failure.on_kept_ranks() if kept and isinstance(failure, PeerFailed) else failure
+            (KEPT_LINE,) if kept else (lost_line("not every rank ended its cell after the failure, even interrupted"),))
+        raise failure.on_kept_ranks() if kept and isinstance(failure, (PeerFailed, RunTimeout)) else failure
     finally:
         supervisor.mux.channels.greeting = _no_greeting  # the mux outlives the cell: not its frames
         if not kept:
@@ -147,16 +149,16 @@ def _no_greeting(peer: Peer) -> list[bytes]:
 
 def _interrupted(supervisor: Supervisor) -> bool:
     """The person's interrupt: every rank interrupted, and the cell says what was kept."""
-    kept = _interrupt_every_rank(supervisor)
+    kept = _interrupt_every_rank(supervisor, INTERRUPT_WAIT_SECONDS)
     supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
     return kept
 
 
-def _interrupt_every_rank(supervisor: Supervisor) -> bool:
-    """SIGINT in every rank (an ``Interrupt`` frame); whether each ended its cell in time (then they are kept)."""
-    for rank in range(supervisor.parts.ids.ranks):
+def _interrupt_every_rank(supervisor: Supervisor, seconds: float = FAILURE_INTERRUPT_SECONDS) -> bool:
+    """SIGINT in every rank still in its cell (an ``Interrupt`` frame); whether each ended it within ``seconds``."""
+    for rank in supervisor.verdict.running():
         supervisor.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt()))
-    return _wait_for_every_cell(supervisor, INTERRUPT_WAIT_SECONDS)
+    return _wait_for_every_cell(supervisor, seconds)
 
 
 def _wait_for_every_cell(supervisor: Supervisor, seconds: float) -> bool:

@@ -116,13 +116,13 @@ class RunOutcome:
 class Supervisor:
     """One cell's supervision over the data workers and the current attempt's ranks."""
 
-    def __init__(self, parts: RunParts, data: DataPlane | None, mux: Mux | None = None):  # mux: kept ranks' (keptcell.py)
-        self.parts, self.data = parts, data
-        self.kept = mux is not None
+    def __init__(self, parts: RunParts, data: DataPlane | None, kept: bool = False, mux: Mux | None = None):
+        """``kept``: a cell on kept ranks (keptcell.py), over ``mux`` once they started (it watches them)."""
+        self.parts, self.data, self.kept = parts, data, kept
         self.mux = mux if mux is not None else Mux(parts.server, parts.ids, parts.greeting)
         self.relay = parts.relay(self._on_marker)
         loader_name = data.coordinator.name_of if data is not None else _no_feed
-        self.verdict = Verdict(parts.ids.ranks, self._host, loader_name)
+        self.verdict = Verdict(parts.ids.ranks, self._host, loader_name, kept=kept)
         self.displays = HeldDisplays(self.relay, parts.publish, parts.ids)
         self.group: ProcessGroup | None = None  # the current attempt's ranks (attach / detach)
         self.result: Result | None = None

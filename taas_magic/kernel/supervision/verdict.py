@@ -62,6 +62,7 @@ class Verdict:
     exits: dict[Peer, int] = field(default_factory=dict)
     reported: set[Peer] = field(default_factory=set)  # ranks that sent an error report
     workers_done: set[int] = field(default_factory=set)
+    kept: bool = False  # kept ranks (keptcell.py): a rank that exits at all, even with 0, failed
 
     def saw(self, event: Event | TimedOut) -> None:
         match event:
@@ -84,7 +85,9 @@ class Verdict:
 
     def _exited(self, peer: Peer, code: int) -> None:
         self.exits[peer] = code
-        if code != 0:
+        if code == 0 and peer.is_rank and self.kept:
+            self._fail(self._failed(peer, "exited in a kept cell (code 0) instead of ending it"), peer, silent=True)
+        elif code != 0:
             if peer not in self.reported:
                 self._fail(self._failed(peer, describe_exit(code) + " without reporting an error"), peer, silent=True)
         elif not peer.is_rank and peer.index not in self.workers_done:
