@@ -18,14 +18,19 @@ ready) in the same kernel, one after the other, so a busy moment moves both:
 - compiled: a ``torch.compile``'d function's first call in kept ranks (compiling), and its call in the next
   kept cell (not compiled again); target: the second at most 5% of the first.
 
-jupyter-distributed and nbdistributed, the two tools that keep ranks across cells, are not measured here
-yet (docs/limits.md): both need a notebook server set-up of their own, and nbdistributed ends its workers
-with ``pkill -f`` on name patterns that also match other processes of this machine.
+Beside them, ``--nbdistributed SITE`` (a folder holding ``pip install --no-deps --target SITE nbdistributed``)
+measures nbdistributed's kept workers on the first two rows, in a kernel of its own: ``%dist_init -n 2``, then
+the same cells (its workers made their gloo group at ``%dist_init``). Its recovery rows are not run: its
+only way out of a failed collective is ``%dist_shutdown``, whose ``pkill -f`` on name patterns (``worker.py``,
+``python.*worker``, ``torch.*distributed``) ends other processes of this machine too; its kernel is ended here
+by killing that kernel's own process tree. jupyter-distributed needs a Jupyter server and its proxy kernel:
+not measured yet (docs/limits.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -85,6 +90,36 @@ def compiled(kernel: Kernel) -> tuple[float, float]:
     return calls[0], calls[1]
 
 
+def nbdistributed(site: str, runs: int) -> tuple[list[float], list[float]]:
+    """nbdistributed's first line and all_reduce cell, ``runs`` times each (see the module docstring)."""
+    import psutil
+
+    # it starts its workers as "python" from PATH: this interpreter's, as in an activated venv
+    path = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
+    kernel = Kernel(load_ext=False, env={"PYTHONPATH": site, "PATH": path})
+    tree = psutil.Process(kernel.pid)
+    try:
+        for setup in ("%load_ext nbdistributed", "%dist_init -n 2"):
+            ran = kernel.execute(setup, timeout=300)
+            if ran.reply["status"] != "ok":
+                raise RuntimeError(f"{setup}: {ran.error_text() or ran.stream()}")
+        reply(kernel, "import torch, torch.distributed as dist\n")
+        first, reduce = [], []
+        for _ in range(runs):
+            time.sleep(2)
+            first.append(first_line(kernel, FIRST))
+            reduce.append(reply(kernel, "dist.all_reduce(torch.ones(1))\n"))
+        return first, reduce
+    finally:
+        processes = tree.children(recursive=True)
+        kernel.shutdown()
+        for process in processes:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
 def row(name: str, values: list[float], beside: list[float] | None, target: str, unit: str = "s") -> str:
     def shown(samples: list[float]) -> str:
         return f"{statistics.median(samples):.3f} {unit} ({min(samples):.3f}-{max(samples):.3f})"
@@ -96,7 +131,9 @@ def row(name: str, values: list[float], beside: list[float] | None, target: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
-    runs = parser.parse_args().runs
+    parser.add_argument("--nbdistributed", metavar="SITE", help="a folder holding nbdistributed (see above)")
+    arguments = parser.parse_args()
+    runs = arguments.runs
     kernel = Kernel()
     try:
         rows: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("first", "reduce", "failed", "next")}
@@ -118,6 +155,7 @@ def main() -> None:
         kernel.execute("%taas release")
     finally:
         kernel.shutdown()
+    other = nbdistributed(arguments.nbdistributed, runs) if arguments.nbdistributed else None
     print(f"kept ranks beside fresh warm ranks, 2 CPU ranks (gloo), {runs} runs each: median (min-max)\n")
     print("| row | kept | fresh (warm spares) | target |")
     print("| --- | --- | --- | --- |")
@@ -129,6 +167,13 @@ def main() -> None:
     ratio = second_call / first_call
     print(f"| compiled: first call (compiling) / next call in kept ranks | {first_call:.3f} s / {second_call:.4f} s "
           f"= {ratio:.1%} | | <= 5% |")
+    if other is not None:
+        print("\nnbdistributed's kept workers (%dist_init -n 2), the same cells\n")
+        print("| row | nbdistributed | taas kept (above) |")
+        print("| --- | --- | --- |")
+        for name, theirs, ours in (("first line", other[0], rows["first"][0]),
+                                   ("a cell with an all_reduce, to its reply", other[1], rows["reduce"][0])):
+            print(row(name, theirs, ours, "").rsplit(" |  |", 1)[0] + " |")
 
 
 if __name__ == "__main__":
