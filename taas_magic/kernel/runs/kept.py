@@ -39,6 +39,7 @@ from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.launch.contract import Backend
 from taas_magic.peers import PeerIds
 from taas_magic.procs import kill_tagged
+from taas_magic.protocol import Result
 from taas_magic.tempdirs import remove_tree
 from taas_magic.writes.rule import ScratchLayers
 
@@ -79,6 +80,14 @@ class NameTokens:
     def forget(self, names: Iterable[str]) -> None:
         for name in names:
             self._have.pop(name, None)
+
+    def cell_ran(self, sent: Mapping[str, object], result: Result | None, namespace: Mapping[str, object]) -> None:
+        """A cell succeeded: the ranks have what it ``sent``, and rank 0's names just bound in ``namespace`` are theirs."""
+        self.remember(sent)
+        if result is not None:
+            self.remember({segment.name: namespace[segment.name] for segment in result.segments
+                           if segment.bind and segment.name in namespace})
+            self.forget(result.deleted)
 
 
 def _reference(value: object) -> Callable[[], object]:

@@ -219,11 +219,8 @@ class Run:
         """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""
         try:
             final = apply_results(namespace, result, self.packing, self.registered)
-            if self.kept is not None:  # the cell ran: the ranks have what it sent, and rank 0's names are theirs
-                self.kept.names.remember(self.sent)
-            if self.kept is not None and result is not None:
-                self.kept.names.remember({s.name: namespace[s.name] for s in result.segments if s.bind and s.name in namespace})
-                self.kept.names.forget(result.deleted)
+            if self.kept is not None:
+                self.kept.names.cell_ran(self.sent, result, namespace)
             return final
         finally:
             memfile.remove_run(os.getpid(), self.spec.run_id)
