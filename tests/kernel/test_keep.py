@@ -71,6 +71,7 @@ dist.destroy_process_group()  # harmless too
         assert pids_of(text) == pids, text
         assert f"[rank 1] pid {pids[1]} w {[float(cell)] * 3} sum 2.0" in text, text
         assert f"[rank 0] pid {pids[0]} w {[float(cell - 1)] * 3} sum 2.0" in text, text
+    assert "kept ranks: 2 rank(s) on cpu, this host, 3 cell(s)" in ok(k, "%taas runs").stream()
     status = ok(k, "%taas status").stream()
     assert "kept ranks: 2 rank(s) on cpu, this host, 3 cell(s)" in status
     assert f"rank 1, pid {pids[1]} on localhost (cpu):" in status, status
