@@ -72,8 +72,19 @@ def publisher(display_pub: Any) -> Publish:
     return publish
 
 
+CELL_END = "\x01taas-cell-end\x01"  # a kept rank's last bytes of a cell on each stream (rank/betweencells.py)
+
+
 def display_marker(number: int) -> bytes:
     return f"{MARKER_PREFIX}{number}\x00".encode("ascii")
+
+
+def _held_end(text: str) -> int:
+    """Where ``text`` ends with the first part of :data:`CELL_END` (to hold back), or -1."""
+    for length in range(min(len(CELL_END) - 1, len(text)), 0, -1):
+        if text.endswith(CELL_END[:length]):
+            return len(text) - length
+    return -1
 
 
 def _incomplete_marker_start(text: str) -> int:
@@ -94,6 +105,8 @@ class _RankText:
         }
         self.partial = {"stdout": "", "stderr": ""}
         self.marker_hold = ""
+        self.end_hold = {"stdout": "", "stderr": ""}  # the first part of a cell's end, not yet whole
+        self.ended: set[str] = set()  # the streams that said this cell is over (kept ranks)
         self.tail: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self.tail_partial = ""
 
@@ -153,6 +166,13 @@ class OutputRelay:
             return
         state = self.texts[peer]
         text = state.decoders[stream].decode(data, final=final)
+        if "\x01" in text or state.end_hold[stream]:  # perhaps a kept rank's cell's end: cut out, noted
+            text = state.end_hold[stream] + text
+            if CELL_END in text:
+                state.ended.add(stream)
+                text = text.replace(CELL_END, "")
+            hold = -1 if final else _held_end(text)
+            text, state.end_hold[stream] = (text[:hold], text[hold:]) if hold != -1 else (text, "")
         if stream == "stdout" and self.on_marker is not None:
             text = state.marker_hold + text
             hold = -1 if final else _incomplete_marker_start(text)
@@ -196,6 +216,10 @@ class OutputRelay:
 
     def last_lines(self, peer: Peer) -> tuple[str, ...]:
         return self.texts[peer].last_lines()
+
+    def cell_ended(self, peer: Peer) -> bool:
+        """Whether a kept rank's both streams said its cell is over (all it printed in the cell is here)."""
+        return self.texts[peer].ended == {"stdout", "stderr"}
 
     def has_pending(self) -> bool:
         return any(self.pending.values())

@@ -3,8 +3,9 @@
 Runs in each rank of a ``--keep`` cell, on its main thread, after each cell (rank/main.py).
 
 A kept rank does not exit when its cell ends. Its ``__main__``, its process group and whatever the
-cell put on its device stay as they are; it flushes its output (Python's and C's: the kernel ends the
-cell when every rank said ``CellDone``, and what the rank printed before that is then in its pipes),
+cell put on its device stay as they are; it flushes its output (Python's and C's) and writes the cell's
+end on both streams (output/relay.py's ``CELL_END``: on a cluster its output travels through its host's
+agent, and may come after its ``CellDone``; the kernel ends the cell once it has read both ends),
 pauses its reports (nobody reads them between cells, and no health alarm may fire over a long pause),
 says ``CellDone`` and waits for the next cell's spec and closure, which arrive on its channel as the
 first cell's did; frames the last cell left (elements sent ahead to a loop that stopped early) are
@@ -23,6 +24,7 @@ import os
 import signal
 
 from taas_magic.output import reports
+from taas_magic.output.relay import CELL_END
 from taas_magic.protocol import CellDone, Closure, ClosureHostCopy, Interrupt, Spec, ToKernel, ToPeer
 from taas_magic.rank import startup
 from taas_magic.rank.inbox import Inbox
@@ -89,6 +91,8 @@ def between_cells(inbox: Inbox, raised: bool, rank: int) -> tuple[RunSpec, Recei
     cell_ends()
     startup.flush_output()
     _flush_c_output()
+    for fd in (1, 2):  # after everything the cell printed, on each stream: the kernel reads up to here
+        os.write(fd, CELL_END.encode("ascii"))
     reports.flush()
     reports.pause()
     try:

@@ -422,3 +422,17 @@ print("batches", sum(1 for _ in early_loader))
     counts = [int(value) for value in re.findall(r"\] batches (\d+)", ran.stream())]
     assert len(counts) == 2 and sum(counts) in (32, 64), ran.stream()  # whole passes, none of the last cell's
     ok(k, "taas.unregister(early_loader)")
+
+
+def test_what_a_kept_cell_prints_last_shows_in_that_cell_and_not_the_next(k):
+    first = ok(k, f"""{KEEP}
+import sys
+print("unfinished line", end="")
+sys.stderr.write("unfinished error")
+""")
+    assert "unfinished line" in first.stream("stdout") and "unfinished error" in first.stream("stderr")
+    second = ok(k, f"""{KEEP}
+print("second")
+""")
+    assert "unfinished" not in second.stream() and "second" in second.stream()
+    assert "\x01" not in first.stream() + second.stream()

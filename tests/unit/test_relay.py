@@ -74,3 +74,17 @@ def test_mute_drops_noise_after_a_failure():
     relay.feed(RANK_0, "stdout", b"KeyboardInterrupt\n")
     relay.flush(force=True)
     assert out.getvalue() == "before\n"
+
+
+def test_a_kept_ranks_cell_end_is_cut_out_of_each_stream_even_when_split_and_noted():
+    from taas_magic.output.relay import CELL_END
+
+    relay, out, err = _relay()
+    for stream, text in (("stdout", "last line\n" + CELL_END), ("stderr", "warning\n" + CELL_END)):
+        data = text.encode()
+        for i in range(len(data)):  # one byte at a time: the end split everywhere
+            relay.feed(RANK_0, stream, data[i : i + 1])
+            assert relay.cell_ended(RANK_0) is False or (stream == "stderr" and i == len(data) - 1)
+    relay.flush(force=True)
+    assert out.getvalue() == "last line\n" and err.getvalue() == "warning\n"
+    assert relay.cell_ended(RANK_0)

@@ -265,6 +265,15 @@ class Supervisor:
         return self.data.workers.children[peer.index].host
 
 
+def _kept_output_read(supervisor: Supervisor) -> bool:
+    """Kept ranks: each one's output of the cell read up to its end (output/relay.py's ``CELL_END``)."""
+    ranks = [Peer(RANK, rank) for rank in range(supervisor.parts.ids.ranks)]
+    for rank in ranks:
+        if not supervisor.relay.cell_ended(rank):
+            supervisor.handle_all(supervisor.mux.drain_pipes(rank))
+    return all(supervisor.relay.cell_ended(rank) for rank in ranks)
+
+
 def _no_feed(feed: int | None) -> str:
     return "the registered loaders"
 
@@ -303,13 +312,14 @@ class AttemptWatch:
             if verdict.failure is not None:
                 self._settle()
                 return None
-            if verdict.ranks_exited() and supervisor.kept:  # every kept rank said CellDone, after what it printed
-                for rank in range(supervisor.parts.ids.ranks):
-                    supervisor.handle_all(supervisor.mux.drain_pipes(Peer(RANK, rank)))
-                return supervisor.outcome()
+            now = time.monotonic()
+            if verdict.ranks_exited() and supervisor.kept:  # every kept rank said CellDone: its output's end read?
+                all_exited_at = all_exited_at or now
+                if _kept_output_read(supervisor) or now - all_exited_at > PIPE_GRACE_SECONDS:
+                    return supervisor.outcome()
+                continue
             if verdict.ranks_exited() and not supervisor.mux.rank_streams_open():
                 return supervisor.outcome()
-            now = time.monotonic()
             if verdict.ranks_exited():
                 all_exited_at = all_exited_at or now
                 if now - all_exited_at > PIPE_GRACE_SECONDS:
