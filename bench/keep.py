@@ -23,8 +23,12 @@ measures nbdistributed's kept workers on the first two rows, in a kernel of its 
 the same cells (its workers made their gloo group at ``%dist_init``). Its recovery rows are not run: its
 only way out of a failed collective is ``%dist_shutdown``, whose ``pkill -f`` on name patterns (``worker.py``,
 ``python.*worker``, ``torch.*distributed``) ends other processes of this machine too; its kernel is ended here
-by killing that kernel's own process tree. jupyter-distributed needs a Jupyter server and its proxy kernel:
-not measured yet (docs/limits.md).
+by killing that kernel's own process tree. ``--jupyter-distributed SITE`` (the same, for jupyter-distributed)
+measures its proxy kernel over two rank kernels (a kernel spec of this run's own runs
+``python -m jupyter_distributed.kernel`` with ``JUPYTER_DISTRIBUTED_WORLD_SIZE=2``), its group made by a first
+cell, on the same two rows; its recovery and interrupt rows are not run here (its README: after a failed
+collective "a group restart may be required").
+Each tool's rows are taken in blocks, as taas's kept ones: nothing else starts processes meanwhile.
 """
 
 from __future__ import annotations
@@ -106,8 +110,53 @@ def nbdistributed(site: str, runs: int) -> tuple[list[float], list[float]]:
         reply(kernel, "import torch, torch.distributed as dist\n")
         first, reduce = [], []
         for _ in range(runs):
-            time.sleep(2)
+            time.sleep(0.5)
             first.append(first_line(kernel, FIRST))
+        for _ in range(runs):
+            time.sleep(0.5)
+            reduce.append(reply(kernel, "dist.all_reduce(torch.ones(1))\n"))
+        return first, reduce
+    finally:
+        processes = tree.children(recursive=True)
+        kernel.shutdown()
+        for process in processes:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
+    """jupyter-distributed's first line and all_reduce cell, ``runs`` times each: its proxy kernel (a kernelspec
+    of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring)."""
+    import json
+    import tempfile
+
+    import psutil
+
+    specs = tempfile.mkdtemp()
+    os.makedirs(os.path.join(specs, "kernels", "jdist"))
+    with open(os.path.join(specs, "kernels", "jdist", "kernel.json"), "w") as spec:
+        json.dump({"argv": [sys.executable, "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
+                   "display_name": "jupyter-distributed", "language": "python"}, spec)
+    os.environ["JUPYTER_PATH"] = specs  # where this process's kernel manager finds the spec
+    path = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
+    kernel = Kernel(kernel_name="jdist", load_ext=False, env={
+        "PYTHONPATH": site, "PATH": path, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"})
+    tree = psutil.Process(kernel.pid)
+    printed = '"first-line\\n"'  # the line as its rank display carries it (not the code echoed)
+    try:
+        reply(kernel, "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n")
+        first, reduce = [], []
+        for _ in range(runs):
+            time.sleep(0.5)
+            msg_id, started = kernel.submit(FIRST)
+            kernel.wait_for(msg_id, lambda kind, content: kind != "execute_input" and printed in json.dumps(content),
+                            "its first line", timeout=120)
+            first.append(time.monotonic() - started)
+            kernel.collect(msg_id, started)
+        for _ in range(runs):
+            time.sleep(0.5)
             reduce.append(reply(kernel, "dist.all_reduce(torch.ones(1))\n"))
         return first, reduce
     finally:
@@ -132,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--nbdistributed", metavar="SITE", help="a folder holding nbdistributed (see above)")
+    parser.add_argument("--jupyter-distributed", metavar="SITE", help="a folder holding jupyter-distributed (see above)")
     arguments = parser.parse_args()
     runs = arguments.runs
     kernel = Kernel()
@@ -140,14 +190,18 @@ def main() -> None:
         interrupts: list[float] = []
         reply(kernel, KEEP + "pass\n")
         reply(kernel, FRESH + "pass\n")
-        for _ in range(runs):
-            time.sleep(2)
+        for _ in range(runs):  # each block alone: a fresh cell's spares warming must not slow a kept one
+            time.sleep(0.5)
             rows["first"][0].append(first_line(kernel, KEEP + FIRST))
-            time.sleep(2)
-            rows["first"][1].append(first_line(kernel, FRESH + FIRST))
+        for _ in range(runs):
+            time.sleep(0.5)
             rows["reduce"][0].append(reply(kernel, KEEP + ALL_REDUCE))
+        for _ in range(runs):
+            time.sleep(2)  # the spares ready
+            rows["first"][1].append(first_line(kernel, FRESH + FIRST))
             time.sleep(2)
             rows["reduce"][1].append(reply(kernel, FRESH + ALL_REDUCE))
+        for _ in range(runs):
             rows["failed"][0].append(reply(kernel, KEEP + FAILING, expect="error"))
             rows["next"][0].append(reply(kernel, KEEP + "pass\n"))
             interrupts.append(interrupt(kernel))
@@ -155,7 +209,9 @@ def main() -> None:
         kernel.execute("%taas release")
     finally:
         kernel.shutdown()
-    other = nbdistributed(arguments.nbdistributed, runs) if arguments.nbdistributed else None
+    others = {name: measure(site, runs) for name, measure, site in (
+        ("nbdistributed", nbdistributed, arguments.nbdistributed),
+        ("jupyter-distributed", jupyter_distributed, arguments.jupyter_distributed)) if site}
     print(f"kept ranks beside fresh warm ranks, 2 CPU ranks (gloo), {runs} runs each: median (min-max)\n")
     print("| row | kept | fresh (warm spares) | target |")
     print("| --- | --- | --- | --- |")
@@ -167,13 +223,13 @@ def main() -> None:
     ratio = second_call / first_call
     print(f"| compiled: first call (compiling) / next call in kept ranks | {first_call:.3f} s / {second_call:.4f} s "
           f"= {ratio:.1%} | | <= 5% |")
-    if other is not None:
-        print("\nnbdistributed's kept workers (%dist_init -n 2), the same cells\n")
-        print("| row | nbdistributed | taas kept (above) |")
+    for name, (first, reduce) in others.items():
+        print(f"\n{name}'s kept processes (2 ranks, gloo), the same cells\n")
+        print(f"| row | {name} | taas kept (above) |")
         print("| --- | --- | --- |")
-        for name, theirs, ours in (("first line", other[0], rows["first"][0]),
-                                   ("a cell with an all_reduce, to its reply", other[1], rows["reduce"][0])):
-            print(row(name, theirs, ours, "").rsplit(" |  |", 1)[0] + " |")
+        for title, theirs, ours in (("first line", first, rows["first"][0]),
+                                    ("a cell with an all_reduce, to its reply", reduce, rows["reduce"][0])):
+            print(row(title, theirs, ours, "").rsplit(" |  |", 1)[0] + " |")
 
 
 if __name__ == "__main__":
