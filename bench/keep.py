@@ -34,11 +34,15 @@ Each tool's rows are taken in blocks, as taas's kept ones: nothing else starts p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,9 +70,13 @@ def reply(kernel: Kernel, code: str, expect: str = "ok") -> float:
     return ran.reply_at
 
 
-def first_line(kernel: Kernel, code: str) -> float:
+def first_line(kernel: Kernel, code: str, arrived: Callable[[str, dict], bool] | None = None) -> float:
+    """The request -> ``first-line`` on iopub: in a stream, or where ``arrived(kind, content)`` says (a display)."""
     msg_id, started = kernel.submit(code)
-    kernel.wait_for_stream(msg_id, "first-line", timeout=120)
+    if arrived is None:
+        kernel.wait_for_stream(msg_id, "first-line", timeout=120)
+    else:
+        kernel.wait_for(msg_id, arrived, "its first line", timeout=120)
     seconds = time.monotonic() - started
     kernel.collect(msg_id, started, timeout=120)
     return seconds
@@ -94,28 +102,17 @@ def compiled(kernel: Kernel) -> tuple[float, float]:
     return calls[0], calls[1]
 
 
-def nbdistributed(site: str, runs: int) -> tuple[list[float], list[float]]:
-    """nbdistributed's first line and all_reduce cell, ``runs`` times each (see the module docstring)."""
+@contextlib.contextmanager
+def other_kernel(env: dict[str, str], kernel_name: str = "python3") -> Iterator[Kernel]:
+    """Another tool's kernel, with this interpreter first on PATH (the tools start "python" from PATH, as in an
+    activated venv); ended with its whole process tree, never by the tool's own name-pattern kills."""
     import psutil
 
-    # it starts its workers as "python" from PATH: this interpreter's, as in an activated venv
     path = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
-    kernel = Kernel(load_ext=False, env={"PYTHONPATH": site, "PATH": path})
+    kernel = Kernel(kernel_name=kernel_name, load_ext=False, env={**env, "PATH": path})
     tree = psutil.Process(kernel.pid)
     try:
-        for setup in ("%load_ext nbdistributed", "%dist_init -n 2"):
-            ran = kernel.execute(setup, timeout=300)
-            if ran.reply["status"] != "ok":
-                raise RuntimeError(f"{setup}: {ran.error_text() or ran.stream()}")
-        reply(kernel, "import torch, torch.distributed as dist\n")
-        first, reduce = [], []
-        for _ in range(runs):
-            time.sleep(0.5)
-            first.append(first_line(kernel, FIRST))
-        for _ in range(runs):
-            time.sleep(0.5)
-            reduce.append(reply(kernel, "dist.all_reduce(torch.ones(1))\n"))
-        return first, reduce
+        yield kernel
     finally:
         processes = tree.children(recursive=True)
         kernel.shutdown()
@@ -126,47 +123,44 @@ def nbdistributed(site: str, runs: int) -> tuple[list[float], list[float]]:
                 pass
 
 
+def two_rows(kernel: Kernel, runs: int, arrived: Callable[[str, dict], bool] | None = None) -> tuple[list[float], list[float]]:
+    """On kept processes whose cells already have ``torch`` and ``dist``: the first line ``runs`` times, then the
+    all_reduce cell ``runs`` times, each block alone."""
+    first, reduce = [], []
+    for _ in range(runs):
+        time.sleep(0.5)
+        first.append(first_line(kernel, FIRST, arrived))
+    for _ in range(runs):
+        time.sleep(0.5)
+        reduce.append(reply(kernel, "dist.all_reduce(torch.ones(1))\n"))
+    return first, reduce
+
+
+def nbdistributed(site: str, runs: int) -> tuple[list[float], list[float]]:
+    """nbdistributed's first line and all_reduce cell, ``runs`` times each (see the module docstring)."""
+    with other_kernel({"PYTHONPATH": site}) as kernel:
+        for setup in ("%load_ext nbdistributed", "%dist_init -n 2"):
+            ran = kernel.execute(setup, timeout=300)
+            if ran.reply["status"] != "ok":
+                raise RuntimeError(f"{setup}: {ran.error_text() or ran.stream()}")
+        reply(kernel, "import torch, torch.distributed as dist\n")
+        return two_rows(kernel, runs)
+
+
 def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
     """jupyter-distributed's first line and all_reduce cell, ``runs`` times each: its proxy kernel (a kernelspec
     of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring)."""
-    import json
-    import tempfile
-
-    import psutil
-
     specs = tempfile.mkdtemp()
     os.makedirs(os.path.join(specs, "kernels", "jdist"))
     with open(os.path.join(specs, "kernels", "jdist", "kernel.json"), "w") as spec:
         json.dump({"argv": [sys.executable, "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
                    "display_name": "jupyter-distributed", "language": "python"}, spec)
     os.environ["JUPYTER_PATH"] = specs  # where this process's kernel manager finds the spec
-    path = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
-    kernel = Kernel(kernel_name="jdist", load_ext=False, env={
-        "PYTHONPATH": site, "PATH": path, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"})
-    tree = psutil.Process(kernel.pid)
     printed = '"first-line\\n"'  # the line as its rank display carries it (not the code echoed)
-    try:
+    env = {"PYTHONPATH": site, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"}
+    with other_kernel(env, "jdist") as kernel:
         reply(kernel, "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n")
-        first, reduce = [], []
-        for _ in range(runs):
-            time.sleep(0.5)
-            msg_id, started = kernel.submit(FIRST)
-            kernel.wait_for(msg_id, lambda kind, content: kind != "execute_input" and printed in json.dumps(content),
-                            "its first line", timeout=120)
-            first.append(time.monotonic() - started)
-            kernel.collect(msg_id, started)
-        for _ in range(runs):
-            time.sleep(0.5)
-            reduce.append(reply(kernel, "dist.all_reduce(torch.ones(1))\n"))
-        return first, reduce
-    finally:
-        processes = tree.children(recursive=True)
-        kernel.shutdown()
-        for process in processes:
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
+        return two_rows(kernel, runs, lambda kind, content: kind != "execute_input" and printed in json.dumps(content))
 
 
 def row(name: str, values: list[float], beside: list[float] | None, target: str, unit: str = "s") -> str:
