@@ -43,6 +43,11 @@ def pids_of(text: str) -> dict[int, int]:
     return {int(rank): int(pid) for rank, pid in re.findall(r"\[rank (\d)\] pid (\d+)", text)}
 
 
+def kept_pids(kernel: Kernel) -> dict[int, int]:
+    """A --keep cell that only says where each rank is: its ranks' pids."""
+    return pids_of(ok(kernel, f"{KEEP} --output all\nimport os\nprint('pid', os.getpid())\n").stream())
+
+
 def test_globals_and_group_are_kept_over_three_cells_and_each_rank_keeps_its_own_values(k):
     first = ok(k, f"""{KEEP} --output all
 import os, torch, torch.distributed as dist
@@ -184,42 +189,29 @@ print("sum", t.item())
 
 
 def test_another_shape_ends_the_kept_ranks_in_one_line_and_starts_new_ones(k):
-    first = ok(k, f"""{KEEP} --output all
-import os
-print("pid", os.getpid())
-""")
+    first = kept_pids(k)
     ran = ok(k, """#pragma taas --gpus 3 --device cpu --keep --output all
 import os
 print("pid", os.getpid(), "old", "first" in globals())
 """)
     text = ran.stream()
     assert "the kept ranks (2 rank(s) on cpu, this host) ended: this cell wants 3 rank(s) on cpu, this host" in text
-    assert len(pids_of(text)) == 3 and set(pids_of(text).values()).isdisjoint(pids_of(first.stream()).values())
+    assert len(pids_of(text)) == 3 and set(pids_of(text).values()).isdisjoint(first.values())
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                   for pid in pids_of(first.stream()).values())
+                   for pid in first.values())
 
 
 def test_a_rank_that_dies_between_cells_means_new_ranks_and_the_cell_says_so(k):
-    first = ok(k, f"""{KEEP} --output all
-import os
-print("pid", os.getpid())
-""")
-    os.kill(pids_of(first.stream())[1], signal.SIGKILL)
+    first = kept_pids(k)
+    os.kill(first[1], signal.SIGKILL)
     time.sleep(0.5)
-    ran = ok(k, f"""{KEEP} --output all
-import os
-print("pid", os.getpid())
-""")
+    ran = ok(k, f"{KEEP} --output all\nimport os\nprint('pid', os.getpid())\n")
     assert "--keep: new ranks, kept after this cell (the last kept ranks ended: rank 1 was killed by SIGKILL)" in ran.stream()
-    assert set(pids_of(ran.stream()).values()).isdisjoint(pids_of(first.stream()).values())
+    assert set(pids_of(ran.stream()).values()).isdisjoint(first.values())
 
 
 def test_release_ends_the_ranks_and_frees_everything(k):
-    first = ok(k, f"""{KEEP} --output all
-import os
-print("pid", os.getpid())
-""")
-    ranks = [psutil.Process(pid) for pid in pids_of(first.stream()).values()]
+    ranks = [psutil.Process(pid) for pid in kept_pids(k).values()]
     released = ok(k, "%taas release").stream()
     assert "taas: released the kept ranks (2 rank(s) on cpu, this host, 1 cell(s))" in released
     assert not wait_until_gone(ranks, timeout=15)
@@ -243,20 +235,6 @@ print("pid", os.getpid())
         ok(k, "%config TaasMagics.keep = False")
     refused = k.execute(f"{KEEP} --trials 2\npass")
     assert "--keep with --trials" in refused.error_text()
-
-
-def test_the_kernels_death_ends_kept_ranks_within_15_s():
-    kernel = Kernel()
-    try:
-        ran = ok(kernel, f"""{KEEP} --output all
-import os
-print("pid", os.getpid())
-""")
-        ranks = [psutil.Process(pid) for pid in pids_of(ran.stream()).values()]
-        os.kill(kernel.pid, signal.SIGKILL)
-        assert not wait_until_gone(ranks, timeout=15), "kept ranks outlived their kernel"
-    finally:
-        kernel.shutdown()
 
 
 def test_a_timeout_names_where_the_ranks_were_then_keeps_ranks_stopped_in_python_code(k):
@@ -314,17 +292,18 @@ print("freed", ref() is None)
     assert ran.stream().count("freed True") == 2, ran.stream()
 
 
-def test_unloading_the_extension_ends_kept_ranks():
+@pytest.mark.parametrize("end", ["the kernel's death", "unloading the extension"])
+def test_the_kernels_death_or_unloading_the_extension_ends_kept_ranks_within_15_s(end):
     kernel = Kernel()
     try:
-        ran = ok(kernel, f"""{KEEP} --output all
-import os
-print("pid", os.getpid())
-""")
-        ranks = [psutil.Process(pid) for pid in pids_of(ran.stream()).values()]
-        ok(kernel, "%unload_ext taas_magic")
-        assert not wait_until_gone(ranks, timeout=15), "kept ranks outlived the extension"
-        assert_nothing_left(kernel)
+        ranks = [psutil.Process(pid) for pid in kept_pids(kernel).values()]
+        if end == "unloading the extension":
+            ok(kernel, "%unload_ext taas_magic")
+        else:
+            os.kill(kernel.pid, signal.SIGKILL)
+        assert not wait_until_gone(ranks, timeout=15), f"kept ranks outlived {end}"
+        if end == "unloading the extension":
+            assert_nothing_left(kernel)
     finally:
         kernel.shutdown()
 
