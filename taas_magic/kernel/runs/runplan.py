@@ -17,7 +17,7 @@ import secrets
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from IPython.core.interactiveshell import InteractiveShell
@@ -76,13 +76,12 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         # placement held from here (kept ranks hold theirs until they are released)
         backend = kept.backend if kept is not None else releases.enter_context(context.backend(settings))
         held = Held(settings, packing, registered, data, backend, trial, sent=closure)
+        on_local_gpus = backend.devices.device == "cuda" and backend.loopback_only
         # a search's trials hold their own slices of the GPUs (the search itself is the holder)
-        holder = session.runs.gpu_holder() if backend.devices.device == "cuda" and backend.loopback_only \
-            and trial is None else None
+        holder = session.runs.gpu_holder() if on_local_gpus and trial is None else None
         if holder is not None:
             raise LaunchError(gpus_held_text(holder.summary()))
-        if kept is None and session.kept is not None and session.kept.holds_local_gpus and backend.devices.device == "cuda" \
-                and backend.loopback_only:
+        if on_local_gpus and kept is None and session.kept is not None and session.kept.holds_local_gpus:
             raise LaunchError(f"taas: the kept ranks ({session.kept.shape}) hold this host's GPUs: %taas release "
                               "ends them, or run this cell with --keep")
         rule = session.write_rule()
@@ -113,9 +112,11 @@ def _kept(settings: RunSettings, context: PlanContext) -> tuple[KeptRanks, list[
     if settings.restarts:
         raise LaunchError("taas: --keep with --restarts: a restart starts new ranks, which would lose what the kept "
                           "ones hold (a kept cell that fails keeps its ranks where it can): leave out one of them")
-    cluster = context.session.cluster
-    where = "this host" if cluster is None else cluster.status_lines()[0].split(",")[0].removeprefix("cluster: ")
-    shape = Shape(settings.gpus, settings.device, where, id(cluster) if cluster is not None else 0, settings.per_host)
+    cluster, kept = context.session.cluster, context.session.kept
+    shape = Shape(settings.gpus, settings.device, "", id(cluster) if cluster is not None else 0, settings.per_host)
+    if kept is None or kept.shape != shape:  # new ranks: their words, where they run (a cluster asked only now)
+        where = "this host" if cluster is None else cluster.status_lines()[0].split(",")[0].removeprefix("cluster: ")
+        shape = replace(shape, where=where)
     kept, ended = context.session.kept_for(shape, lambda: context.backend(settings))
     if kept.running:
         since = time.strftime("%H:%M:%S", time.localtime(kept.started))

@@ -69,17 +69,15 @@ class KeptGroup:
     @property
     def running(self) -> bool:
         """Started, and every rank still alive (a rank may die between cells: the next cell starts new ones)."""
-        return self.group is not None and self.lost is None and all(child.poll() is None for child in self.group.children)
+        return self.group is not None and self.lost is None and _alive(self.group)
 
     def close(self) -> None:
-        """Their channels closed (they leave on their own: rank/betweencells.py), then what is left stopped and reaped."""
+        """Their channels closed (they leave on their own: rank/betweencells.py), then the group closed: its stop
+        ladder's first grace is their time to leave (between cells a kept rank ignores the SIGINT it starts with)."""
         mux, group, self.mux, self.group = self.mux, self.group, None, None
         if mux is not None:
             mux.close()
         if group is not None:
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline and any(child.poll() is None for child in group.children):
-                time.sleep(STEP_SECONDS)
             group.close()
 
 
@@ -168,5 +166,8 @@ def _wait_for_every_cell(supervisor: Supervisor, seconds: float) -> bool:
     while not verdict.ranks_exited() and time.monotonic() < deadline:
         supervisor.handle_all(supervisor.mux.events(STEP_SECONDS))
         supervisor.handle_all(supervisor.mux.exits())
-    alive = supervisor.group is not None and all(child.poll() is None for child in supervisor.group.children)
-    return verdict.ranks_exited() and alive
+    return verdict.ranks_exited() and supervisor.group is not None and _alive(supervisor.group)
+
+
+def _alive(group: ProcessGroup) -> bool:
+    return all(child.poll() is None for child in group.children)
