@@ -11,7 +11,8 @@ stdin. The rank then:
    tensor bytes are mapped from one shared memory file, not copied: transfer/); from the
    spec on, the kernel can read where the rank is (the hang autopsy, autopsy/dump.py), and
    the run's data (checkpoint folder, seed) comes from the spec, never the environment;
-3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
+3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works), with what the
+   session's earlier cells compiled at hand (compilecache/artifacts.py), and saves what it compiled;
 4. every rank gathers the sharded names its cell bound (transfer/sharded.py: the default group's
    destroy waits for that, rank/groups.py), and rank 0 sends back what the cell bound
    (transfer/returns.py); a failing rank sends its traceback; a rank on a host that does not see
@@ -31,6 +32,7 @@ import types
 
 from taas_magic import checkpoints
 from taas_magic.autopsy import dump as stacks
+from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
 from taas_magic.protocol import Hold, PeerChannel, RankError, Spec, Suggest, Suggested
@@ -101,6 +103,8 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
         from taas_magic.rank.devices import serve_nccl_with_gloo
 
         when_imported("torch.distributed", serve_nccl_with_gloo)
+    if spec.compile_cache:  # the session's compile cache: what an earlier cell compiled, once this one compiles
+        compiled.load_when_compiling(spec.compile_cache, rank)
     execute.register_source(spec.filename, spec.display_source)
     execute.register_cells(spec.cells)
     return module
@@ -225,6 +229,8 @@ def main() -> None:
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
     before = returns.snapshot(module.__dict__)  # every rank: the names its cell binds, for the gather
     final = _run(spec, channel, module)
+    if spec.compile_cache:
+        compiled.save(spec.compile_cache, rank)  # what it compiled, for the session's next ranks
     savers.finish()  # a pending async_save's parts are whole before the rank ends
     reports.flush()  # the last reports reach the chart before the results
     results, closure = _bring_whole(spec, channel, _cell_results(spec, module.__dict__, before, final), closure, rank)

@@ -34,7 +34,7 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
 # The stages a cell flows through, in order; then the features that have a kernel half and a
 # rank half; under them all, the ground of contracts (the modules at the top of the package).
 STAGES = ["cell", "kernel", "launch", "feed", "rank"]
-FEATURES = ["transfer", "output", "autopsy", "writes", "search"]
+FEATURES = ["transfer", "output", "autopsy", "writes", "search", "compilecache"]
 GROUND_MOST = 12  # modules at the top level of taas_magic/, __init__.py included (private.py: the table of private APIs; history.py: the bounded series the output and the search both keep)
 # The kernel's rooms, from the IPython face down: the face (the magic and the line commands) starts
 # searches and runs; a search is many runs; a run is supervised. Each imports only the rooms below it.

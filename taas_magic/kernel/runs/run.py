@@ -41,6 +41,7 @@ from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
+from taas_magic.compilecache.folder import point_ranks
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.kernel.supervision.dataplane import DataRun
 from taas_magic.kernel.supervision.prompts import PromptDesk
@@ -144,13 +145,16 @@ class Run:
         return f"{os.getpid()}-{self.spec.run_id}-ranks"
 
     def launch_plan(self, handshake: str, attempt: int) -> LaunchPlan:
-        """Attempt ``attempt``'s ranks: torchrun's variables (restarts too) and the owner tag in
-        their environments; each one's place (its id and write rule, applied before it has the
-        spec: rank/startup.py) on its stdin; the rest of the run's data is in the spec."""
+        """Attempt ``attempt``'s ranks: torchrun's variables (restarts too), the owner tag and the session's
+        compile cache (compilecache/folder.py) in their environments; each one's place (its id and write
+        rule, applied before it has the spec: rank/startup.py) on its stdin; the rest of the run's data is
+        in the spec."""
         envs = rank_environments(self.backend, dict(os.environ), self.spec.run_id)
         for env in envs:
             env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.settings.restarts))
             env[OWNER_VARIABLE] = self.owner
+            if self.spec.compile_cache:
+                point_ranks(env, self.spec.compile_cache)
         places = [self._place(rank) for rank in range(self.peers.ranks)]
         files = [stack_file(self.spec.stacks_dir, rank) for rank in range(self.peers.ranks)]
         return LaunchPlan(self.peers.ranks, envs, os.getcwd(), handshake, places, files)

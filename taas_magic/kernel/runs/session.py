@@ -1,10 +1,11 @@
 """The notebook session's state that ``%taas`` line commands set and every cell reads.
 
 :class:`Session` holds the repository and the isolation (so the write rule), the warm
-spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers)
-and the last run, for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is
-made and hands it to the line commands (kernel/magic/commands.py); the session's settings are
-not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
+spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers),
+the compile cache's folder (compilecache/folder.py) and the last run, for ``%taas status``.
+The magic (kernel/magic/magics.py) makes one when it is made, hands it to the line commands
+(kernel/magic/commands.py) and closes it when it is unloaded; the session's settings are not
+here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from taas_magic.compilecache.folder import CompileCache
 from taas_magic.errors import ClusterError
 from taas_magic.kernel.runs.background import Runs
 from taas_magic.kernel.runs.summary import LastRun
@@ -31,6 +33,7 @@ class Session:
     cluster: Attachment | None = None  # %taas cluster ADDRESS|slurm, or $TAAS_CLUSTER at load
     last_run: LastRun | None = None
     runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/runs/background.py)
+    compile_cache: CompileCache = field(default_factory=CompileCache)  # its folder made by the first cell that uses it
 
     @classmethod
     def start(cls, warm: Warm) -> Session:
@@ -47,6 +50,16 @@ class Session:
         if warm.count is None and not warm.off and session.cluster is None:
             session.spares.prepare()  # the first cell's ranks are forks, not fresh interpreters
         return session
+
+    def close(self) -> None:
+        """Unloading: every run stopped, the spares, the compile cache's folder and the cluster (a Slurm
+        allocation this session made is given back) gone."""
+        self.runs.close()
+        self.spares.close(wait=5.0)
+        self.compile_cache.close()
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.detach()
 
     def write_rule(self) -> WriteRule:
         """The write rule for a cell run now: the repository holding the working directory (or the
