@@ -9,8 +9,9 @@ folder of the session, and carries torch's portable cache artifacts across its r
   extension unloads or the kernel exits, and each rank's variables pointing Inductor's and
   AOTAutograd's caches into it (a person's own values of those variables win);
 - ``artifacts.py`` (the rank's half): after a cell that compiled, the rank saves
-  ``torch.compiler.save_cache_artifacts()`` into the folder; a later rank loads them when its
-  cell first imports Dynamo (never failing the cell: a warning, once).
+  ``torch.compiler.save_cache_artifacts()`` into the folder; a later rank whose Inductor caches
+  are elsewhere (a person's own ``TORCHINDUCTOR_CACHE_DIR``) loads them when its cell first
+  imports Dynamo (never failing the cell: a warning, once).
 
 ``TaasMagics.compile_cache = False`` turns it off: the ranks then use torch's own per-user cache,
 as under torchrun.

@@ -103,7 +103,7 @@ def _cell_module(spec: RunSpec, channel: PeerChannel, inbox: Inbox, rank: int) -
         from taas_magic.rank.devices import serve_nccl_with_gloo
 
         when_imported("torch.distributed", serve_nccl_with_gloo)
-    if spec.compile_cache:  # the session's compile cache: what an earlier cell compiled, once this one compiles
+    if spec.compile_cache:  # what the session's earlier cells compiled, where this rank's caches are elsewhere
         compiled.load_when_compiling(spec.compile_cache, rank)
     execute.register_source(spec.filename, spec.display_source)
     execute.register_cells(spec.cells)

@@ -1,6 +1,7 @@
 """A compiled cell run again in fresh ranks compiles from the session's compile cache (compilecache/):
 the second run's ranks, warm spares, find in the session's owner-only folder what the first run
-compiled, and the folder goes when the extension unloads."""
+compiled; ranks whose person pointed Inductor at an empty folder of their own find it there too,
+from the portable artifacts the first run saved; and the folder goes when the extension unloads."""
 
 import os
 import stat
@@ -30,7 +31,7 @@ def _ranks(ran) -> dict[str, tuple[bool, str, int]]:
     return found
 
 
-def test_a_compiled_cell_run_again_compiles_from_the_sessions_cache(new_kernel):
+def test_a_compiled_cell_run_again_compiles_from_the_sessions_cache(new_kernel, tmp_path):
     kernel = new_kernel()
     first = kernel.execute(COMPILED, timeout=900)
     assert first.reply["status"] == "ok", first.error_text()
@@ -50,6 +51,15 @@ def test_a_compiled_cell_run_again_compiles_from_the_sessions_cache(new_kernel):
     assert {folder for _, folder, _ in warm.values()} == {inductor}  # ...use the session's folder all the same
     assert all(hits > 0 for _, _, hits in warm.values()), warm  # served from the cache, not compiled again
     assert "compile cache could not be" not in again.stream()  # rank K's saved artifacts loaded without a word
+
+    mine = tmp_path / "mine"  # the person's own, empty: only the artifacts (artifacts.py) can fill it
+    kernel.execute(f"import os\nos.environ['TORCHINDUCTOR_CACHE_DIR'] = {str(mine)!r}")
+    theirs = kernel.execute(COMPILED, timeout=900)
+    assert theirs.reply["status"] == "ok", theirs.error_text()
+    loaded = _ranks(theirs)
+    assert {folder for _, folder, _ in loaded.values()} == {str(mine)}  # their variable won...
+    assert all(hits > 0 for _, _, hits in loaded.values()), loaded  # ...and rank K's artifacts filled it
+    assert "compile cache could not be" not in theirs.stream()
 
     ran = kernel.execute("%unload_ext taas_magic")
     assert ran.reply["status"] == "ok", ran.error_text()
