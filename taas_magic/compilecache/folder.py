@@ -1,8 +1,8 @@
 """The session's compile cache, the kernel's half: one owner-only folder, and each rank's variables.
 
 Runs in the kernel. :class:`CompileCache` makes the folder the first time a cell asks for it
-(``tempfile.gettempdir()/taas-compile-<kernel pid>-XXXX``, mode 0700, so no other user can plant a
-pickle that a rank would load), and removes it when the extension unloads (the magic's ``close``) or
+(``<spill root>/taas-compile-<kernel pid>-XXXX``, ``$TAAS_SPILL_DIR`` or the temp dir; mode 0700, so
+no other user can plant a pickle that a rank would load), and removes it when the extension unloads (the magic's ``close``) or
 the kernel exits (``atexit``); one a killed kernel left is swept by the next kernel that makes one
 (tempdirs.py). Inside it::
 
@@ -27,7 +27,7 @@ import os
 import re
 import tempfile
 
-from taas_magic.tempdirs import remove_tree, sweep_orphans
+from taas_magic.tempdirs import remove_tree, spill_root, sweep_orphans
 
 PREFIX = "taas-compile-"
 INDUCTOR, TRITON, ARTIFACTS = "inductor", "triton", "artifacts"
@@ -66,14 +66,14 @@ class CompileCache:
     """The session's folder: made on first use, owner-only, gone at :meth:`close` or the kernel's exit."""
 
     def __init__(self, root: str | None = None) -> None:
-        self._root = root  # where the folder goes (default: the temp dir, as torch's own per-user cache)
+        self._root = root  # where the folder goes (default: taas's spill root, tempdirs.py)
         self.path: str | None = None
         self._at_exit = False
 
     def folder(self) -> str:
         """The folder, made now if there is none (or it was removed under us)."""
         if self.path is None or not os.path.isdir(self.path):
-            root = self._root or tempfile.gettempdir()
+            root = self._root or spill_root()
             sweep_orphans(root, PREFIX)  # what a killed kernel left
             self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)  # 0700
             if not self._at_exit:
