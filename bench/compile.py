@@ -29,11 +29,12 @@ ratios are paired: a run's time over the same arm's cold run in the same repeat.
 run at most 0.20x its cold run with the cache on. Medians of --repeats (min, max); the arms' order
 alternates between repeats (ABC, CBA), so none always runs on the machine the others left.
 
-The anatomy of a warm compile, which no cache removes: the same MLP compiled in one process
-(no DDP) whose caches hold it, --repeats times after one cold run: importing Dynamo, AOTAutograd
-and Inductor; Inductor's probe of the CPU's vector instructions (it builds a test program per
-instruction set, cached, then loads each in a child Python, in every process); the rest (Dynamo's
-trace, the cache keys, the caches' answers, loading the built kernels).
+The anatomy of a compile: the same MLP compiled in one process (no DDP), once on a "machine that
+never compiled" (a temp dir of its own), then --repeats times whose caches hold it, after one cold
+run, in three parts: importing Dynamo, AOTAutograd and Inductor; Inductor's probe of the CPU's
+vector instructions (it builds a test program per instruction set, cached, then loads each in a
+child Python, in every process); the rest (Dynamo's trace, the cache keys, the caches' answers,
+loading the built kernels).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def taas_runs(cache: bool, env: dict[str, str]) -> list[float]:
             ran = kernel.execute(CELL, timeout=900)
             assert ran.reply["status"] == "ok", ran.error_text()
             times.append(_seconds(ran.stream("stdout")))
+        kernel.execute("%unload_ext taas_magic")  # its session folder goes with it (a killed kernel's waits for a sweep)
         return times
     finally:
         kernel.shutdown()
@@ -137,35 +139,43 @@ def one_arm(arm: str) -> list[float]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def anatomy(repeats: int) -> dict[str, list[float]]:
-    """The parts of a warm compile in one process, after a cold run that also builds torch's precompiled header."""
+def _anatomy_run(env: dict[str, str]) -> list[float]:
+    ran = subprocess.run([sys.executable, "-c", ANATOMY], capture_output=True, text=True, timeout=900, env=env)
+    assert ran.returncode == 0, ran.stderr
+    return [float(word) for word in ran.stdout.split("anatomy ")[1].split()[:3]]
+
+
+def anatomy(repeats: int) -> tuple[float, dict[str, list[float]]]:
+    """A compile on a machine that never compiled (a temp dir of its own: torch builds its precompiled
+    header there), then the parts of a warm compile in one process, after a cold run in the machine's
+    temp dir, which builds that header for every arm if it is not there yet."""
     folder = Path(tempfile.mkdtemp(prefix="taas-bench-compile-"))
+    (folder / "tmp").mkdir()
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "OMP_NUM_THREADS": "1"}
     parts: dict[str, list[float]] = {"imports": [], "probe": [], "rest": []}
     try:
-        for run in range(1 + repeats):
-            ran = subprocess.run([sys.executable, "-c", ANATOMY], capture_output=True, text=True, timeout=900, env=env)
-            assert ran.returncode == 0, ran.stderr
-            if run:  # the first one was cold
-                seconds = [float(word) for word in ran.stdout.split("anatomy ")[1].split()[:3]]
-                for name, value in zip(parts, seconds):
-                    parts[name].append(value)
-        return parts
+        first_ever = sum(_anatomy_run({**env, "TMPDIR": str(folder / "tmp"),
+                                       "TORCHINDUCTOR_CACHE_DIR": str(folder / "tmp" / "inductor")}))
+        _anatomy_run(env)  # cold in its folder; torch's header in the machine's temp dir, for the arms
+        for _ in range(repeats):
+            for name, value in zip(parts, _anatomy_run(env)):
+                parts[name].append(value)
+        return first_ever, parts
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def row(name: str, values: list[float], unit: str, target: str, beside: str) -> str:
     median = statistics.median(values)
-    return f"{name:<40} {median:8.3f}{unit} {min(values):8.3f} {max(values):8.3f}  {target:<22} {beside}"
+    return f"{name:<50} {median:8.3f}{unit} {min(values):8.3f} {max(values):8.3f}  {target:<22} {beside}"
 
 
-def report(times: dict[str, list[list[float]]], parts: dict[str, list[float]], repeats: int,
+def report(times: dict[str, list[list[float]]], anatomy_seconds: tuple[float, dict[str, list[float]]], repeats: int,
            loads: tuple[str, str]) -> None:
     m = statistics.median
     print(f"bench/compile.py: {repeats} repeats of {RUNS} runs per arm, medians (min, max); "
           f"2 CPU ranks, gloo, {os.cpu_count()} cores; load average {loads[0]} at the start, {loads[1]} at the end")
-    print(f"{'figure':<40} {'median':>9} {'min':>8} {'max':>8}  {'target':<22} beside")
+    print(f"{'figure':<50} {'median':>9} {'min':>8} {'max':>8}  {'target':<22} beside")
     cold = {arm: [runs[0] for runs in arm_runs] for arm, arm_runs in times.items()}
     for arm, arm_runs in times.items():
         print(row(f"{arm}: cold (1st run)", cold[arm], " s", "", ""))
@@ -179,6 +189,9 @@ def report(times: dict[str, list[list[float]]], parts: dict[str, list[float]], r
                       for other in times if other != arm and not other.startswith("taas, cache on")]
             print(row(f"{arm}: run {run + 1} / cold (paired)", ratios, "x ", target,
                       ", ".join(others) if arm.startswith("taas, cache on") else ""))
+    first_ever, parts = anatomy_seconds
+    print(row("one process, the machine's first compile", [first_ever], " s", "",
+              "torch builds its precompiled header (once a machine)"))
     total = [sum(values) for values in zip(*parts.values())]
     names = {"imports": "importing Dynamo, AOTAutograd, Inductor", "probe": "Inductor's CPU ISA probe",
              "rest": "trace, cache keys, the caches' answers"}
@@ -196,7 +209,7 @@ def main() -> None:
     arms = ARMS + ((PRECOMPILE,) if args.precompile else ())
     times: dict[str, list[list[float]]] = {arm: [] for arm in arms}
     start_load = " ".join(f"{load:.1f}" for load in os.getloadavg())
-    parts = anatomy(args.repeats)  # first: its cold run builds torch's precompiled header for every arm
+    parts = anatomy(args.repeats)  # first: it builds torch's precompiled header for every arm
     for repeat in range(args.repeats):
         for arm in arms if repeat % 2 == 0 else tuple(reversed(arms)):
             times[arm].append(one_arm(arm))
