@@ -181,6 +181,14 @@ PRIVATE: tuple[Private, ...] = (
             "comes back as its .module", "transfer/unwrap.py", attributes=("module",), by_path=True),
     Private("torch.nn.parallel.data_parallel.DataParallel", "torch", TORCH, "comes back as its .module",
             "transfer/unwrap.py", attributes=("module",), by_path=True),
+    Private("torch._dynamo", "torch", TORCH, "imported by a compiler factory (the session compiles), so its forks "
+            "have it: what a new process pays before its first torch.compile", "rank/factory.py"),
+    Private("torch._inductor.compile_fx", "torch", TORCH, "imported by a compiler factory, as torch._dynamo",
+            "rank/factory.py"),
+    Private("torch._inductor.cpu_vec_isa.pick_vec_isa", "torch", TORCH,
+            "Inductor's probe of the CPU's vector instructions, taken once by a compiler factory: its forks inherit "
+            "the answer (valid_vec_isa_list's cache) instead of building and loading test libraries each",
+            "rank/factory.py", params=()),
     Private("torch._dynamo.eval_frame.OptimizedModule", "torch", TORCH,
             "torch.compile's wrapper comes back as its _orig_mod", "transfer/unwrap.py",
             attributes=("_orig_mod",), by_path=True),

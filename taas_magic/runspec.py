@@ -102,5 +102,6 @@ class RunSpec:
     gather_bytes: int = 0  # sharded names come back whole up to this many bytes, then as handles (transfer/sharded.py); 0: no cap
     gather_why: str = ""  # where that limit comes from, for the line that says a name became a handle
     shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (absolute; writes/savers.py)
+    compile_cache: str = ""  # the session's compile cache folder (compilecache/): rank K's artifacts there; empty: off
     seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k
     keep: bool = False  # --keep: after the cell the rank says CellDone and waits for the next (kernel/runs/kept.py)

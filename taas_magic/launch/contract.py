@@ -230,6 +230,9 @@ class Spares(Protocol):
     def prepare(self) -> None:
         """Start what makes spares quick to make (the spare factory importing torch)."""
 
+    def compiles(self) -> None:
+        """The session's ranks compiled: spares come with torch's compiler warmed from now on."""
+
     def describe(self, setting: str) -> str:
         """``%taas status``'s line: the ``warm`` setting, the spares waiting, their memory and GPUs."""
 

@@ -13,7 +13,8 @@ if "--factory" in sys.argv:  # the spare factory (factory.py): imports once, for
 
     from taas_magic.rank.factory import serve
 
-    serve(socket.socket(fileno=int(sys.argv[sys.argv.index("--factory") + 1])), step="--step" in sys.argv)
+    serve(socket.socket(fileno=int(sys.argv[sys.argv.index("--factory") + 1])), step="--step" in sys.argv,
+          compiler="--compiler" in sys.argv)
 
 from taas_magic.rank.main import main
 

@@ -45,6 +45,7 @@ import socket
 import sys
 import threading
 import traceback
+import warnings
 from typing import NoReturn
 
 from taas_magic.procs import exit_fd
@@ -58,12 +59,15 @@ MESSAGE_BYTES = 64 * 1024
 # generator, which a fork reseeds; the codec a connection to "localhost" loads): about 40 ms a fork here,
 # on the critical path of a first cell whose ranks wait for their forks
 FORK_MODULES = ("taas_magic.rank.main", "numpy.random", "encodings.idna")
+# a compiler factory's (the session compiles: launch/local/spares.py) modules, warmed before its forks: about 84%
+# of a cached compile in a new process here is these imports and the CPU probe (docs/benchmarks.md)
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")  # private API: see taas_magic/private.py
 EXIT_POLL_SECONDS = 0.05  # where no pidfd wakes the factory (an old kernel), how often it looks for exits
 
 
-def serve(control: socket.socket, step: bool) -> NoReturn:
-    """Import (and with ``step``, take the first CPU step), say so, then fork a spare per request
-    and report each one's exit, until told to leave."""
+def serve(control: socket.socket, step: bool, compiler: bool = False) -> NoReturn:
+    """Import (and with ``step``, take the first CPU step; with ``compiler``, warm torch's compiler), say
+    so, then fork a spare per request and report each one's exit, until told to leave."""
     from taas_magic.rank.lifeline import PR_SET_PDEATHSIG, prctl
 
     set_name(FACTORY_NAME)
@@ -86,6 +90,8 @@ def serve(control: socket.socket, step: bool) -> NoReturn:
         if step and not _request_waiting(control):  # a cell's rank waits for its fork: its step comes later
             _take_first_step()
             step = False
+    if compiler and not warm_compiler():
+        os._exit(4)  # a compiler factory that cannot warm is of no use: the kernel keeps the one it has
     if _threads() != 1:
         os._exit(3)  # a fork of a threaded process may inherit a held lock: the kernel starts spares fresh
     control.send(json.dumps({"ready": True}).encode())
@@ -112,6 +118,26 @@ def _take_first_step() -> None:
     spare.first_step_taken = spare.first_step("cpu")
     if _threads() != 1:
         os._exit(3)  # as at start: the kernel starts spares fresh
+
+
+def warm_compiler() -> bool:
+    """What every new process pays before its first ``torch.compile``, whatever the caches hold, paid once
+    here: importing Dynamo, AOTAutograd and Inductor, and Inductor's probe of the CPU's vector instructions
+    (it builds and loads a test library in a fresh interpreter; its answer is kept in the process). Whether
+    it worked and left the factory fit to fork: one thread, and no CUDA started."""
+    try:
+        with warnings.catch_warnings():  # torch's own deprecations as Inductor imports: not the person's code
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for name in COMPILER_MODULES:
+                importlib.import_module(name)
+        from torch._inductor import cpu_vec_isa  # private API: see taas_magic/private.py
+
+        cpu_vec_isa.pick_vec_isa()
+        import torch
+
+        return not torch.cuda.is_initialized() and _threads() == 1
+    except Exception:  # noqa: BLE001 - an optimisation: the cell compiles without it
+        return False
 
 
 def _answer(control: socket.socket, children: dict[int, int | None], retiring: bool) -> bool:

@@ -14,7 +14,8 @@ stdin. The rank then:
    tensor bytes are mapped from one shared memory file, not copied: transfer/); from the
    spec on, the kernel can read where the rank is (the hang autopsy, autopsy/dump.py), and
    the run's data (checkpoint folder, seed) comes from the spec, never the environment;
-3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works);
+3. runs the cell in a fresh ``__main__`` module (so pickling ``__main__.Net`` works), with what the
+   session's earlier cells compiled at hand (compilecache/artifacts.py), and saves what it compiled;
 4. every rank gathers the sharded names its cell bound (transfer/sharded.py: the default group's
    destroy waits for that, rank/groups.py), and rank 0 sends back what the cell bound
    (transfer/returns.py); a failing rank sends its traceback; a rank on a host that does not see
@@ -35,6 +36,7 @@ import sys
 import types
 
 from taas_magic.autopsy import dump as stacks
+from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
 from taas_magic.protocol import Hold, Interrupt, PeerChannel, RankError, Spec, Suggest, Suggested
@@ -110,6 +112,8 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
         from taas_magic.rank.devices import serve_nccl_with_gloo
 
         when_imported("torch.distributed", serve_nccl_with_gloo)
+    if spec.compile_cache:  # what the session's earlier cells compiled, where this rank's caches are elsewhere
+        compiled.load_when_compiling(spec.compile_cache, rank)
     return module
 
 
@@ -247,6 +251,8 @@ def _one_cell(spec: RunSpec, inbox: Inbox, module: types.ModuleType, received: R
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
     before = returns.snapshot(module.__dict__)  # every rank: the names its cell binds, for the gather
     final = _run(spec, channel, module)
+    if spec.compile_cache:
+        compiled.save(spec.compile_cache, rank)  # what it compiled, for the session's next ranks
     savers.finish()  # a pending async_save's parts are whole before the rank ends
     reports.flush()  # the last reports reach the chart before the results
     results, closure = _bring_whole(spec, channel, _cell_results(spec, module.__dict__, before, final), closure, rank)

@@ -10,6 +10,7 @@ leaves once its last spare has ended, and one whose kernel side closes leaves at
 import os
 import select
 import subprocess
+import sys
 import threading
 import time
 
@@ -270,3 +271,43 @@ def test_a_spawn_gets_its_answer_while_run_threads_poll_their_spares(factory):
                 os.killpg(spare.pid, 9)
                 spare.wait(timeout=60)
                 reap(spare)
+
+
+def test_warming_the_compiler_imports_dynamo_and_inductor_and_keeps_the_cpu_probe_in_one_thread():
+    """What a compiler factory does before its forks (rank/factory.py's ``warm_compiler``), in a process of its own:
+    Dynamo and Inductor imported, Inductor's CPU probe answered and kept (its fork asks no child Python), one thread."""
+    code = ("import sys, os\nfrom taas_magic.rank.factory import warm_compiler\nprint(warm_compiler())\n"
+            "from torch._inductor import cpu_vec_isa\n"
+            "print('torch._dynamo' in sys.modules, 'torch._inductor.compile_fx' in sys.modules,\n"
+            "      cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, len(os.listdir('/proc/self/task')))\n")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **SINGLE_THREADED})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["True", "True", "True", "1", "1"], ran.stdout + ran.stderr
+
+
+def test_once_the_session_compiles_a_factory_with_the_compiler_warmed_takes_over_and_its_forks_replace_the_spares():
+    """``compiles()`` starts a compiler factory beside the serving one, which goes on forking meanwhile; once it is
+    ready, the next fill (or take) makes it the serving factory, retires the old one (it leaves once its spares are
+    stopped), and replaces the old one's spares by forks of the new one."""
+    pool = SparePool()
+    try:
+        pool.factory = _ready_factory()
+        pool.fill([CPU, CPU])
+        old = pool.factory
+        assert not old.compiler and [spare.compiler for spare in pool.spares] == [False, False]
+        pool.compiles()
+        pool.compiles()  # once a session
+        coming = pool.factories.upcoming
+        assert coming is not None and coming.compiler
+        pool.fill([CPU, CPU])  # while it warms, the old one serves
+        assert pool.factory is old and "warming torch's compiler" in pool.describe("auto")
+        assert _until(lambda: "compiler warmed" in pool.describe("auto"), timeout=300), pool.describe("auto")
+        pool.fill([CPU, CPU])
+        assert pool.factory is coming and pool.factories.upcoming is None
+        assert [spare.compiler for spare in pool.spares] == [True, True]
+        assert all(psutil.Process(spare.process.pid).ppid() == coming.process.pid for spare in pool.spares)
+        assert _until(lambda: not old.alive(), timeout=60)  # retired, its spares stopped: it left
+        assert "torch's compiler warmed in it" in pool.describe("auto")
+    finally:
+        pool.close(wait=30)

@@ -37,7 +37,7 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
 # The stages a cell flows through, in order; then the features that have a kernel half and a
 # rank half; under them all, the ground of contracts (the modules at the top of the package).
 STAGES = ["cell", "kernel", "launch", "feed", "rank"]
-FEATURES = ["transfer", "output", "autopsy", "writes", "search"]
+FEATURES = ["transfer", "output", "autopsy", "writes", "search", "compilecache"]
 # The ground holds at most 10 modules, and __init__.py (the entry point): 11 files at the top of
 # taas_magic/. checkpoints.py went to writes/ (what the ranks write to the repository) to make room
 # for history.py (the bounded series the output and the search both keep) and private.py (the

@@ -20,6 +20,7 @@ import linecache
 import pickle
 import platform
 import re
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ def _resolve(api: Private) -> tuple[Any, str, Any]:
     for end in range(len(parts), 0, -1):
         module = ".".join(parts[:end])
         try:
-            found: Any = importlib.import_module(module)
+            with warnings.catch_warnings():  # what the package says of itself as it imports is not our API's shape
+                warnings.simplefilter("ignore", DeprecationWarning)
+                found: Any = importlib.import_module(module)
             break
         except ModuleNotFoundError as error:
             if error.name is None or not module.startswith(error.name):

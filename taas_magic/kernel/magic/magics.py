@@ -26,7 +26,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from traitlets import Int, Unicode, validate
+from traitlets import Bool, Int, Unicode, validate
 
 from taas_magic.cell.cellcode import translate
 from taas_magic.cell.closure import select_closure
@@ -70,6 +70,7 @@ class TaasMagics(Magics):
                              "empty: <repository>/.taas/checkpoints.")
     keep_checkpoints = Int(DEFAULT_KEEP, config=True,
                            help="Checkpoints kept per run, the newest; older ones go as new ones land.")
+    compile_cache = Bool(True, config=True, help="Ranks on this host share a folder of the session for torch.compile's caches.")
     view = Unicode("auto", config=True, help="How a run is shown: 'widget' (a live view a reloaded page restores), "
                    "'stream' (the cell's output), 'auto' (the widget where the page restores widgets).")
 
@@ -83,14 +84,9 @@ class TaasMagics(Magics):
         self.frontend = Frontend(shell)  # whether a page that restores widgets shows this kernel
 
     def close(self) -> None:
-        """Unloading: runs stopped; kept ranks, spares, the widget probe and the cluster (a Slurm allocation) gone."""
-        self.session.runs.close()
-        self.session.release_kept(stopped=True)
-        self.spares.close(wait=5.0)
+        """Unloading: the session closed (kernel/runs/session.py), then the widget probe."""
+        self.session.close()
         self.frontend.close()
-        if self.session.cluster is not None:
-            cluster, self.session.cluster = self.session.cluster, None
-            cluster.detach()
 
     @property
     def spares(self) -> Spares:
@@ -157,7 +153,7 @@ class TaasMagics(Magics):
         """What planning a run reads; a search's trial on ``slot`` of ``slots`` is placed there."""
         backend = functools.partial(self._backend, slot=slot, slots=slots)
         return PlanContext(self.session, self._shell, backend, self.checkpoint_dir, self.keep_checkpoints,
-                           self.closure_file_bytes)
+                           self.closure_file_bytes, self.session.compile_cache.folder() if self.compile_cache else "")
 
     def _viewing(self, run: RunThread, widget: bool = True) -> Viewing:
         """The view a run gets in this cell; a search's table is a display the widget would not draw: a stream."""

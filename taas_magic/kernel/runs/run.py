@@ -41,6 +41,7 @@ from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
+from taas_magic.compilecache.folder import point_ranks
 from taas_magic.kernel.runs.kept import KeptRanks
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.kernel.supervision.dataplane import DataRun
@@ -110,11 +111,10 @@ class Run:
         backend, stacks folder, layers and server (kernel/runs/kept.py): they outlive the run."""
         self.settings, self.packing, self.registered, self.sent = held.settings, held.packing, held.registered, held.sent
         self.data, self.backend, self.trial = held.data, held.backend, held.trial
-        self.kept = kept
+        self.kept, self.spec = kept, spec
         self.on_kept = kept is not None and kept.running  # planned for ranks already running: its closure is partial
         self.rule, self.record = rule, record  # record: for %taas status, the header printed
-        self.spec = spec
-        self.on_ranks_gone: list[Callable[[], None]] = []  # called the moment its ranks are gone (a search's slot)
+        self.on_ranks_gone: list[Callable[[], None]] = []  # called as its ranks are gone (a search's slot; did they compile)
         self.saves = Ledger()  # the collective checkpoints its ranks named (writes/savers.py), checked at the end
         self._started = time.monotonic()
         self._stack = ExitStack()
@@ -160,13 +160,15 @@ class Run:
         return self.kept.owner if self.kept is not None else f"{os.getpid()}-{self.spec.run_id}-ranks"
 
     def launch_plan(self, handshake: str, attempt: int) -> LaunchPlan:
-        """Attempt ``attempt``'s ranks: torchrun's variables (restarts too) and the owner tag in
-        their environments; each one's place (its id and write rule, applied before it has the
-        spec: rank/startup.py) on its stdin; the rest of the run's data is in the spec."""
+        """Attempt ``attempt``'s ranks: torchrun's variables (restarts too), the owner tag and the session's compile
+        cache (compilecache/folder.py) in their environments; each one's place (its id and write rule, applied
+        before it has the spec: rank/startup.py) on its stdin; the rest of the run's data is in the spec."""
         envs = rank_environments(self.backend, dict(os.environ), self.spec.run_id)
         for env in envs:
             env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.settings.restarts))
             env[OWNER_VARIABLE] = self.owner
+            if self.spec.compile_cache:
+                point_ranks(env, self.spec.compile_cache)
         places = [self._place(rank) for rank in range(self.peers.ranks)]
         files = [stack_file(self.spec.stacks_dir, rank) for rank in range(self.peers.ranks)]
         return LaunchPlan(self.peers.ranks, envs, os.getcwd(), handshake, places, files)
@@ -179,8 +181,8 @@ class Run:
         return wire.Placement(rank, f"rank {rank}", self.rule.repository, layer, self.rule.mode, marker)
 
     def heard(self, rank: int, frame: CheckpointSaved | FilePart) -> None:
-        """A rank's word on its writes: a collective save's folder (checked at the end), or a piece of a
-        file from a host that does not see the repository (written into it now)."""
+        """A rank's word on its writes: a collective save's folder (checked at the end), or a piece of a file
+        from a host that does not see the repository (written into it now)."""
         if isinstance(frame, FilePart):
             self.landing.receive(rank, frame)
         else:

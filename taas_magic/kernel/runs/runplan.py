@@ -53,6 +53,7 @@ class PlanContext:
     checkpoint_dir: str  # TaasMagics.checkpoint_dir
     keep_checkpoints: int  # TaasMagics.keep_checkpoints
     closure_file_bytes: int  # TaasMagics.closure_file_bytes
+    compile_cache: str = ""  # the session's compile cache folder (TaasMagics.compile_cache; empty: off)
 
 
 def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, context: PlanContext,
@@ -99,6 +100,8 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
                  backend.layout(), data.header() if data is not None else None]
         session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
         run = Run(held, releases.pop_all(), spec, rule, session.last_run, kept)  # whole: it releases all of it from now on
+        if spec.compile_cache and kept is None:  # fresh ranks on this host: did they compile?
+            run.on_ranks_gone.append(session.ranks_gone)
     try:
         run.log.header("\ntaas: ".join(line for line in lines if line))
     except BaseException:
@@ -145,6 +148,7 @@ def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, sha
         trial=trial.number if trial is not None else None,
         post_mortem=bool(getattr(context.shell, "call_pdb", False)) and trial is None,  # IPython's %pdb on
         gather_bytes=limit, gather_why=why,  # how much of a sharded name may come back whole to this host
-        keep_checkpoints=context.keep_checkpoints, shared=shared, seed=data.seed if data is not None else secrets.randbits(31),
-        keep=held.settings.keep,
+        keep_checkpoints=context.keep_checkpoints, shared=shared, keep=held.settings.keep,
+        compile_cache=context.compile_cache if backend.loopback_only else "",  # a folder of this host: its ranks only
+        seed=data.seed if data is not None else secrets.randbits(31),
     )

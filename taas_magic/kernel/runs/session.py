@@ -5,9 +5,10 @@ runs and searches on their own threads.
 
 :class:`Session` holds the repository and the isolation (so the write rule), the warm
 spares, the attached cluster (``$TAAS_CLUSTER``'s when the extension loads, if it answers),
-the kept ranks (``--keep``) and the last run, for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is
-made and hands it to the line commands (kernel/magic/commands.py); the session's settings are
-not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
+the kept ranks (``--keep``), the compile cache's folder (compilecache/folder.py) and the last run,
+for ``%taas status``. The magic (kernel/magic/magics.py) makes one when it is made, hands it to the
+line commands (kernel/magic/commands.py) and closes it when it is unloaded; the session's settings
+are not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from taas_magic.compilecache.folder import CompileCache
 from taas_magic.errors import ClusterError, LaunchError
 from taas_magic.kernel.runs.background import Runs
 from taas_magic.kernel.runs.kept import KeptRanks, Shape
@@ -37,6 +39,7 @@ class Session:
     last_run: LastRun | None = None
     runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/runs/background.py)
     kept: KeptRanks | None = None  # --keep's ranks, between and during their cells (kernel/runs/kept.py)
+    compile_cache: CompileCache = field(default_factory=CompileCache)  # its folder made by the first cell that uses it
 
     @classmethod
     def start(cls, warm: Warm) -> Session:
@@ -83,6 +86,23 @@ class Session:
             raise LaunchError(f"taas: the kept ranks are running run {kept.busy_with}: %taas stop {kept.busy_with} first")
         kept.release()
         return f"taas: released the kept ranks ({kept.shape}, {kept.cells} cell(s))"
+
+    def ranks_gone(self) -> None:
+        """A cell's ranks on this host are gone: if they (or earlier ones) compiled, spares come with torch's
+        compiler warmed from now on (launch/local/spares.py)."""
+        if self.compile_cache.compiled():
+            self.spares.compiles()
+
+    def close(self) -> None:
+        """Unloading: every run stopped, the kept ranks, the spares, the compile cache's folder and the cluster (a Slurm
+        allocation this session made is given back) gone."""
+        self.runs.close()
+        self.release_kept(stopped=True)
+        self.spares.close(wait=5.0)
+        self.compile_cache.close()
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.detach()
 
     def write_rule(self) -> WriteRule:
         """The write rule for a cell run now: the repository holding the working directory (or the

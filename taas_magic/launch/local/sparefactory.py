@@ -48,11 +48,12 @@ MESSAGE_BYTES = 64 * 1024
 class SpareFactory:
     """One factory process and the exits it reported."""
 
-    def __init__(self, env: dict[str, str], settings: dict[str, str], step: bool):
+    def __init__(self, env: dict[str, str], settings: dict[str, str], step: bool, compiler: bool = False):
         """Start it with ``env`` (one thread for OpenMP and BLAS); ``settings`` are the kernel's
         frozen settings it imports under; with ``step`` (a host without GPUs) it also takes the
-        spares' first CPU training step before it forks them."""
-        self.settings = settings
+        spares' first CPU training step before it forks them; with ``compiler`` (the session compiles)
+        it also imports torch's compiler and probes the CPU for it (rank/factory.py's ``warm_compiler``)."""
+        self.settings, self.compiler = settings, compiler
         self.exits: dict[int, int] = {}
         self._spawned: list[int] = []  # forks it reported, for the request waiting on one
         # the socket is read from the pool's thread (a spawn) and from every run's supervisor thread
@@ -64,7 +65,8 @@ class SpareFactory:
         self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                (*FACTORY_COMMAND, str(theirs.fileno()), *(["--step"] if step else [])), stdin=subprocess.PIPE,
+                (*FACTORY_COMMAND, str(theirs.fileno()), *(["--step"] if step else []),
+                 *(["--compiler"] if compiler else [])), stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=os.getcwd(),
                 start_new_session=True, pass_fds=(theirs.fileno(),),
             )
@@ -171,6 +173,11 @@ class SpareFactory:
             self._control.send(json.dumps({"retire": True}).encode())
         except OSError:
             pass
+
+    def end_unused(self) -> None:
+        """End one that never forked (a compiler factory not yet serving: launch/local/spares.py) at once."""
+        self.process.kill()
+        self.close()
 
     def close(self) -> None:
         """Now (the kernel leaves, or the extension unloads): its stdin closes and it exits."""

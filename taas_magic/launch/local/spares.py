@@ -34,6 +34,11 @@ What CUDA and torch read once at start-up (``CUDA_VISIBLE_DEVICES``, ``PYTORCH_C
 variable) is fixed in a spare when it imports: a spare serves a launch only while the
 kernel's values of those are the ones it started under.
 
+**Torch's compiler.** Once a cell's ranks compiled (``torch.compile``: the session's compile cache has
+entries, compilecache/folder.py), a second factory imports Dynamo and Inductor and probes the CPU for
+them, beside the one that serves; when ready it serves instead, and the spares the old one forked are
+replaced by its forks, so a compiled cell in fresh ranks pays only what the cache does not hold.
+
 Spares die with the kernel: a spare blocks reading its stdin, whose write end only the
 kernel holds, and exits at end-of-file. ``%taas warm off`` and unloading the extension
 stop them at once.
@@ -46,28 +51,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from taas_magic.launch.local.factories import SINGLE_THREADED, Factories, frozen_settings
 from taas_magic.launch.local.sparefactory import SpareFactory
 from taas_magic.launch.rankenv import CPU, Binding, slice_visible, visible_gpu_count
 from taas_magic.procs import Process, reap, signal_group
 from taas_magic.rank.spare import WAITING_NAME
 
 SPARE_COMMAND = (sys.executable, "-m", "taas_magic.rank", "--spare")
-# One thread while importing, so the spare stays single-threaded (rank/spare.py).
-SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-FROZEN_PREFIXES = ("CUDA_", "PYTORCH_", "CUBLAS_", "TORCH_")  # read once, when torch or CUDA starts
-
-
-def frozen_settings() -> dict[str, str]:
-    """The kernel's variables a spare fixes when it imports torch and starts CUDA."""
-    return {name: value for name, value in os.environ.items() if name.startswith(FROZEN_PREFIXES)}
-
-
 @dataclass
 class Spare:
     """One waiting (or still warming) spare: its process, its :class:`Binding`, and the kernel's
@@ -77,6 +70,7 @@ class Spare:
     process: Process  # a fork of the factory, or a fresh interpreter while the factory still imports
     binding: Binding
     settings: dict[str, str]
+    compiler: bool = False  # forked from a factory that warmed torch's compiler (the session compiles)
 
     @property
     def gpu(self) -> int | None:
@@ -157,8 +151,16 @@ class SparePool:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.spares: list[Spare] = []
-        self.factory: SpareFactory | None = None  # forks the spares once it has imported (launch/local/sparefactory.py)
-        self._retired: list[SpareFactory] = []  # until the spares they forked have ended
+        self.factories = Factories()  # the one that forks spares, the compiler's coming one, the retired ones
+
+    @property
+    def factory(self) -> SpareFactory | None:
+        """The factory that forks the spares once it has imported (launch/local/sparefactory.py)."""
+        return self.factories.current
+
+    @factory.setter
+    def factory(self, factory: SpareFactory | None) -> None:
+        self.factories.current = factory
 
     def take(self, wanted: Sequence[Binding]) -> list[Process | None]:
         """For each rank (wanting ``wanted[k]``), a spare that serves it, ready ones first, still
@@ -166,6 +168,7 @@ class SparePool:
         where there is none (start that rank fresh). A warming spare, and a factory still
         importing, are waited for rather than passed over: they are ahead of any fresh process."""
         with self._lock:
+            self._promote()
             self._drop_dead()
             by_readiness = sorted(self.spares, key=lambda spare: not spare.ready)
             taken: list[Process | None] = []
@@ -175,7 +178,7 @@ class SparePool:
                     by_readiness.remove(match)
                     self.spares.remove(match)
                 taken.append(match.process if match is not None else None)
-            factory = self._serving_factory()
+            factory = self.factories.serving()
             for rank, binding in enumerate(wanted):
                 if taken[rank] is None and factory is not None:
                     taken[rank] = factory.spawn(binding, for_cell=True)
@@ -187,12 +190,13 @@ class SparePool:
         a cell its imports are done, and even a cell sent at once waits only for what is left
         of one import, not for one import per rank side by side."""
         with self._lock:
-            self._factory(step=visible_gpu_count() == 0)
+            self.factories.for_spares(step=visible_gpu_count() == 0)
 
     def fill(self, wanted: Sequence[Binding], host_gpus: int = 0) -> None:
         """Keep exactly the spares ranks wanting ``wanted`` would take (on a host with ``host_gpus``
         GPUs); spares that serve none of them are stopped."""
         with self._lock:
+            self._promote()
             self._drop_dead()
             keep: list[Spare] = []
             missing: list[Binding] = []
@@ -206,7 +210,7 @@ class SparePool:
                     keep.append(match)
             _stop([spare.process for spare in spare_list])
             self.spares = keep
-            factory = self._factory(step=host_gpus == 0) if missing else None
+            factory = self.factories.for_spares(step=host_gpus == 0) if missing else None
             for binding in missing:
                 spare = _fork(factory, binding) or _start(binding)
                 if spare is None:
@@ -219,50 +223,33 @@ class SparePool:
         gpus = visible_gpu_count()
         self.fill(bindings(count, gpus, gpus), gpus)
 
-    def _factory(self, step: bool) -> SpareFactory | None:
-        """The factory for spares started now: the running one while it serves the kernel's frozen
-        settings, else a new one (the old one retired)."""
-        self._release_retired()
-        current = self.factory
-        if current is not None and not (current.serves(frozen_settings()) and current.alive()):
-            self._retire_factory()
-            current = None
-        if current is None:
-            try:
-                current = self.factory = SpareFactory({**os.environ, **SINGLE_THREADED}, frozen_settings(), step)
-            except OSError:
-                return None  # spares start as fresh interpreters
-        return current
+    def compiles(self) -> None:
+        """A cell's ranks compiled (``torch.compile``): from now on spares are forks of a factory that has
+        imported torch's compiler and probed the CPU for it, so a compiled cell in fresh ranks pays only
+        what the session's compile cache does not hold (launch/local/factories.py). Once a session."""
+        with self._lock:
+            self.factories.compiles()
 
-    def _serving_factory(self) -> SpareFactory | None:
-        """The factory, if it can fork for a launch now or once it has imported (alive, not
-        retired, under the kernel's frozen settings); none is started here."""
-        factory = self.factory
-        return factory if factory is not None and factory.serves(frozen_settings()) else None
+    def _promote(self) -> None:
+        """The compiler's factory serves once it is ready: the old one's spares are replaced by its forks."""
+        if self.factories.promote():
+            _stop([spare.process for spare in self.spares if not spare.compiler])
+            self.spares = [spare for spare in self.spares if spare.compiler]
 
     def forks_ready(self) -> bool:
-        """Whether a spare started now is a fork of a ready factory (milliseconds, no import), not a
-        fresh interpreter (seconds of CPU for its imports)."""
-        factory = self.factory
-        if factory is None:
-            return False
-        factory.collect()  # it says "ready" once, when its imports are done
-        return factory.ready and factory.serves(frozen_settings())
+        """Whether a spare started now is a fork of a ready factory (milliseconds), not a fresh interpreter."""
+        return self.factories.forks_ready()
 
     def resident_bytes(self) -> int:
         """What keeping the spares costs in memory: theirs and the factory's, each process's
         proportional share (a forked spare shares the factory's pages; /proc's PSS splits them)."""
-        processes = [spare.process.pid for spare in self.spares]
-        if self.factory is not None:
-            processes.append(self.factory.process.pid)
+        processes = [spare.process.pid for spare in self.spares] + self.factories.pids()
         return sum(proportional_bytes(pid) for pid in processes)
 
     def describe(self, setting: str) -> str:
         """``%taas status``'s line: the ``warm`` setting, the spares waiting, their memory, the
         factory's state, and what the GPU-bound ones hold on their GPUs (their CUDA contexts)."""
-        factory = "" if self.factory is None else \
-            " with their factory (ready: new spares are forks)" if self.forks_ready() else \
-            " with their factory (still importing: new spares start fresh)"
+        factory = self.factories.state()
         bound = [spare for spare in self.spares if spare.gpu is not None]
         return (f"warm spares: {setting}, {len(self.spares)} waiting, {self.resident_bytes() / 2**20:.0f} MB resident"
                 f"{factory} (proportional: shared pages split)" + _held_on_gpus(bound))
@@ -274,27 +261,7 @@ class SparePool:
         with self._lock:
             _stop([spare.process for spare in self.spares])
             self.spares = []
-            self._retire_factory()
-            self._release_retired(wait=wait)  # its spares were just stopped: it leaves now, unless a cell's rank still runs
-
-    def _retire_factory(self) -> None:
-        """The factory forks no more; it is kept until it has left (the spares it forked have ended)."""
-        if self.factory is not None:
-            self.factory.retire()
-            self._retired.append(self.factory)
-            self.factory = None
-
-    def _release_retired(self, wait: float = 0.0) -> None:
-        """Reap the retired factories that have left (within ``wait`` seconds), closing their pipe and socket."""
-        deadline = time.monotonic() + wait
-        while True:
-            for gone in [old for old in self._retired if not old.alive()]:
-                gone.collect()  # its last exit reports are kept for the runs that still poll those ranks
-                gone.close()
-                self._retired.remove(gone)
-            if not self._retired or time.monotonic() >= deadline:
-                return
-            time.sleep(0.01)
+            self.factories.close(wait)  # their factory leaves now, unless a cell's rank still runs
 
     def _drop_dead(self) -> None:
         _stop([spare.process for spare in self.spares if spare.process.poll() is not None])
@@ -320,7 +287,7 @@ def _fork(factory: SpareFactory | None, binding: Binding) -> Spare | None:
     if factory is None:
         return None
     forked = factory.spawn(binding)
-    return Spare(forked, binding, factory.settings) if forked is not None else None
+    return Spare(forked, binding, factory.settings, factory.compiler) if forked is not None else None
 
 
 def _start(binding: Binding) -> Spare | None:
