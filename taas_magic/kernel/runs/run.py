@@ -116,8 +116,7 @@ class Run:
         self.rule, self.record = rule, record  # record: for %taas status, the header printed
         self.on_ranks_gone: list[Callable[[], None]] = []  # called as its ranks are gone (a search's slot; did they compile)
         self.saves = Ledger()  # the collective checkpoints its ranks named (writes/savers.py), checked at the end
-        self._started = time.monotonic()
-        self._stack = ExitStack()
+        self._started, self._stack = time.monotonic(), ExitStack()
         self._stack.push(self._drop_results_on_failure)
         self._stack.enter_context(releases)
         self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
@@ -228,7 +227,8 @@ class Run:
             memfile.remove_run(os.getpid(), self.spec.run_id)
 
     def _ranks_gone(self) -> None:
-        kill_tagged(f"{os.getpid()}-{self.spec.run_id}-")  # what the ranks and workers started and left
+        if self.kept is None or self.data is not None:  # kept ranks tag what they start as theirs, not the cell's
+            kill_tagged(f"{os.getpid()}-{self.spec.run_id}-")  # what the ranks and workers started and left
         if self.kept is None:  # kept ranks hold their backend until they are released
             self.backend.release()  # no rank is left: the spares start warming now, not after the clean-up
         for callback in self.on_ranks_gone:

@@ -63,6 +63,8 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
     registered = registry.registered()
     session = context.session
     kept, kept_lines = _kept(settings, context) if settings.keep else (None, [])
+    if kept is None or not kept.running:  # (a cell on kept ranks skips it, about 1 ms: their first cell swept)
+        memfile.sweep_all()  # what a killed kernel left in /dev/shm
     if kept is not None and kept.running:  # the kept ranks have the rest, or their own value of it; a registered
         loaders = {name for name, value in closure.items() if any(value is loader for loader in registered)}
         closure = {**kept.names.unsent(closure), **{name: closure[name] for name in loaders}}  # loader: served anew
@@ -132,7 +134,6 @@ def _kept(settings: RunSettings, context: PlanContext) -> tuple[KeptRanks, list[
 def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, shared: tuple[str, ...]) -> RunSpec:
     """What every rank receives: the cell, where it runs, and the run's data (checkpoints, seed, the gather's limit)."""
     run_id = secrets.token_hex(6)
-    memfile.sweep_all()  # what a killed kernel left in /dev/shm
     backend, data, trial = held.backend, held.data, held.trial
     root = context.checkpoint_dir or os.path.join(rule.repository, ".taas", "checkpoints")
     limit, why = gather_limit()

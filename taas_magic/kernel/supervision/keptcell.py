@@ -99,20 +99,18 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
     supervisor = Supervisor(parts, plane, kept=True, mux=None if fresh else ranks.mux)
     kept = False
     try:
-        if plane is not None:
-            plane.progress.show(force=True)
-        if parts.board is not None:
-            parts.board.start()
         if fresh:
+            _show_start(parts, plane)
             ranks.group = start(0)
             ranks.mux = supervisor.mux
             supervisor.attach(ranks.group, lambda: None)
-        else:
+        else:  # the cell first, then its displays: the ranks' output is read only after them, so it comes below them
             assert ranks.group is not None
             supervisor.attach(ranks.group, lambda: None, watched=True)
             for rank in range(parts.ids.ranks):
                 for body in parts.greeting(Peer(RANK, rank)):
                     supervisor.mux.send(Peer(RANK, rank), body)
+            _show_start(parts, plane)
         try:
             outcome = supervisor.watch()
         except KeyboardInterrupt:
@@ -139,6 +137,14 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
         else:
             ranks.mux = None  # closed with the supervisor
             ranks.close()
+
+
+def _show_start(parts: RunParts, plane: DataPlane | None) -> None:
+    """The data workers' progress and the live board's displays, above the ranks' output."""
+    if plane is not None:
+        plane.progress.show(force=True)
+    if parts.board is not None:
+        parts.board.start()
 
 
 def _no_greeting(peer: Peer) -> list[bytes]:
