@@ -26,8 +26,11 @@ only way out of a failed collective is ``%dist_shutdown``, whose ``pkill -f`` on
 by killing that kernel's own process tree. ``--jupyter-distributed SITE`` (the same, for jupyter-distributed)
 measures its proxy kernel over two rank kernels (a kernel spec of this run's own runs
 ``python -m jupyter_distributed.kernel`` with ``JUPYTER_DISTRIBUTED_WORLD_SIZE=2``), its group made by a first
-cell, on the same two rows; its recovery and interrupt rows are not run here (its README: after a failed
-collective "a group restart may be required").
+cell, on the same two rows, then on the other two: after the failed collective, rank 1's error shown (in its
+live display), then what a person does (its README: after a failed collective "a group restart may be
+required"): the kernel's interrupt, and if the cell has not replied 10 s later (rank 0 waits in gloo's
+all_reduce), Jupyter's kernel restart and the group made again, to the next working cell; and the interrupt
+of a cell looping in Python. Its kernel is ended, restarts included, with its whole process tree.
 Each tool's rows are taken in blocks, as taas's kept ones: nothing else starts processes meanwhile.
 """
 
@@ -37,6 +40,7 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -110,11 +114,13 @@ def other_kernel(env: dict[str, str], kernel_name: str = "python3") -> Iterator[
 
     path = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
     kernel = Kernel(kernel_name=kernel_name, load_ext=False, env={**env, "PATH": path})
-    tree = psutil.Process(kernel.pid)
     try:
         yield kernel
     finally:
-        processes = tree.children(recursive=True)
+        try:
+            processes = psutil.Process(kernel.pid).children(recursive=True)  # the kernel of now (it may have restarted)
+        except psutil.Error:
+            processes = []
         kernel.shutdown()
         for process in processes:
             try:
@@ -147,9 +153,48 @@ def nbdistributed(site: str, runs: int) -> tuple[list[float], list[float]]:
         return two_rows(kernel, runs)
 
 
+def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
+    """jupyter-distributed after a failed collective: the request -> rank 1's error shown (its live display);
+    then, as a person would, the kernel's interrupt, and where the cell still has not replied within
+    ``JD_REPLY_SECONDS`` (rank 0 waits in gloo's all_reduce), Jupyter's kernel restart, the group made again
+    (``init``), and the next working cell: the error shown -> that cell's reply. And how it got there."""
+    msg_id, started = kernel.submit(FAILING)
+    kernel.wait_for(msg_id, lambda kind, content: "rank 1 gave up" in json.dumps(content), "rank 1's error", timeout=120)
+    shown = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    how = "interrupt"
+    try:
+        kernel.collect(msg_id, started, timeout=JD_REPLY_SECONDS)
+    except queue.Empty:
+        import psutil
+
+        before = psutil.Process(kernel.pid).children(recursive=True)
+        kernel.manager.restart_kernel(now=False)  # its proxy ends its rank kernels itself
+        kernel.client.wait_for_ready(timeout=300)
+        left = [process for process in before if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
+        for process in left:  # what the restarted kernel left running (ended here, and said)
+            process.kill()
+        how = f"interrupt, no reply in {JD_REPLY_SECONDS:g} s: kernel restart" + (
+            f" (it left {len(left)} process(es) running)" if left else "")
+        reply(kernel, init)
+    reply(kernel, "dist.all_reduce(torch.ones(1))\n")
+    return shown - started, time.monotonic() - shown, how
+
+
+def jd_interrupt(kernel: Kernel) -> float:
+    """jupyter-distributed: its kernel's interrupt of a cell looping in Python on both ranks -> the reply."""
+    msg_id, started = kernel.submit(LOOP)
+    kernel.wait_for(msg_id, lambda kind, content: "looping" in json.dumps(content), "looping", timeout=120)
+    asked = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    kernel.collect(msg_id, started, timeout=120)
+    return time.monotonic() - asked
+
+
 def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
     """jupyter-distributed's first line and all_reduce cell, ``runs`` times each: its proxy kernel (a kernelspec
-    of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring)."""
+    of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring);
+    then its recovery and interrupt rows (:data:`JD_MORE`)."""
     specs = tempfile.mkdtemp()
     os.makedirs(os.path.join(specs, "kernels", "jdist"))
     with open(os.path.join(specs, "kernels", "jdist", "kernel.json"), "w") as spec:
@@ -158,9 +203,19 @@ def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]
     os.environ["JUPYTER_PATH"] = specs  # where this process's kernel manager finds the spec
     printed = '"first-line\\n"'  # the line as its rank display carries it (not the code echoed)
     env = {"PYTHONPATH": site, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"}
+    init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
     with other_kernel(env, "jdist") as kernel:
-        reply(kernel, "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n")
-        return two_rows(kernel, runs, lambda kind, content: kind != "execute_input" and printed in json.dumps(content))
+        reply(kernel, init)
+        rows = two_rows(kernel, runs, lambda kind, content: kind != "execute_input" and printed in json.dumps(content))
+        for _ in range(runs):
+            JD_MORE["failed"].append(jd_recovery(kernel, init))
+            JD_MORE["interrupt"].append(jd_interrupt(kernel))
+            reply(kernel, "dist.all_reduce(torch.ones(1))\n")  # the group still works after the interrupt
+        return rows
+
+
+JD_REPLY_SECONDS = 10.0  # how long the failed cell is given to reply after jupyter-distributed's interrupt
+JD_MORE: dict[str, list] = {"failed": [], "interrupt": []}  # its recovery (3 values a run) and interrupt rows
 
 
 def row(name: str, values: list[float], beside: list[float] | None, target: str, unit: str = "s") -> str:
@@ -221,9 +276,19 @@ def main() -> None:
         print(f"\n{name}'s kept processes (2 ranks, gloo), the same cells\n")
         print(f"| row | {name} | taas kept (above) |")
         print("| --- | --- | --- |")
+        more = JD_MORE if name == "jupyter-distributed" else {"failed": [], "interrupt": []}
+        failed = more["failed"]
         for title, theirs, ours in (("first line", first, rows["first"][0]),
-                                    ("a cell with an all_reduce, to its reply", reduce, rows["reduce"][0])):
-            print(row(title, theirs, ours, "").rsplit(" |  |", 1)[0] + " |")
+                                    ("a cell with an all_reduce, to its reply", reduce, rows["reduce"][0]),
+                                    ("failed collective: request to the error shown", [f[0] for f in failed],
+                                     rows["failed"][0]),
+                                    ("failed collective: the error to the next working cell", [f[1] for f in failed],
+                                     rows["next"][0]),
+                                    ("interrupt: the interrupt to the reply", more["interrupt"], interrupts)):
+            if theirs:
+                print(row(title, theirs, ours, "").rsplit(" |  |", 1)[0] + " |")
+        if failed:
+            print(f"\n{name} after the failed collective: " + "; ".join(sorted({f[2] for f in failed})))
 
 
 if __name__ == "__main__":

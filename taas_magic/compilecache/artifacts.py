@@ -7,8 +7,9 @@ precompiled frames, which only this call writes to disk); ``torch.compiler.load_
 writes them into the caches of another process before it compiles.
 
 - :func:`save`, after a cell that ran to its end: only where the cell imported Dynamo, and only when
-  torch has artifacts to give; written to a temporary name, then renamed, so a rank never reads
-  half a file.
+  torch has artifacts to give, and only when they differ from what this process saved last (a kept
+  rank's cells after the one that compiled write nothing); written to a temporary name, then
+  renamed, so a rank never reads half a file.
 - :func:`load_when_compiling`, before the cell: only where this rank's Inductor caches are not the
   session's folder (the person's own ``TORCHINDUCTOR_CACHE_DIR`` won: folder.py), since the
   session's folder already holds every entry the artifacts carry, and loading them again would cost
@@ -30,6 +31,7 @@ from taas_magic.compilecache.folder import ARTIFACTS, INDUCTOR
 from taas_magic.import_hooks import when_imported
 
 _warned = False
+_saved: bytes | None = None  # what this process saved last: a kept rank's later cells that compiled nothing write nothing
 
 
 def artifact_file(folder: str, rank: int) -> str:
@@ -85,13 +87,19 @@ def save(folder: str, rank: int) -> bool:
         import torch.compiler
 
         saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
+        if saved is None or (saved[0] == _saved and os.path.isfile(path)):  # nothing new since this process saved
             return False
         _write_whole(path, saved[0])
+        _remember(saved[0])
     except Exception as exc:  # noqa: BLE001 - the cell's results matter more than the cache
         _warn("saved", f"{type(exc).__name__}: {exc}")
         return False
     return True
+
+
+def _remember(data: bytes) -> None:
+    global _saved
+    _saved = data
 
 
 def _write_whole(path: str, data: bytes) -> None:
