@@ -159,7 +159,8 @@ def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
     ``JD_REPLY_SECONDS`` (rank 0 waits in gloo's all_reduce), Jupyter's kernel restart, the group made again
     (``init``), and the next working cell: the error shown -> that cell's reply. And how it got there."""
     msg_id, started = kernel.submit(FAILING)
-    kernel.wait_for(msg_id, lambda kind, content: "rank 1 gave up" in json.dumps(content), "rank 1's error", timeout=120)
+    kernel.wait_for(msg_id, lambda kind, content: kind != "execute_input" and "rank 1 gave up" in json.dumps(content),
+                    "rank 1's error", timeout=120)
     shown = time.monotonic()
     kernel.manager.interrupt_kernel()
     how = "interrupt"
@@ -184,7 +185,8 @@ def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
 def jd_interrupt(kernel: Kernel) -> float:
     """jupyter-distributed: its kernel's interrupt of a cell looping in Python on both ranks -> the reply."""
     msg_id, started = kernel.submit(LOOP)
-    kernel.wait_for(msg_id, lambda kind, content: "looping" in json.dumps(content), "looping", timeout=120)
+    kernel.wait_for(msg_id, lambda kind, content: kind != "execute_input" and "looping" in json.dumps(content),
+                    "looping", timeout=120)
     asked = time.monotonic()
     kernel.manager.interrupt_kernel()
     kernel.collect(msg_id, started, timeout=120)
@@ -199,7 +201,8 @@ def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]
     os.makedirs(os.path.join(specs, "kernels", "jdist"))
     with open(os.path.join(specs, "kernels", "jdist", "kernel.json"), "w") as spec:
         json.dump({"argv": [sys.executable, "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
-                   "display_name": "jupyter-distributed", "language": "python"}, spec)
+                   "display_name": "jupyter-distributed", "language": "python",
+                   "interrupt_mode": "message"}, spec)  # its interrupt_request reaches every rank; a SIGINT does not
     os.environ["JUPYTER_PATH"] = specs  # where this process's kernel manager finds the spec
     printed = '"first-line\\n"'  # the line as its rank display carries it (not the code echoed)
     env = {"PYTHONPATH": site, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"}

@@ -174,6 +174,32 @@ print("pid", os.getpid(), "made", made)
     assert again.stream().count("made during") == 2
 
 
+def test_an_interrupt_that_finds_a_rank_in_a_collective_shows_where_it_is_and_says_the_state_is_lost(k):
+    """Rank 1 loops in Python (it stops); rank 0 waits in gloo's all_reduce for it (C code: it cannot): the
+    autopsy names where rank 0 is, every rank is stopped, the cell says their state is lost, and the next
+    kept cell starts new ranks."""
+    first = kept_pids(k)
+    msg_id, started = k.submit(f"""{KEEP}
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+print("waiting", flush=True)
+if dist.get_rank() == 1:
+    while True:
+        time.sleep(0.01)
+dist.all_reduce(torch.ones(1))
+""")
+    k.wait_for_stream(msg_id, "waiting")
+    time.sleep(0.5)  # rank 0 is in the all_reduce
+    k.manager.interrupt_kernel()
+    ran = k.collect(msg_id, started)
+    text = ran.stream()
+    assert ran.reply["status"] == "error" and ran.reply["ename"] == "KeyboardInterrupt"
+    assert re.search(r"rank 0 waits in all_reduce", text), text
+    assert "a rank did not stop in time (in C code or a collective): every rank was stopped and their state is lost" in text
+    again = kept_pids(k)
+    assert set(again.values()).isdisjoint(first.values())
+
+
 def test_no_group_timeout_fires_over_an_idle_pause_longer_than_it(k):
     ok(k, f"""{KEEP}
 import datetime, torch, torch.distributed as dist

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import threading
 from typing import Callable, Iterator
@@ -39,6 +40,10 @@ from taas_magic.kernel.supervision.prompts import QUIT_COMMANDS, Console
 from taas_magic.output.cellstream import CellStream
 
 POLL_SECONDS = 0.02  # the blocking wait's poll: the relay's own flush interval
+# the coroutine's longest sleep between the log's wake-ups where a signal cannot wake the event loop (see
+# _signals_wake_the_loop): how late the person's interrupt can be seen there
+INTERRUPT_SECONDS = 0.05
+QUIET_SECONDS = 0.25  # the same where a signal wakes the loop
 STOP, LEAVE = "stop", "leave"
 
 
@@ -83,6 +88,8 @@ async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str
     unlisten = run.log.listen(wake)
     run.when_done(wake)
     opened = _open(run, console, wake)
+    woken_by_signals = _signals_wake_the_loop(loop)
+    sleep = QUIET_SECONDS if woken_by_signals is not None else INTERRUPT_SECONDS
     try:
         while not run.done:
             _show(shown)
@@ -92,7 +99,7 @@ async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str
                 break
             waiter = asyncio.ensure_future(woken.wait())
             try:  # not wait_for: on Python 3.11 it can swallow a cancellation that meets a wake-up
-                await asyncio.wait({waiter}, timeout=0.25)
+                await asyncio.wait({waiter}, timeout=sleep)
             finally:
                 waiter.cancel()
     except (asyncio.CancelledError, KeyboardInterrupt):  # ipykernel turns the interrupt into a cancellation
@@ -101,11 +108,49 @@ async def wait_async(run: RunThread, shown: CellStream | None, on_interrupt: str
             raise KeyboardInterrupt from None
         _stop_and_show(run, shown)
     finally:
+        if woken_by_signals is not None:
+            woken_by_signals()
         unlisten()
         _close(run, opened, wake)
     _show(shown)
     if shown is not None:
         shown.finish()
+
+
+def _signals_wake_the_loop(loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+    """While a cell waits: a signal wakes the kernel's event loop at once (Python's wakeup fd, read by the loop),
+    so the person's interrupt is seen now. ipykernel's SIGINT handler runs only when the main thread runs Python,
+    and a signal taken by another of the kernel's threads does not wake the loop's select: it waited for the next
+    wake-up (a kept cell's interrupt took 0.3 s). The undo, or None where the main thread cannot take the wakeup
+    fd (another thread's loop, or someone else's fd is set: it is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:
+        previous = -2  # not the main interpreter's main thread after all
+    if previous != -1:
+        if previous != -2:
+            signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
+        return None
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(read_end, 512):
+                pass
+
+    loop.add_reader(read_end, drain)
+
+    def undo() -> None:
+        signal.set_wakeup_fd(-1)
+        loop.remove_reader(read_end)
+        os.close(read_end)
+        os.close(write_end)
+
+    return undo
 
 
 def open_console(run: RunThread) -> Console | None:

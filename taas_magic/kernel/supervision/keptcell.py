@@ -17,7 +17,8 @@ and exits (mux.py), kept from cell to cell by the session (kernel/runs/kept.py).
   stopped, and their state is lost: the cell says so. A kept rank that exits, even with 0, has failed;
 - an interrupt (``%taas stop``, the person's) is sent to every rank as SIGINT (an ``Interrupt`` frame):
   a cell stopped in Python code ends on every rank within :data:`INTERRUPT_WAIT_SECONDS` and the ranks are
-  kept; one stuck in C code or a collective is stopped with the others, and their state is lost;
+  kept (no autopsy: each rank's traceback says where it was); one stuck in C code or a collective gets the
+  autopsy (where it is), then is stopped with the others, and their state is lost;
 - ``--timeout`` names the ranks still running and where they were, as in any run, then interrupts them:
   ranks stopped in Python code are kept;
 - a rank that dies is named as in any run; the others are stopped with it.
@@ -36,7 +37,7 @@ from taas_magic import protocol
 from taas_magic.errors import PeerFailed, RunError, RunTimeout, describe_exit
 from taas_magic.kernel.supervision.dataplane import DataPlane
 from taas_magic.kernel.supervision.mux import Mux
-from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts, Supervisor
+from taas_magic.kernel.supervision.supervisor import AttemptWatch, RunOutcome, RunParts, Supervisor
 from taas_magic.launch.contract import ProcessGroup
 from taas_magic.peers import RANK, Peer
 
@@ -152,8 +153,11 @@ def _no_greeting(peer: Peer) -> list[bytes]:
 
 
 def _interrupted(supervisor: Supervisor) -> bool:
-    """The person's interrupt: every rank interrupted, and the cell says what was kept."""
+    """The person's interrupt: every rank interrupted; where those that did not stop are (the autopsy: in C
+    code or a collective), and the cell says what was kept."""
     kept = _interrupt_every_rank(supervisor, INTERRUPT_WAIT_SECONDS)
+    if not kept:
+        AttemptWatch(supervisor).explain_stop()
     supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
     return kept
 

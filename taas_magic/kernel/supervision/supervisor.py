@@ -290,15 +290,20 @@ class AttemptWatch:
 
     def run(self) -> RunOutcome | None:
         """The outcome, or None: it failed (the verdict says how). An interrupt shows where every
-        rank was (the autopsy; at a pdb prompt nothing is hung), then propagates."""
+        rank was (the autopsy; at a pdb prompt nothing is hung), then propagates; kept ranks are
+        interrupted first, and only those that do not stop get the autopsy (keptcell.py)."""
         try:
             return self._loop()
         except KeyboardInterrupt:
-            supervisor = self.supervisor
-            supervisor.relay.flush(force=True)
-            for line in supervisor.debugging.stopped_lines() or self.autopsy()[1]:
-                supervisor.relay.notice(line)
+            self.supervisor.relay.flush(force=True)
+            self.explain_stop(autopsy=not self.supervisor.kept)
             raise
+
+    def explain_stop(self, autopsy: bool = True) -> None:
+        """Where the ranks still running were stopped: at their pdb prompts, or (``autopsy``) their stacks."""
+        supervisor = self.supervisor
+        for line in supervisor.debugging.stopped_lines() or (self.autopsy()[1] if autopsy else []):
+            supervisor.relay.notice(line)
 
     def _loop(self) -> RunOutcome | None:
         supervisor, verdict = self.supervisor, self.supervisor.verdict
