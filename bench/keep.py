@@ -61,6 +61,9 @@ ALL_REDUCE = ("import torch, torch.distributed as dist\ndist.init_process_group(
               "dist.all_reduce(torch.ones(1))\ndist.destroy_process_group()\n")
 FAILING = ("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
            "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 gave up')\ndist.all_reduce(torch.ones(1))\n")
+# the same on a group made already: in jupyter-distributed's kernels a second init_process_group raises on every rank
+# ("trying to initialize the default process group twice"), which fails the cell before any collective
+FAILING_MADE = FAILING.replace("dist.init_process_group('gloo')\n", "")
 LOOP = "import time\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.01)\n"
 COMPILED = ("import time, torch\nif 'step' not in globals():\n"
             "    step = torch.compile(lambda x: torch.sin(x) * 2 + x.cos())\n"
@@ -159,7 +162,7 @@ def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
     then, as a person would, the kernel's interrupt, and where the cell still has not replied within
     ``JD_REPLY_SECONDS`` (rank 0 waits in gloo's all_reduce), Jupyter's kernel restart, the group made again
     (``init``), and the next working cell: the error shown -> that cell's reply. And how it got there."""
-    msg_id, started = kernel.submit(FAILING)
+    msg_id, started = kernel.submit(FAILING_MADE)
     kernel.wait_for(msg_id, lambda kind, content: kind != "execute_input" and "rank 1 gave up" in json.dumps(content),
                     "rank 1's error", timeout=120)
     shown = time.monotonic()
