@@ -121,9 +121,6 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
             kept = True
             return outcome
         # the others end their cell (they all raised), or are interrupted: a rank in Python code then ends it too
-        if isinstance(supervisor.verdict.failure, PeerFailed):  # said now: what follows takes up to 2.5 s
-            supervisor.relay.notice(f"taas: {str(supervisor.verdict.failure).splitlines()[0]}; the other ranks are "
-                                    "given their time to end the cell, or are interrupted")
         kept = (not isinstance(supervisor.verdict.failure, RunTimeout) and _wait_for_every_cell(supervisor, KEEP_WAIT_SECONDS)
                 or _interrupt_every_rank(supervisor))
         failure: RunError = supervisor.last_words(

@@ -315,6 +315,8 @@ class AttemptWatch:
                 self.deadline += time.monotonic() - before
             before = time.monotonic()
             if verdict.failure is not None:
+                if supervisor.kept:  # said at once, as a fact: what follows (the settle, the others' time) takes seconds
+                    supervisor.relay.notice(f"taas: {str(verdict.failure).splitlines()[0]}")
                 self._settle()
                 return None
             now = time.monotonic()
