@@ -142,7 +142,13 @@ def _signals_wake_the_loop(loop: asyncio.AbstractEventLoop) -> Callable[[], None
             while os.read(read_end, 512):
                 pass
 
-    loop.add_reader(read_end, drain)
+    try:
+        loop.add_reader(read_end, drain)
+    except (NotImplementedError, RuntimeError):  # a loop that watches no file descriptors: it polls instead
+        signal.set_wakeup_fd(-1)
+        os.close(read_end)
+        os.close(write_end)
+        return None
 
     def undo() -> None:
         signal.set_wakeup_fd(-1)
