@@ -37,7 +37,7 @@ from taas_magic import protocol
 from taas_magic.errors import PeerFailed, RunError, RunTimeout, describe_exit
 from taas_magic.kernel.supervision.dataplane import DataPlane
 from taas_magic.kernel.supervision.mux import Mux
-from taas_magic.kernel.supervision.supervisor import AttemptWatch, RunOutcome, RunParts, Supervisor
+from taas_magic.kernel.supervision.supervisor import AttemptWatch, RunOutcome, RunParts, Supervisor, show_start
 from taas_magic.launch.contract import ProcessGroup
 from taas_magic.peers import RANK, Peer
 
@@ -101,7 +101,7 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
     kept = False
     try:
         if fresh:
-            _show_start(parts, plane)
+            show_start(parts, plane)
             ranks.group = start(0)
             ranks.mux = supervisor.mux
             supervisor.attach(ranks.group, lambda: None)
@@ -111,7 +111,7 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
             for rank in range(parts.ids.ranks):
                 for body in parts.greeting(Peer(RANK, rank)):
                     supervisor.mux.send(Peer(RANK, rank), body)
-            _show_start(parts, plane)
+            show_start(parts, plane)
         try:
             outcome = supervisor.watch()
         except KeyboardInterrupt:
@@ -138,14 +138,6 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
         else:
             ranks.mux = None  # closed with the supervisor
             ranks.close()
-
-
-def _show_start(parts: RunParts, plane: DataPlane | None) -> None:
-    """The data workers' progress and the live board's displays, above the ranks' output."""
-    if plane is not None:
-        plane.progress.show(force=True)
-    if parts.board is not None:
-        parts.board.start()
 
 
 def _no_greeting(peer: Peer) -> list[bytes]:

@@ -378,22 +378,23 @@ class AttemptWatch:
         raise TrialPruned("taas: the search's pruner stopped this trial")
 
 
-def run_ranks(
-    parts: RunParts,
-    start: Callable[[int], ProcessGroup],
-    data: Callable[[], DataPlane] | None = None,
-    attempts: Attempts | None = None,
-) -> RunOutcome:
+def show_start(parts: RunParts, plane: DataPlane | None) -> None:
+    """The data workers' progress and the live board's displays, in their places above the ranks' output."""
+    if plane is not None:
+        plane.progress.show(force=True)
+    if parts.board is not None:
+        parts.board.start()
+
+
+def run_ranks(parts: RunParts, start: Callable[[int], ProcessGroup], data: Callable[[], DataPlane] | None = None,
+              attempts: Attempts | None = None) -> RunOutcome:
     """Start the data workers (if any), then the ranks (``start(attempt)``), and supervise them;
     a failed attempt starts again as ``attempts`` allows (attempts.py). Whatever happens, no rank
     or worker outlives the call."""
     plane = data() if data is not None else None
     supervisor = Supervisor(parts, plane)
     try:
-        if plane is not None:
-            plane.progress.show(force=True)
-        if parts.board is not None:
-            parts.board.start()
+        show_start(parts, plane)
         return attempt_loop.run(supervisor, start, attempts or Attempts())
     finally:
         supervisor.close()
