@@ -126,36 +126,34 @@ def _signals_wake_the_loop(loop: asyncio.AbstractEventLoop) -> Callable[[], None
     if threading.current_thread() is not threading.main_thread():
         return None
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    except ValueError:
-        previous = -2  # not the main interpreter's main thread after all
-    if previous != -1:
-        if previous != -2:
-            signal.set_wakeup_fd(previous)
-        os.close(read_end)
-        os.close(write_end)
-        return None
 
     def drain() -> None:
         with contextlib.suppress(OSError):
             while os.read(read_end, 512):
                 pass
 
-    try:
-        loop.add_reader(read_end, drain)
-    except (NotImplementedError, RuntimeError):  # a loop that watches no file descriptors: it polls instead
+    def undo(reading: bool = True) -> None:
         signal.set_wakeup_fd(-1)
+        if reading:
+            loop.remove_reader(read_end)
+        os.close(read_end)
+        os.close(write_end)
+
+    try:
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:  # not the main interpreter's main thread after all
+        previous = None
+    if previous != -1:  # someone else's fd (left as it was), or none could be set
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
         os.close(read_end)
         os.close(write_end)
         return None
-
-    def undo() -> None:
-        signal.set_wakeup_fd(-1)
-        loop.remove_reader(read_end)
-        os.close(read_end)
-        os.close(write_end)
-
+    try:
+        loop.add_reader(read_end, drain)
+    except (NotImplementedError, RuntimeError):  # a loop that watches no file descriptors: it polls instead
+        undo(reading=False)
+        return None
     return undo
 
 
