@@ -78,27 +78,45 @@ def reply(kernel: Kernel, code: str, expect: str = "ok") -> float:
     return ran.reply_at
 
 
+def wait_shown(kernel: Kernel, msg_id: str, text: str, arrived: Callable[[str, dict], bool] | None = None) -> None:
+    """Until ``text`` shows on iopub: in a stream, or where ``arrived(kind, content)`` says (another tool's display)."""
+    if arrived is None:
+        kernel.wait_for_stream(msg_id, text, timeout=120)
+    else:
+        kernel.wait_for(msg_id, arrived, text, timeout=120)
+
+
 def first_line(kernel: Kernel, code: str, arrived: Callable[[str, dict], bool] | None = None) -> float:
     """The request -> ``first-line`` on iopub: in a stream, or where ``arrived(kind, content)`` says (a display)."""
     msg_id, started = kernel.submit(code)
-    if arrived is None:
-        kernel.wait_for_stream(msg_id, "first-line", timeout=120)
-    else:
-        kernel.wait_for(msg_id, arrived, "its first line", timeout=120)
+    wait_shown(kernel, msg_id, "first-line", arrived)
     seconds = time.monotonic() - started
     kernel.collect(msg_id, started, timeout=120)
     return seconds
 
 
-def interrupt(kernel: Kernel) -> float:
-    msg_id, started = kernel.submit(KEEP + LOOP)
-    kernel.wait_for_stream(msg_id, "looping", timeout=120)
+def in_display(text: str) -> Callable[[str, dict], bool]:
+    """Whether ``text`` arrived in another tool's rank display (anything on iopub but the code echoed)."""
+    return lambda kind, content: kind != "execute_input" and text in json.dumps(content)
+
+
+def interrupt(kernel: Kernel, code: str, arrived: Callable[[str, dict], bool] | None = None) -> tuple[float, str]:
+    """A cell looping in Python, once ``looping`` is shown (in a stream, or where ``arrived`` says): the kernel's
+    interrupt -> its reply; and what the cell printed."""
+    msg_id, started = kernel.submit(code)
+    wait_shown(kernel, msg_id, "looping", arrived)
     asked = time.monotonic()
     kernel.manager.interrupt_kernel()
     ran = kernel.collect(msg_id, started, timeout=120)
-    if "the ranks are kept" not in ran.stream():
-        raise RuntimeError(f"the interrupt did not keep the ranks: {ran.stream()}")
-    return time.monotonic() - asked
+    return time.monotonic() - asked, ran.stream()
+
+
+def kept_interrupt(kernel: Kernel) -> float:
+    """taas: the interrupt of a kept cell looping in Python -> its reply, the ranks kept."""
+    seconds, printed = interrupt(kernel, KEEP + LOOP)
+    if "the ranks are kept" not in printed:
+        raise RuntimeError(f"the interrupt did not keep the ranks: {printed}")
+    return seconds
 
 
 def compiled(kernel: Kernel) -> tuple[float, float]:
@@ -163,8 +181,7 @@ def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
     ``JD_REPLY_SECONDS`` (rank 0 waits in gloo's all_reduce), Jupyter's kernel restart, the group made again
     (``init``), and the next working cell: the error shown -> that cell's reply. And how it got there."""
     msg_id, started = kernel.submit(FAILING_MADE)
-    kernel.wait_for(msg_id, lambda kind, content: kind != "execute_input" and "rank 1 gave up" in json.dumps(content),
-                    "rank 1's error", timeout=120)
+    kernel.wait_for(msg_id, in_display("rank 1 gave up"), "rank 1's error", timeout=120)
     shown = time.monotonic()
     kernel.manager.interrupt_kernel()
     how = "interrupt"
@@ -186,17 +203,6 @@ def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
     return shown - started, time.monotonic() - shown, how
 
 
-def jd_interrupt(kernel: Kernel) -> float:
-    """jupyter-distributed: its kernel's interrupt of a cell looping in Python on both ranks -> the reply."""
-    msg_id, started = kernel.submit(LOOP)
-    kernel.wait_for(msg_id, lambda kind, content: kind != "execute_input" and "looping" in json.dumps(content),
-                    "looping", timeout=120)
-    asked = time.monotonic()
-    kernel.manager.interrupt_kernel()
-    kernel.collect(msg_id, started, timeout=120)
-    return time.monotonic() - asked
-
-
 def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
     """jupyter-distributed's first line and all_reduce cell, ``runs`` times each: its proxy kernel (a kernelspec
     of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring);
@@ -213,10 +219,10 @@ def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]
     init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
     with other_kernel(env, "jdist") as kernel:
         reply(kernel, init)
-        rows = two_rows(kernel, runs, lambda kind, content: kind != "execute_input" and printed in json.dumps(content))
+        rows = two_rows(kernel, runs, in_display(printed))
         for _ in range(runs):
             JD_MORE["failed"].append(jd_recovery(kernel, init))
-            JD_MORE["interrupt"].append(jd_interrupt(kernel))
+            JD_MORE["interrupt"].append(interrupt(kernel, LOOP, in_display("looping"))[0])
             reply(kernel, "dist.all_reduce(torch.ones(1))\n")  # the group still works after the interrupt
         return rows
 
@@ -267,7 +273,7 @@ def main() -> None:
             rows["failed"][0].append(failed.reply_at)
             # the error shown -> the next working cell's reply, sent the moment the failed cell ended
             rows["next"][0].append(failed.reply_at - shown + reply(kernel, KEEP + "pass\n"))
-            interrupts.append(interrupt(kernel))
+            interrupts.append(kept_interrupt(kernel))
         first_call, second_call = compiled(kernel)
         kernel.execute("%taas release")
     finally:
