@@ -18,6 +18,10 @@ ready) in the same kernel, one after the other, so a busy moment moves both:
   cell, and the ranks are kept); target: at most 3 s;
 - compiled: a ``torch.compile``'d function's first call in kept ranks (compiling), and its call in the next
   kept cell (not compiled again); target: the second at most 5% of the first.
+- a 1 GB model: a kept cell that builds ``nn.Linear(16384, 16384)`` (1.07 GB of float32) on each rank, to its
+  reply, the kernel's resident memory after it, and a kept cell that uses it, to its reply; with the name left
+  on rank 0 until touched (``TaasMagics.lazy_bytes``' default) beside it copied into the notebook
+  (``lazy_bytes = 0``); target: the cell that uses it costs what any kept cell does, and no copy.
 
 Beside them, ``--nbdistributed SITE`` (a folder holding ``pip install --no-deps --target SITE nbdistributed``)
 measures nbdistributed's kept workers on the first two rows, in a kernel of its own: ``%dist_init -n 2``, then
@@ -49,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -68,6 +74,9 @@ LOOP = "import time\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0
 COMPILED = ("import time, torch\nif 'step' not in globals():\n"
             "    step = torch.compile(lambda x: torch.sin(x) * 2 + x.cos())\n"
             "x = torch.randn(64)\nstarted = time.perf_counter()\nstep(x)\nprint(f'call {time.perf_counter() - started:.4f}')\n")
+
+MODEL = "import torch\nmodel = torch.nn.Linear(16384, 16384, bias=False)\n"  # 1.07 GB of float32 on each rank
+USE = "print('rows', model.weight.shape[0])\n"
 
 
 def reply(kernel: Kernel, code: str, expect: str = "ok") -> float:
@@ -126,6 +135,18 @@ def compiled(kernel: Kernel) -> tuple[float, float]:
         ran = kernel.execute(KEEP + COMPILED, timeout=600)
         calls.append(float(ran.stream().split("call ")[1].split()[0]))
     return calls[0], calls[1]
+
+
+def kept_model(kernel: Kernel, lazy_bytes: int) -> tuple[float, float, float]:
+    """With ``lazy_bytes``: the kept cell building :data:`MODEL` to its reply, the kernel's resident growth (GB),
+    and a kept cell using it to its reply."""
+    reply(kernel, f"%taas release\n%config TaasMagics.lazy_bytes = {lazy_bytes}\nimport torch")
+    before = psutil.Process(kernel.pid).memory_info().rss
+    built = reply(kernel, KEEP + MODEL)
+    grown = (psutil.Process(kernel.pid).memory_info().rss - before) / 1e9
+    used = reply(kernel, KEEP + USE)
+    reply(kernel, "del model\n%taas release\n%config TaasMagics.lazy_bytes = 64 * 2**20")
+    return built, grown, used
 
 
 @contextlib.contextmanager
@@ -275,6 +296,7 @@ def main() -> None:
             rows["next"][0].append(failed.reply_at - shown + reply(kernel, KEEP + "pass\n"))
             interrupts.append(kept_interrupt(kernel))
         first_call, second_call = compiled(kernel)
+        models = {lazy: [kept_model(kernel, lazy) for _ in range(min(runs, 3))] for lazy in (64 * 2**20, 0)}
         kernel.execute("%taas release")
     finally:
         kernel.shutdown()
@@ -293,6 +315,13 @@ def main() -> None:
     ratio = second_call / first_call
     print(f"| compiled: first call (compiling) / next call in kept ranks | {first_call:.3f} s / {second_call:.4f} s "
           f"= {ratio:.1%} | | <= 5% |")
+    print(f"\na 1 GB model kept (nn.Linear(16384, 16384) on each rank), {min(runs, 3)} runs each\n")
+    print("| row | left on rank 0 until touched (default) | lazy_bytes = 0: copied into the notebook | target |")
+    print("| --- | --- | --- | --- |")
+    for k, (title, unit) in enumerate((("the cell that builds it, to its reply", "s"),
+                                       ("the kernel's resident memory after it", "GB"),
+                                       ("a kept cell that uses it, to its reply", "s"))):
+        print(row(title, [m[k] for m in models[64 * 2**20]], [m[k] for m in models[0]], "", unit))
     for name, (first, reduce) in others.items():
         print(f"\n{name}'s kept processes (2 ranks, gloo), the same cells\n")
         print(f"| row | {name} | taas kept (above) |")

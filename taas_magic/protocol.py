@@ -39,8 +39,7 @@ Peer -> kernel::
 
 IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a body whose MAC wire.py
 verified; it refuses an unknown kind, or one of the other direction (:class:`ProtocolError`), before unpickling anything,
-and a pickle that is not its kind's frame after. Frames are pickled whole (protocol 5): the hot ones pay no conversion.
-"""
+and a pickle that is not its kind's frame after. Frames are pickled whole (protocol 5): the hot ones pay no conversion."""
 
 from __future__ import annotations
 
@@ -273,6 +272,7 @@ class Result(ToKernel, kind="result"):
     cuda_host: tuple[int, int, str]  # CUDA storages sent through host memory: count, bytes, why
     made: tuple = ()  # the kernel's copies of the ipc storages, ("made", k) is made[k]
     cuda_ipc: tuple[int, int] = (0, 0)  # what came device to device: count, bytes
+    kept_back: tuple = ()  # (name, type, bytes) of kept cells' names left on the ranks until touched (RunSpec.lazy_bytes)
 
 
 @dataclass(frozen=True)

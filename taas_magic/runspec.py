@@ -105,3 +105,4 @@ class RunSpec:
     compile_cache: str = ""  # the session's compile cache folder (compilecache/): rank K's artifacts there; empty: off
     seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k
     keep: bool = False  # --keep: after the cell the rank says CellDone and waits for the next (kernel/runs/kept.py)
+    lazy_bytes: int = 0  # kept cells: rank 0's bound names this large stay on the ranks until touched (returns.py); 0: off

@@ -31,6 +31,8 @@ The kernel's and the rank's ends:
 - ``handoff.py`` sends the closure and answers the ranks' requests for it.
 - ``returns.py`` is rank 0 sending what the cell bound.
 - ``results.py`` is the kernel binding it in the notebook; the final expression -> ``Out``.
+- ``keptnames.py`` is the notebook's stand-in for a kept cell's large name left on rank 0, copied
+  when first touched.
 
 Sharded names (an FSDP2 or DTensor-sharded module, a state dict of DTensors) are made whole
 before rank 0 packs them:

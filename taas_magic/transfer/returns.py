@@ -163,6 +163,24 @@ def _decide(packing: Packing, received: ReceivedClosure, shipped: _Shipped) -> l
     return [bind[k] if needed[k] is not None else None for k in range(len(bind))]
 
 
+def _deferred(packing: Packing, decisions: Sequence[bool | None], changed: Sequence[str], lazy_bytes: int) -> frozenset[int]:
+    """The segments of the names a kept cell leaves on the ranks: each one the cell bound whose tensors and arrays
+    hold ``lazy_bytes`` or more, unless a value that does come back reaches it (it would be loaded anyway)."""
+    if lazy_bytes <= 0:
+        return frozenset()
+    names = set(changed)
+    deferred: set[int] = set()
+    reached: set[int] = set()
+    for k in range(len(packing.segments) - 1, -1, -1):  # a segment reaches only earlier ones
+        segment = packing.segments[k]
+        nbytes = sum(packing.blobs[i].nbytes for i in segment.blobs)
+        if segment.name in names and decisions[k] and nbytes >= lazy_bytes and k not in reached:
+            deferred.add(k)
+        elif decisions[k] is not None:
+            reached |= segment.deps
+    return frozenset(deferred)
+
+
 def _places(packing: Packing, included: Sequence[Segment], bound: Sequence[bool], shipped: _Shipped) -> tuple[list, list[int]]:
     """Each blob's place for the kernel (its own ``("kept", j)``, or to be written), and those to write."""
     used = set().union(*(segment.blobs for segment in included)) if included else set()
@@ -253,6 +271,14 @@ def pack_returns(results: CellResults, closure: dict[str, Any], received: Receiv
     packing = pack(items, loaders, unwrap=True, track=True)
     shipped = _Shipped(received, packing)
     decisions = _decide(packing, received, shipped)
+    deferred = _deferred(packing, decisions, results.changed, spec.lazy_bytes if spec.keep else 0)
+    kept_back = [(packing.segments[k].name, packing.segments[k].type_name,
+                  sum(packing.blobs[i].nbytes for i in packing.segments[k].blobs)) for k in sorted(deferred)]
+    if kept_back:  # packed again without them: the skeleton the kernel loads holds none of their objects
+        left = {name for name, _, _ in kept_back}
+        packing = pack([item for item in items if item[0] not in left], loaders, unwrap=True, track=True)
+        shipped = _Shipped(received, packing)
+        decisions = _decide(packing, received, shipped)
     last = max((k for k, bind in enumerate(decisions) if bind is not None), default=-1)
     included = packing.segments[: last + 1]
     bound = [bool(decisions[k]) for k in range(last + 1)]
@@ -262,6 +288,7 @@ def pack_returns(results: CellResults, closure: dict[str, Any], received: Receiv
         "segments": [_noted(dataclasses.replace(segment, bind=b), results.notes) for segment, b in zip(included, bound)],
         "failed": [*results.failed, *packing.failed],
         "deleted": results.deleted,
+        "kept_back": tuple(kept_back),
     }
     return Returns(packing, head, places, to_write, spec)
 

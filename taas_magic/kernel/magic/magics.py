@@ -40,6 +40,7 @@ from taas_magic.kernel.magic.settings import VALIDATED, option_trait, refuse
 from taas_magic.kernel.runs.background import BackgroundRun, RunThread, give_back_memory
 from taas_magic.kernel.runs.foreground import STOP, open_console, wait_async, wait_blocking
 from taas_magic.kernel.runs.frontend import Frontend
+from taas_magic.kernel.runs.kept import KeptRanks
 from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.runs.views import Started, Viewing, show_run
@@ -48,6 +49,7 @@ from taas_magic.launch import engines
 from taas_magic.launch.contract import Backend, GpuSlice, Spares
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
+from taas_magic.transfer import keptnames
 from taas_magic.transfer.handoff import HANDOFF_BYTES
 from taas_magic.writes.checkpoints import DEFAULT_KEEP
 
@@ -71,6 +73,7 @@ class TaasMagics(Magics):
     keep_checkpoints = Int(DEFAULT_KEEP, config=True,
                            help="Checkpoints kept per run, the newest; older ones go as new ones land.")
     compile_cache = Bool(True, config=True, help="Ranks on this host share a folder of the session for torch.compile's caches.")
+    lazy_bytes = Int(keptnames.LAZY_BYTES, config=True, help="Kept cells' names this large stay on rank 0 till touched.")
     view = Unicode("auto", config=True, help="How a run is shown: 'widget' (a live view a reloaded page restores), "
                    "'stream' (the cell's output), 'auto' (the widget where the page restores widgets).")
 
@@ -81,6 +84,7 @@ class TaasMagics(Magics):
     def __init__(self, shell: InteractiveShell | None = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
         self.session = Session.start(self._warm)  # what %taas commands set and cells read (kernel/runs/session.py)
+        self.session.fetch_kept, self.session.namespace = functools.partial(fetch_name, self), getattr(shell, "user_ns", None)
         self.frontend = Frontend(shell)  # whether a page that restores widgets shows this kernel
 
     def close(self) -> None:
@@ -153,7 +157,8 @@ class TaasMagics(Magics):
         """What planning a run reads; a search's trial on ``slot`` of ``slots`` is placed there."""
         backend = functools.partial(self._backend, slot=slot, slots=slots)
         return PlanContext(self.session, self._shell, backend, self.checkpoint_dir, self.keep_checkpoints,
-                           self.closure_file_bytes, self.session.compile_cache.folder() if self.compile_cache else "")
+                           self.closure_file_bytes, self.session.compile_cache.folder() if self.compile_cache else "",
+                           self.lazy_bytes)
 
     def _viewing(self, run: RunThread, widget: bool = True) -> Viewing:
         """The view a run gets in this cell; a search's table is a display the widget would not draw: a stream."""
@@ -199,3 +204,11 @@ class TaasMagics(Magics):
 
     def _set_warm(self, text: str) -> None:
         self.warm = text  # validated as %config's is
+
+
+def fetch_name(magic: TaasMagics, kept: KeptRanks, name: str) -> object:
+    """``name`` copied from rank 0 of ``kept`` (transfer/keptnames.py): one kept cell, its last line the name."""
+    value: object = magic.taas_cell("", keptnames.fetch_cell(kept, name))
+    if value is None:
+        raise keptnames.KeptNameLost(f"taas: rank 0 of the kept ranks no longer has {name}")
+    return value

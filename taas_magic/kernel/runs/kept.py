@@ -41,6 +41,7 @@ from taas_magic.peers import PeerIds
 from taas_magic.procs import kill_tagged
 from taas_magic.protocol import Result
 from taas_magic.tempdirs import remove_tree
+from taas_magic.transfer import keptnames
 from taas_magic.writes.rule import ScratchLayers
 
 
@@ -87,6 +88,7 @@ class NameTokens:
         if result is not None:
             self.remember({segment.name: namespace[segment.name] for segment in result.segments
                            if segment.bind and segment.name in namespace})
+            self.remember({name: namespace[name] for name, _, _ in result.kept_back if name in namespace})  # proxies
             self.forget(result.deleted)
 
 
@@ -109,6 +111,7 @@ class KeptRanks:
         self.cells = 0  # cells run on them since they started
         self.started = time.time()
         self.busy_with: str | None = None  # the id of the run using them now
+        self.fetch: Callable[[KeptRanks, str], object] | None = None  # copies a name from rank 0 (the magic's)
         self.health: dict[int, dict] = {}  # each rank's figures (rss, gpu_memory) at the end of its last cell
         self._reported: set[str] = set()  # the write rule's lines already said
         self._stack = ExitStack()
@@ -142,6 +145,13 @@ class KeptRanks:
     def holds_local_gpus(self) -> bool:
         """Running on this host's GPUs (which a plain cell must not be placed on meanwhile)."""
         return self.running and self.shape.cluster == 0 and self.backend.devices.device == "cuda"
+
+    def cell_bound(self, sent: Mapping[str, object], result: Result | None, namespace: dict) -> None:
+        """A cell on them succeeded, its results bound: the names rank 0 left on the ranks bound as proxies
+        (transfer/keptnames.py), and what the ranks have now noted."""
+        if result is not None and result.kept_back and self.fetch is not None:
+            keptnames.bind(namespace, result.kept_back, self, self.fetch)
+        self.names.cell_ran(sent, result, namespace)
 
     def cell_over(self) -> None:
         """A cell's run on them ended (its parts released)."""

@@ -221,7 +221,7 @@ class Run:
         try:
             final = apply_results(namespace, result, self.packing, self.registered)
             if self.kept is not None:
-                self.kept.names.cell_ran(self.sent, result, namespace)
+                self.kept.cell_bound(self.sent, result, namespace)
             return final
         finally:
             memfile.remove_run(os.getpid(), self.spec.run_id)

@@ -54,6 +54,7 @@ class PlanContext:
     keep_checkpoints: int  # TaasMagics.keep_checkpoints
     closure_file_bytes: int  # TaasMagics.closure_file_bytes
     compile_cache: str = ""  # the session's compile cache folder (TaasMagics.compile_cache; empty: off)
+    lazy_bytes: int = 0  # TaasMagics.lazy_bytes: kept cells' names this large stay on the ranks (keptnames.py)
 
 
 def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, context: PlanContext,
@@ -150,6 +151,7 @@ def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, sha
         post_mortem=bool(getattr(context.shell, "call_pdb", False)) and trial is None,  # IPython's %pdb on
         gather_bytes=limit, gather_why=why,  # how much of a sharded name may come back whole to this host
         keep_checkpoints=context.keep_checkpoints, shared=shared, keep=held.settings.keep,
+        lazy_bytes=context.lazy_bytes if held.settings.keep and held.trial is None else 0,
         compile_cache=context.compile_cache if backend.loopback_only else "",  # a folder of this host: its ranks only
         seed=data.seed if data is not None else secrets.randbits(31),
     )

@@ -25,6 +25,7 @@ from taas_magic.kernel.runs.kept import KeptRanks, Shape
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch import engines
 from taas_magic.launch.contract import Attachment, Backend, Spares
+from taas_magic.transfer import keptnames
 from taas_magic.writes.rule import WriteRule, choose_rule, find_repository, probe_overlay_soon
 
 
@@ -40,6 +41,8 @@ class Session:
     runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/runs/background.py)
     kept: KeptRanks | None = None  # --keep's ranks, between and during their cells (kernel/runs/kept.py)
     compile_cache: CompileCache = field(default_factory=CompileCache)  # its folder made by the first cell that uses it
+    fetch_kept: Callable[[KeptRanks, str], object] | None = None  # the magic's: a name copied from rank 0 (keptnames.py)
+    namespace: dict | None = None  # the notebook's: its names still on the kept ranks are copied before they end
 
     @classmethod
     def start(cls, warm: Warm) -> Session:
@@ -73,17 +76,20 @@ class Session:
             self.release_kept()
         if self.kept is None:
             self.kept = KeptRanks(shape, backend())
+            self.kept.fetch = self.fetch_kept
         return self.kept, line
 
     def release_kept(self, stopped: bool = False) -> str:
         """End the kept ranks (``%taas release``; ``stopped``: every run was stopped, unloading), and say what
         was released."""
-        kept, self.kept = self.kept, None
+        kept = self.kept
         if kept is None:
             return "taas: no ranks are kept"
         if kept.busy_with is not None and not stopped:
-            self.kept = kept
             raise LaunchError(f"taas: the kept ranks are running run {kept.busy_with}: %taas stop {kept.busy_with} first")
+        if not stopped and self.namespace is not None:
+            keptnames.fetch_waiting(self.namespace, kept)  # cells on them: what the notebook still names comes here
+        self.kept = None
         kept.release()
         return f"taas: released the kept ranks ({kept.shape}, {kept.cells} cell(s))"
 
