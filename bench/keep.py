@@ -10,7 +10,8 @@ ready) in the same kernel, one after the other, so a busy moment moves both:
   the kept cell: at most 0.020 s;
 - all_reduce: the request -> the reply of a cell that all-reduces one tensor (``init_process_group`` in it:
   harmless on kept ranks, paid again by fresh ones);
-- failed collective: the request of a cell where rank 1 raises while rank 0 waits in ``all_reduce`` -> rank
+- failed collective (the kept ranks' group made by the cell before, as jupyter-distributed's is): the request
+  of a cell where rank 1 raises while rank 0 waits in ``all_reduce`` -> rank
   1's error shown (the cell's line saying so, before the others are given their time) and -> the cell's error
   reply; then rank 1's error shown -> the reply of the next working ``--keep`` cell sent the moment the failed
   cell ended (new ranks start: the kept ones were stopped); target: within 5 s;
@@ -67,6 +68,7 @@ ALL_REDUCE = ("import torch, torch.distributed as dist\ndist.init_process_group(
               "dist.all_reduce(torch.ones(1))\ndist.destroy_process_group()\n")
 FAILING = ("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
            "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 gave up')\ndist.all_reduce(torch.ones(1))\n")
+MAKE_GROUP = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
 # the same on a group made already: in jupyter-distributed's kernels a second init_process_group raises on every rank
 # ("trying to initialize the default process group twice"), which fails the cell before any collective
 FAILING_MADE = FAILING.replace("dist.init_process_group('gloo')\n", "")
@@ -285,6 +287,7 @@ def main() -> None:
             time.sleep(2)
             rows["reduce"][1].append(reply(kernel, FRESH + ALL_REDUCE))
         for _ in range(runs):
+            reply(kernel, KEEP + MAKE_GROUP)  # as jupyter-distributed's is: made before the failing cell
             msg_id, started = kernel.submit(KEEP + FAILING)
             kernel.wait_for_stream(msg_id, "rank 1 gave up", timeout=120)  # the cell's line, before its error
             shown = time.monotonic() - started
