@@ -226,10 +226,11 @@ def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
     return shown - started, time.monotonic() - shown, how
 
 
-def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
-    """jupyter-distributed's first line and all_reduce cell, ``runs`` times each: its proxy kernel (a kernelspec
-    of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring);
-    then its recovery and interrupt rows (:data:`JD_MORE`)."""
+JD_PRINTED = '"first-line\\n"'  # the line as jupyter-distributed's rank display carries it (not the code echoed)
+
+
+def jd_environment(site: str) -> dict[str, str]:
+    """jupyter-distributed's kernel spec (``jdist``, a folder of this run's own) made, and its kernel's environment."""
     specs = tempfile.mkdtemp()
     os.makedirs(os.path.join(specs, "kernels", "jdist"))
     with open(os.path.join(specs, "kernels", "jdist", "kernel.json"), "w") as spec:
@@ -237,12 +238,46 @@ def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]
                    "display_name": "jupyter-distributed", "language": "python",
                    "interrupt_mode": "message"}, spec)  # its interrupt_request reaches every rank; a SIGINT does not
     os.environ["JUPYTER_PATH"] = specs  # where this process's kernel manager finds the spec
-    printed = '"first-line\\n"'  # the line as its rank display carries it (not the code echoed)
-    env = {"PYTHONPATH": site, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"}
+    return {"PYTHONPATH": site, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"}
+
+
+def paired(site: str, runs: int) -> dict[str, list[float]]:
+    """taas's kept ranks and jupyter-distributed's kernels alive side by side, both idle between cells: each pair
+    is one cell of each, 0.5 s apart, in ABBA order; per pair, taas's time over jupyter-distributed's, for the
+    first line and for the all_reduce cell."""
     init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-    with other_kernel(env, "jdist") as kernel:
+    ratios: dict[str, list[float]] = {"first": [], "reduce": []}
+    with other_kernel(jd_environment(site), "jdist") as theirs:
+        ours = Kernel()
+        try:
+            reply(theirs, init)
+            reply(ours, KEEP + init)
+            reduce = "dist.all_reduce(torch.ones(1))\n"  # the same cell in both: their ranks have torch and dist
+            cells = {"first": (lambda: first_line(ours, KEEP + FIRST),
+                               lambda: first_line(theirs, FIRST, in_display(JD_PRINTED))),
+                     "reduce": (lambda: reply(ours, KEEP + reduce), lambda: reply(theirs, reduce))}
+            for pair in range(runs):
+                for name, (taas_cell, their_cell) in cells.items():
+                    order = (taas_cell, their_cell) if pair % 2 == 0 else (their_cell, taas_cell)
+                    times = {}
+                    for cell in order:
+                        time.sleep(0.5)
+                        times[cell] = cell()
+                    ratios[name].append(times[taas_cell] / times[their_cell])
+            reply(ours, "%taas release")
+        finally:
+            ours.shutdown()
+    return ratios
+
+
+def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
+    """jupyter-distributed's first line and all_reduce cell, ``runs`` times each: its proxy kernel (a kernelspec
+    of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring);
+    then its recovery and interrupt rows (:data:`JD_MORE`)."""
+    init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+    with other_kernel(jd_environment(site), "jdist") as kernel:
         reply(kernel, init)
-        rows = two_rows(kernel, runs, in_display(printed))
+        rows = two_rows(kernel, runs, in_display(JD_PRINTED))
         for _ in range(runs):
             JD_MORE["failed"].append(jd_recovery(kernel, init))
             JD_MORE["interrupt"].append(interrupt(kernel, LOOP, in_display("looping"))[0])
@@ -267,8 +302,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--nbdistributed", metavar="SITE", help="a folder holding nbdistributed (see above)")
     parser.add_argument("--jupyter-distributed", metavar="SITE", help="a folder holding jupyter-distributed (see above)")
+    parser.add_argument("--paired", action="store_true", help="only the first two rows, taas and jupyter-distributed "
+                        "side by side in pairs (needs --jupyter-distributed)")
     arguments = parser.parse_args()
     runs = arguments.runs
+    if arguments.paired:
+        ratios = paired(arguments.jupyter_distributed, runs)
+        print(f"taas kept / jupyter-distributed, {runs} pairs (ABBA), both kept and idle between cells: "
+              "median of the paired ratios (min-max)\n")
+        print("| row | taas / jupyter-distributed | target |\n| --- | --- | --- |")
+        for name, title in (("first", "first line"), ("reduce", "a cell with an all_reduce, to its reply")):
+            print(row(title, ratios[name], None, "<= 1.00x", "x").replace(" |  | <=", " | <="))
+        return
     kernel = Kernel()
     try:
         rows: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("first", "reduce", "failed", "shown", "next")}
