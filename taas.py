@@ -173,6 +173,19 @@ def study() -> Any:
     return _fromcode.study()
 
 
+def load_job(script: str) -> dict:
+    """Rank 0's names from the last run of a job ``%taas export`` wrote (``python SCRIPT``, torchrun, sbatch or
+    Ray), bound in this notebook and returned by name. It unpickles the job folder's ``results.pt``, so it refuses
+    a folder that is not yours alone."""
+    from taas_magic.rank.job import load_results
+
+    names = load_results(script)
+    shell = _fromcode.shell()
+    if shell is not None:
+        shell.user_ns.update(names)
+    return names
+
+
 def lightning_logger() -> Any:
     """A Lightning logger that draws what ``self.log`` logs in the taas cell's chart.
 

@@ -31,7 +31,7 @@ from typing import Callable
 from IPython.core.error import UsageError
 
 from taas_magic.errors import LaunchError
-from taas_magic.kernel.magic import debug, linecommands, runcommands
+from taas_magic.kernel.magic import debug, exporting, linecommands, runcommands
 from taas_magic.kernel.magic.linecommands import MagicSettings
 from taas_magic.kernel.magic.status import help_text
 from taas_magic.kernel.runs.session import Session
@@ -114,6 +114,12 @@ def _stop(session: Session, settings: MagicSettings, run: str | None = None) -> 
     runcommands.stop(session.runs, run)
 
 
+def _export(session: Session, settings: MagicSettings, argument: str) -> None:
+    from IPython import get_ipython
+
+    exporting.export(get_ipython(), settings.defaults, argument)
+
+
 def _debug(session: Session, settings: MagicSettings, run: str | None = None) -> None:
     debug.taas_debug(session.runs, run)
 
@@ -155,6 +161,8 @@ COMMANDS = (
     LineCommand(("trials",), "the last search's trials (a pandas DataFrame when pandas is installed); taas.trials()",
                 trials),
     LineCommand(("study",), "the last search's Optuna study; taas.study()", study),
+    LineCommand(("export",), "write the last taas cell (or In[N]) as a job: PATH for python or torchrun, its .sbatch "
+                "and _ray.py; taas.load_job(PATH) brings rank 0's names back", _export, "PATH [In[N]]", rest=True),
     LineCommand(("help",), "this text", _help),
 )
 

@@ -35,6 +35,12 @@ def _magic(call: str) -> Any:
     return line.__self__
 
 
+def shell() -> Any:
+    """The IPython shell this code runs in, or None (a script, a rank): IPython is not imported for the asking."""
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
+
+
 def wait(run: str | None) -> Any:
     """``%taas wait [RUN]``'s handler (kernel/magic/commands.py), given the run as the caller named it."""
     from taas_magic.kernel.magic import commands

@@ -1,0 +1,228 @@
+"""An exported job's runtime: its ranks started, each rank set up as a taas rank is, rank 0's names saved.
+
+Runs in the job: the script ``%taas export`` wrote (kernel/magic/jobfiles.py) calls :func:`start` first thing, and
+:meth:`Job.finish` last. Needs torch and this package's runtime, never IPython, ipykernel or jupyter_client.
+
+:func:`start`, by what launched the script:
+
+- ``torchrun`` (``RANK`` set), or Slurm's ``srun`` (``SLURM_PROCID`` set: the ranks' environment made from Slurm's
+  variables, as the Slurm engine does): this process is one rank; :func:`start` sets it up and returns its
+  :class:`Job`.
+- ``python SCRIPT``: this process starts the job's ranks itself, each ``python SCRIPT`` with torchrun's
+  environment (loopback rendezvous on a free port), shows rank 0's output (the others' go to the job folder's
+  ``rank-K.log``), restarts them all up to ``restarts`` times when one fails, stops them all after ``timeout``
+  seconds, and exits with the job's status: :func:`start` never returns there.
+
+Each rank, as a taas rank: on ``device="cpu"`` it sees no GPU and ``nccl`` is served by gloo; on ``"cuda"`` its GPU is
+``LOCAL_RANK``'s; ranks other than 0 write under the repository (the git work tree around the working
+directory, as the notebook's rule finds it) into a private layer that is thrown away, overlay where the
+host allows it, else by Python: only rank 0's files land, except in the ``shared`` folders, where every rank
+writes in place. :meth:`Job.finish` has rank 0 save the names the cell bound (a DDP or compiled wrapper as
+its module) to the job folder's ``results.pt``, which ``taas.load_job(SCRIPT)`` binds in a notebook.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+RESULTS = "results.pt"
+VALUES = "values.pt"
+
+
+def job_folder(script: str) -> str:
+    """The folder beside ``script`` that holds its values, its results and its ranks' logs."""
+    stem, _ = os.path.splitext(os.path.abspath(script))
+    return stem + ".taas"
+
+
+@dataclass
+class Job:
+    """One rank of a job (see the module docstring)."""
+
+    script: str
+    rank: int
+    world: int
+    before: dict[str, int] = field(default_factory=dict)
+
+    def values(self, *names: str) -> Any:
+        """The notebook values the cell reads, saved beside the script: one, or a tuple of them."""
+        import torch
+
+        saved = torch.load(os.path.join(job_folder(self.script), VALUES), weights_only=False)
+        found = tuple(saved[name] for name in names)
+        return found[0] if len(found) == 1 else found
+
+    def begin_cell(self, namespace: dict) -> None:
+        """What the script's globals hold before the cell: :meth:`finish` saves only what the cell bound."""
+        self.before = {name: id(value) for name, value in namespace.items()}
+
+    def finish(self, namespace: dict) -> None:
+        """Rank 0: the names the cell bound, saved for ``taas.load_job``; every rank: done."""
+        if self.rank != 0:
+            return
+        import torch
+
+        from taas_magic.transfer.unwrap import unwrap
+
+        results, left = {}, []
+        for name, value in namespace.items():
+            if name.startswith("_") or self.before.get(name) == id(value) or isinstance(value, types.ModuleType):
+                continue
+            unwrapped = unwrap(value)
+            value = unwrapped[0] if unwrapped is not None else value
+            try:
+                pickle.dumps(value, protocol=5) if not isinstance(value, torch.nn.Module) else None
+                results[name] = value
+            except Exception as exc:  # noqa: BLE001 - a name that cannot be saved costs only itself
+                left.append(f"{name} ({type(exc).__name__})")
+        torch.save(results, os.path.join(job_folder(self.script), RESULTS))
+        if left:
+            print(f"taas: not saved for the notebook: {', '.join(left)}", file=sys.stderr)
+
+
+def load_results(script: str) -> dict[str, Any]:
+    """Rank 0's names from the job's last run (its ``results.pt``), for ``taas.load_job``.
+
+    Raises:
+        FileNotFoundError: the job has not finished a run since it was exported.
+        PermissionError: the job's folder is not this user's own, or others may write to it (it is unpickled).
+    """
+    import torch
+
+    folder, results = job_folder(script), os.path.join(job_folder(script), RESULTS)
+    if not os.path.exists(results):
+        raise FileNotFoundError(f"taas: {script} has no results yet ({results}): run it, then load it")
+    for checked in (folder, results):
+        status = os.stat(checked)
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            raise PermissionError(f"taas: {checked} is not yours alone (its owner or mode): not unpickled")
+    loaded = torch.load(results, weights_only=False)
+    return dict(loaded)
+
+
+def start(script: str, *, ranks: int, device: str = "cpu", restarts: int = 0, timeout: float | None = None,
+          shared: tuple[str, ...] = ()) -> Job:
+    """This rank's :class:`Job`, or, launched as ``python SCRIPT``, the whole job run and this process exited."""
+    os.makedirs(job_folder(script), mode=0o700, exist_ok=True)
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        _from_slurm()
+    if "RANK" not in os.environ:
+        sys.exit(_launch(script, ranks, device, restarts, timeout))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != ranks:
+        print(f"taas: this job was exported for {ranks} rank(s) and runs as {world}", file=sys.stderr)
+    _set_up_rank(rank, device, shared)
+    return Job(os.path.abspath(script), rank, world)
+
+
+def _from_slurm() -> None:
+    """torchrun's variables from Slurm's, for a rank ``srun`` started (as launch/slurm does)."""
+    env = os.environ
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0]
+    if "MASTER_ADDR" not in env:  # the first node's address, as Slurm knows it (task 0 runs there)
+        first = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+                               capture_output=True, text=True, check=True).stdout.split()[0]
+        node = subprocess.run(["scontrol", "show", "node", first], capture_output=True, text=True, check=True).stdout
+        env["MASTER_ADDR"] = next((word.split("=", 1)[1] for word in node.split() if word.startswith("NodeAddr=")), first)
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def _set_up_rank(rank: int, device: str, shared: tuple[str, ...]) -> None:
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        from taas_magic.import_hooks import when_imported
+        from taas_magic.rank.devices import serve_nccl_with_gloo
+
+        when_imported("torch.distributed", serve_nccl_with_gloo)
+    elif device == "cuda":
+        from taas_magic.import_hooks import when_imported
+        from taas_magic.rank.devices import bind_gpu
+
+        when_imported("torch", lambda _: bind_gpu())
+    from taas_magic.writes import savers
+    from taas_magic.writes.rule import find_repository
+
+    repository = find_repository(os.getcwd())
+    if rank != 0:
+        _divert_writes(repository)
+    # collective checkpoints (DCP, accelerate's save_state, ...) and --shared: every rank's part in place
+    savers.install(lambda _frame: None, tuple(os.path.join(repository, folder) for folder in shared))
+
+
+def _divert_writes(repository: str) -> None:
+    """This rank's writes under the repository go to a private layer, thrown away at exit."""
+    from taas_magic.rank.startup import isolate_writes
+    from taas_magic.tempdirs import remove_tree
+    from taas_magic.writes.rule import probe_overlay
+
+    layer = tempfile.mkdtemp(prefix="taas-job-layer-")
+    atexit.register(remove_tree, layer)
+    mode = "overlay" if probe_overlay() is None else "python"
+    isolate_writes(repository, layer, mode, f"rank {os.environ['RANK']}")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _launch(script: str, ranks: int, device: str, restarts: int, timeout: float | None) -> int:
+    """``python SCRIPT``: the job's ranks, attempt after attempt; the job's exit status."""
+    for attempt in range(restarts + 1):
+        code = _attempt(script, ranks, device, attempt, timeout)
+        if code == 0 or code == 124:
+            return code
+        if attempt < restarts:
+            print(f"taas: the job failed (exit {code}); restart {attempt + 1} of {restarts}", file=sys.stderr)
+    return code
+
+
+def _attempt(script: str, ranks: int, device: str, attempt: int, timeout: float | None) -> int:
+    port, folder = _free_port(), job_folder(script)
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # the host's cores among its ranks, as a cell's ranks get
+    children = []
+    for rank in range(ranks):
+        env = {"OMP_NUM_THREADS": str(threads), **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(ranks),
+               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+        log = None if rank == 0 else open(os.path.join(folder, f"rank-{rank}.log"), "ab")
+        children.append(subprocess.Popen([sys.executable, script], env=env, stdout=log, stderr=log,
+                                         start_new_session=True))
+        if log is not None:
+            log.close()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            codes = [child.poll() for child in children]
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed or all(code == 0 for code in codes):
+                return failed[0] if failed else 0
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"taas: the job ran past its --timeout {timeout:g} s: stopped", file=sys.stderr)
+                return 124
+            time.sleep(0.05)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()

@@ -1,0 +1,122 @@
+"""``%taas export`` in a real kernel: a notebook defines a model class, a data function and a value, trains in a
+2-rank taas cell with a fixed seed where every rank saves unguarded; the exported job, run by torchrun and by
+``python`` where IPython, ipykernel and jupyter_client cannot be imported, writes bit-identical weights, only rank
+0's file lands, and ``taas.load_job`` brings rank 0's names back. A name that cannot go stops the export."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.kernel_client import Kernel
+
+DEFINITIONS = [
+    "import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        self.fc = torch.nn.Linear(8, 1)\n\n    def forward(self, x):\n        return self.fc(torch.tanh(x))\n",
+    "def make_data(n, seed):\n    generator = torch.Generator().manual_seed(seed)\n"
+    "    x = torch.randn(n, 8, generator=generator)\n    return x, x.sum(1, keepdim=True) * scale\n",
+    "scale = 0.5\nlr = 0.05",
+]
+TRAIN = """#pragma taas --gpus 2 --device cpu
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(Net())
+opt = torch.optim.SGD(model.parameters(), lr=lr)
+x, y = make_data(64, seed=dist.get_rank())
+for step in range(5):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+torch.save(model.module.state_dict(), "weights.pt")  # every rank: only rank 0's lands
+torch.save({"rank": dist.get_rank()}, "who.pt")
+print("trained", float(loss))
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The notebook trained once, its weights kept aside, and the cell exported as job/train.py."""
+    folder = tmp_path_factory.mktemp("export")
+    kernel = Kernel(cwd=str(folder))
+    try:
+        for cell in DEFINITIONS:
+            ok(kernel, cell)
+        trained = ok(kernel, TRAIN)
+        assert "trained" in trained.stream("stdout")
+        os.replace(folder / "weights.pt", folder / "notebook-weights.pt")
+        assert torch.load(folder / "who.pt")["rank"] == 0
+        os.remove(folder / "who.pt")
+        said = ok(kernel, "%taas export job/train.py").stream("stdout")
+        yield kernel, folder, said
+    finally:
+        kernel.shutdown()
+
+
+def ok(kernel: Kernel, code: str):
+    ran = kernel.execute(code)
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    return ran
+
+
+def without_jupyter(folder) -> dict[str, str]:
+    """An environment where importing IPython, ipykernel or jupyter_client fails."""
+    blocked = folder / "no-jupyter"
+    for name in ("IPython", "ipykernel", "jupyter_client"):
+        (blocked / name).mkdir(parents=True, exist_ok=True)
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not here: a job runs without it')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked), os.environ.get("PYTHONPATH", "")])}
+
+
+def same_weights(first, second) -> bool:
+    a, b = torch.load(first), torch.load(second)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_writes_the_job_and_says_what_went(exported):
+    _, folder, said = exported
+    assert "In[5] exported as train.py (2 rank(s) on cpu" in said and "train.sbatch and train_ray.py" in said
+    # loss: the cell reads it after its loop, which may not run (cell/freenames.py): the closure a run ships too
+    assert "2 definition(s) by source, 3 value(s)" in said, said
+    script = (folder / "job" / "train.py").read_text()
+    assert "class Net(torch.nn.Module):" in script and "def make_data(n, seed):" in script
+    assert "loss, lr, scale = _taas.values('loss', 'lr', 'scale')" in script
+    assert oct((folder / "job" / "train.taas").stat().st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.parametrize("how", ["torchrun", "python"])
+def test_the_job_trains_bit_identical_weights_without_jupyter_and_only_rank_0s_file_lands(exported, how):
+    _, folder, _ = exported
+    command = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "job/train.py"]
+               if how == "torchrun" else [sys.executable, "job/train.py"])
+    ran = subprocess.run(command, cwd=folder, env=without_jupyter(folder), capture_output=True, text=True, timeout=240)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "trained" in ran.stdout
+    assert same_weights(folder / "weights.pt", folder / "notebook-weights.pt")
+    assert torch.load(folder / "who.pt")["rank"] == 0
+    os.remove(folder / "weights.pt")
+    os.remove(folder / "who.pt")
+
+
+def test_load_job_binds_rank_0s_names_in_the_notebook(exported):
+    kernel, folder, _ = exported
+    subprocess.run([sys.executable, "job/train.py"], cwd=folder, check=True, capture_output=True, timeout=240)
+    shown = ok(kernel, "import taas\nnames = taas.load_job('job/train.py')\n"
+                       "print(sorted(names), type(model).__name__, model.fc.weight.shape)").stream("stdout")
+    assert "'model', 'opt'" in shown and "Net torch.Size([1, 8])" in shown
+
+
+def test_a_name_that_cannot_go_stops_the_export_in_one_line_and_writes_nothing(exported):
+    kernel, folder, _ = exported
+    ok(kernel, "handle = open('notes.txt', 'w')")
+    ran = kernel.execute("#pragma taas --gpus 2 --device cpu\nprint(handle.name)\n")  # a run cannot send it either
+    assert ran.error is not None and "cannot send `handle`" in ran.error_text()
+    failed = kernel.execute("%taas export other.py")
+    assert failed.reply["status"] == "error" and failed.reply["ename"] == "UsageError"  # one line, no traceback
+    assert "taas: handle (TextIOWrapper) cannot go with the job" in failed.stream("stderr")
+    assert not (folder / "other.py").exists() and not (folder / "other.sbatch").exists()
