@@ -24,8 +24,8 @@ its module) to the job folder's ``results.pt``, which ``taas.load_job(SCRIPT)`` 
 from __future__ import annotations
 
 import atexit
+import io
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -68,7 +68,8 @@ class Job:
         self.before = {name: id(value) for name, value in namespace.items()}
 
     def finish(self, namespace: dict) -> None:
-        """Rank 0: the names the cell bound, saved for ``taas.load_job``; every rank: done."""
+        """Rank 0: the names the cell bound, saved for ``taas.load_job`` (each on its own: one that cannot be saved,
+        a sharded module say, costs only itself and is named); every rank: done."""
         if self.rank != 0:
             return
         import torch
@@ -79,13 +80,14 @@ class Job:
         for name, value in namespace.items():
             if name.startswith("_") or self.before.get(name) == id(value) or isinstance(value, types.ModuleType):
                 continue
-            unwrapped = unwrap(value)
-            value = unwrapped[0] if unwrapped is not None else value
+            buffer = io.BytesIO()
             try:
-                pickle.dumps(value, protocol=5) if not isinstance(value, torch.nn.Module) else None
-                results[name] = value
+                unwrapped = unwrap(value) if isinstance(value, torch.nn.Module) else None  # DDP, compiled: the module
+                torch.save(unwrapped[0] if unwrapped is not None else value, buffer)
             except Exception as exc:  # noqa: BLE001 - a name that cannot be saved costs only itself
                 left.append(f"{name} ({type(exc).__name__})")
+                continue
+            results[name] = buffer.getvalue()
         torch.save(results, os.path.join(job_folder(self.script), RESULTS))
         if left:
             print(f"taas: not saved for the notebook: {', '.join(left)}", file=sys.stderr)
@@ -107,8 +109,8 @@ def load_results(script: str) -> dict[str, Any]:
         status = os.stat(checked)
         if status.st_uid != os.getuid() or status.st_mode & 0o022:
             raise PermissionError(f"taas: {checked} is not yours alone (its owner or mode): not unpickled")
-    loaded = torch.load(results, weights_only=False)
-    return dict(loaded)
+    saved = torch.load(results, weights_only=False)
+    return {name: torch.load(io.BytesIO(data), weights_only=False) for name, data in saved.items()}
 
 
 def start(script: str, *, ranks: int, device: str = "cpu", restarts: int = 0, timeout: float | None = None,

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from tests.collective_save import FSDP_MODEL, TRAIN_3_STEPS
 from tests.kernel_client import Kernel
 
 DEFINITIONS = [
@@ -120,3 +121,27 @@ def test_a_name_that_cannot_go_stops_the_export_in_one_line_and_writes_nothing(e
     assert failed.reply["status"] == "error" and failed.reply["ename"] == "UsageError"  # one line, no traceback
     assert "taas: handle (TextIOWrapper) cannot go with the job" in failed.stream("stderr")
     assert not (folder / "other.py").exists() and not (folder / "other.sbatch").exists()
+
+
+def test_a_collective_checkpoint_of_the_job_lands_whole_and_a_stray_write_once(tmp_path):
+    """FSDP2 over the job's 2 CPU ranks, saved with DCP: every rank writes its part in place (as in a cell),
+    while an unguarded torch.save lands once, rank 0's."""
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        ran = kernel.execute("#pragma taas --gpus 2 --device cpu --restarts 1\n" + FSDP_MODEL + TRAIN_3_STEPS
+                             + "dcp.save({'model': model.state_dict()}, checkpoint_id='ckpt/step3')\n"
+                             + "torch.save({'rank': rank}, 'stray.pt')\n")
+        assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+        ok(kernel, "%taas export job/fsdp.py")
+    finally:
+        kernel.shutdown()
+    for made in ("ckpt", "stray.pt"):
+        subprocess.run(["rm", "-rf", str(tmp_path / made)], check=True)
+    assert "--restarts 1" not in (tmp_path / "job" / "fsdp.sbatch").read_text()
+    assert "for attempt in $(seq 0 1); do" in (tmp_path / "job" / "fsdp.sbatch").read_text()
+    done = subprocess.run([sys.executable, "job/fsdp.py"], cwd=tmp_path, env=without_jupyter(tmp_path),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    parts = sorted(path.name for path in (tmp_path / "ckpt" / "step3").iterdir())
+    assert ".metadata" in parts and len([p for p in parts if p.endswith(".distcp")]) == 2, parts
+    assert torch.load(tmp_path / "stray.pt")["rank"] == 0

@@ -58,7 +58,7 @@ def script_text(path: str, cell: int, source: str, carried: Carried, launch: Lau
         f'"""In[{cell}] of a notebook, exported by taas on {when}: {launch.ranks} rank(s) on {launch.device}.',
         "",
         f"Run it: `python {name}` (it starts its {launch.ranks} ranks itself), `torchrun --nproc-per-node "
-        f"{launch.ranks} {name}`,",
+        f"{launch.ranks}{f' --max-restarts {launch.restarts}' if launch.restarts else ''} {name}`,",
         f"`sbatch {stem}.sbatch` or `python {stem}_ray.py`. It needs torch and taas_magic, not Jupyter. The notebook",
         f"values the cell reads are in {stem}.taas/{VALUES}; rank 0's names land in {stem}.taas/, and",
         f'`taas.load_job("{name}")` binds them in a notebook.',
@@ -95,9 +95,21 @@ def sbatch_text(path: str, launch: Launch) -> str:
         *gpus,
         f"#SBATCH --output={stem}.taas/slurm-%j.out",
         *([f"#SBATCH --time={max(1, int(launch.timeout // 60) + 1)}"] if launch.timeout else []),
-        f'srun {shlex.quote(sys.executable)} {shlex.quote(path)} "$@"',
+        *_srun_lines(f'srun {shlex.quote(sys.executable)} {shlex.quote(path)} "$@"', launch.restarts),
         "",
     ])
+
+
+def _srun_lines(srun: str, restarts: int) -> list[str]:
+    """The step, started again after a failure up to ``restarts`` times (the attempt in TORCHELASTIC_RESTART_COUNT)."""
+    if not restarts:
+        return [srun]
+    return [f"for attempt in $(seq 0 {restarts}); do",
+            "    export TORCHELASTIC_RESTART_COUNT=$attempt",
+            f"    {srun} && exit 0",
+            f'    echo "taas: the job failed (attempt $attempt of {restarts + 1})" >&2',
+            "done",
+            "exit 1"]
 
 
 def ray_text(path: str, launch: Launch) -> str:
