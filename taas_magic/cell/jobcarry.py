@@ -27,7 +27,7 @@ import symtable
 import textwrap
 import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from taas_magic.errors import LaunchError
 
@@ -49,14 +49,17 @@ class Carried:
     imports: dict[str, str] = field(default_factory=dict)  # name -> its import line
     definitions: dict[str, Definition] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    loaders: list[str] = field(default_factory=list)  # values that are registered loaders: fed as the data workers do
 
     def ordered_definitions(self) -> list[Definition]:
         """In the order the notebook ran them: a class's base, defined in an earlier cell, comes first."""
         return sorted(self.definitions.values(), key=lambda d: (d.cell, d.line))
 
 
-def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mapping[int, str]) -> Carried:
-    """What the job takes for ``closure`` (``cells``: the notebook's cells by number, as Python)."""
+def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mapping[int, str],
+          registered: Sequence[Any] = ()) -> Carried:
+    """What the job takes for ``closure`` (``cells``: the notebook's cells by number, as Python; ``registered``:
+    the loaders ``taas.register`` holds, which the job feeds to its ranks as the data workers would)."""
     carried = Carried()
     waiting = sorted(closure)
     seen: set[str] = set()
@@ -79,6 +82,8 @@ def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mappi
         if kind.__module__ == "__main__":  # an instance of a notebook class: the class goes too
             waiting.extend(n for n, v in namespace.items() if v is kind and n not in seen)
         carried.values[name] = value
+        if any(value is loader for loader in registered):
+            carried.loaders.append(name)
     for name, value in carried.values.items():
         _check_picklable(name, value)
     return carried

@@ -34,7 +34,7 @@ import tempfile
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 RESULTS = "results.pt"
 VALUES = "values.pt"
@@ -56,12 +56,15 @@ class Job:
     before: dict[str, int] = field(default_factory=dict)
 
     def values(self, *names: str) -> Any:
-        """The notebook values the cell reads, saved beside the script: one, or a tuple of them."""
+        """The notebook values the cell reads, saved beside the script, in the order named (a tuple, one or more)."""
         import torch
 
         saved = torch.load(os.path.join(job_folder(self.script), VALUES), weights_only=False)
-        found = tuple(saved[name] for name in names)
-        return found[0] if len(found) == 1 else found
+        return tuple(saved[name] for name in names)
+
+    def feed(self, loader: Any, *, cpus: int = 1, units: int | None = None, seed: int = 0) -> JobFeed:
+        """A registered loader as this rank sees it under taas's data workers: its share of each pass."""
+        return JobFeed(loader, self.rank, self.world, max(0, cpus // self.world), units, seed)
 
     def begin_cell(self, namespace: dict) -> None:
         """What the script's globals hold before the cell: :meth:`finish` saves only what the cell bound."""
@@ -91,6 +94,62 @@ class Job:
         torch.save(results, os.path.join(job_folder(self.script), RESULTS))
         if left:
             print(f"taas: not saved for the notebook: {', '.join(left)}", file=sys.stderr)
+
+
+class _Batches:
+    """A map-style loader's elements of one pass, by position: fetched and collated as the DataLoader would."""
+
+    def __init__(self, loader: Any, indices: list[Any]):
+        self.loader, self.indices = loader, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, position: int) -> Any:
+        dataset, index = self.loader.dataset, self.indices[position]
+        if getattr(self.loader, "batch_size", None) is None and getattr(self.loader, "batch_sampler", None) is None:
+            return self.loader.collate_fn(dataset[index])
+        return self.loader.collate_fn([dataset[i] for i in index])
+
+
+class JobFeed:
+    """A registered loader in a job: each pass, this rank's elements ``j % world == rank`` (taas's data workers hand
+    a pass's elements out among the ranks), a map-style loader's sampler reseeded with ``seed + pass`` as they
+    reseed it, prepared by ``workers`` DataLoader workers of this rank; ``units`` elements in all, as ``--units``."""
+
+    def __init__(self, loader: Any, rank: int, world: int, workers: int, units: int | None, seed: int):
+        self.loader, self.rank, self.world, self.workers = loader, rank, world, workers
+        self.units, self.seed, self.passes, self.taken = units, seed, 0, 0
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.loader), self.world))
+
+    def __iter__(self) -> Any:
+        import torch
+
+        number, self.passes = self.passes, self.passes + 1
+        dataset = getattr(self.loader, "dataset", None)
+        if dataset is None or not hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.IterableDataset):
+            for j, element in enumerate(self.loader):  # an iterable: read in full, this rank's share kept
+                if self._spent():
+                    return
+                if j % self.world == self.rank:
+                    self.taken += 1
+                    yield element
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + number)
+            order = list(self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler)
+        mine = _Batches(self.loader, order[self.rank::self.world])
+        prepared: Any = torch.utils.data.DataLoader(cast(Any, mine), batch_size=None, num_workers=self.workers)
+        for element in prepared:
+            if self._spent():
+                return
+            self.taken += 1
+            yield element
+
+    def _spent(self) -> bool:
+        return self.units is not None and self.taken * self.world >= self.units
 
 
 def load_results(script: str) -> dict[str, Any]:

@@ -145,3 +145,22 @@ def test_a_collective_checkpoint_of_the_job_lands_whole_and_a_stray_write_once(t
     parts = sorted(path.name for path in (tmp_path / "ckpt" / "step3").iterdir())
     assert ".metadata" in parts and len([p for p in parts if p.endswith(".distcp")]) == 2, parts
     assert torch.load(tmp_path / "stray.pt")["rank"] == 0
+
+
+def test_a_registered_loader_feeds_each_rank_its_share_of_every_pass_in_the_job(tmp_path):
+    """The data workers' split, in the job: 16 batches a pass, 8 to each of 2 ranks, every pass reshuffled."""
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        ok(kernel, "import taas, torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+                   "loader = taas.register(DataLoader(TensorDataset(torch.arange(512.0)), batch_size=32, shuffle=True))")
+        ok(kernel, "#pragma taas --gpus 2 --device cpu --cpus 2\nimport os\nseen = []\nfor epoch in range(2):\n"
+                   "    seen.append(sorted(int(x) for (batch,) in loader for x in batch))\n"
+                   "print('rank', os.environ['RANK'], 'len', len(loader), 'took', len(seen[0]), len(seen[1]))\n")
+        said = ok(kernel, "%taas export job/feed.py").stream("stdout")
+    finally:
+        kernel.shutdown()
+    assert "loader = _taas.feed(loader, cpus=2, units=None, seed=" in (tmp_path / "job" / "feed.py").read_text(), said
+    done = subprocess.run([sys.executable, "job/feed.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0 len 8 took 256 256" in done.stdout
+    assert "rank 1 len 8 took 256 256" in (tmp_path / "job" / "feed.taas" / "rank-1.log").read_text()

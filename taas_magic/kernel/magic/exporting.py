@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from typing import Any, Mapping
 
 from IPython.core.error import UsageError
@@ -21,6 +22,7 @@ from taas_magic.cell.closure import select_closure
 from taas_magic.cell.jobcarry import carry
 from taas_magic.cell.pragma import TaasCell, parse_cell, settle
 from taas_magic.errors import LaunchError
+from taas_magic.feed import registry
 from taas_magic.kernel.magic.jobfiles import Launch, check_plain_python, write_job
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.rank.job import VALUES, job_folder
@@ -48,11 +50,12 @@ def export(shell: InteractiveShell, defaults: Mapping[str, object], argument: st
     check_plain_python(code.source, number)
     closure = select_closure(code.tree, shell.user_ns, shell.user_ns_hidden)
     try:
-        carried = carry(closure, shell.user_ns, _cells(shell, raw[:number]))
+        carried = carry(closure, shell.user_ns, _cells(shell, raw[:number]), registry.registered())
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     device = "cuda" if settings.device == "cuda" or (settings.device == "auto" and visible_gpu_count() > 0) else "cpu"
-    launch = Launch(settings.gpus, device, settings.restarts, settings.timeout, settings.shared)
+    launch = Launch(settings.gpus, device, settings.restarts, settings.timeout, settings.shared, settings.cpus,
+                    settings.units, secrets.randbits(31))
     write_job(path, number, code.source, carried, launch)
     name, stem = os.path.basename(path), os.path.splitext(os.path.basename(path))[0]
     values = os.path.join(os.path.relpath(job_folder(path)), VALUES)

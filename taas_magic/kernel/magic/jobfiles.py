@@ -38,6 +38,9 @@ class Launch:
     restarts: int
     timeout: float | None
     shared: tuple[str, ...]
+    cpus: int = 1  # --cpus: the data workers, shared among the ranks here
+    units: int | None = None  # --units: elements of each registered loader a run takes in all (None: one pass)
+    seed: int = 0  # the job's seed for the loaders' samplers (each pass: seed + pass), fixed at export
 
 
 def check_plain_python(source: str, cell: int) -> None:
@@ -77,6 +80,8 @@ def script_text(path: str, cell: int, source: str, carried: Carried, launch: Lau
         names = sorted(carried.values)
         target = ", ".join(names) + ("," if len(names) == 1 else "")
         lines += ["", f"{target} = _taas.values({', '.join(repr(n) for n in names)})"]
+    for name in carried.loaders:  # as the data workers prepare it: this rank's share of each pass
+        lines.append(f"{name} = _taas.feed({name}, cpus={launch.cpus}, units={launch.units!r}, seed={launch.seed})")
     lines += ["", f"# -- the cell: In[{cell}] " + "-" * 80, "_taas.begin_cell(globals())", source.rstrip("\n"), "",
               "_taas.finish(globals())", ""]
     return "\n".join(lines)
