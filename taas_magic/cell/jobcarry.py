@@ -63,6 +63,7 @@ def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mappi
     carried = Carried()
     waiting = sorted(closure)
     seen: set[str] = set()
+    wanted_by: dict[str, str] = {}  # a name carried for a definition that reads it -> that definition
     while waiting:
         name = waiting.pop(0)
         if name in seen or name not in namespace:
@@ -76,7 +77,9 @@ def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mappi
         if _defined_in_a_cell(value):
             definition, reads = _definition(name, value, cells)
             carried.definitions[name] = definition
-            waiting.extend(sorted(reads - seen))
+            for read in sorted(reads - seen):
+                wanted_by.setdefault(read, name)
+                waiting.append(read)
             continue
         kind = type(value)
         if kind.__module__ == "__main__":  # an instance of a notebook class: the class goes too
@@ -85,7 +88,7 @@ def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mappi
         if any(value is loader for loader in registered):
             carried.loaders.append(name)
     for name, value in carried.values.items():
-        _check_picklable(name, value)
+        _check_picklable(name + (f", which {wanted_by[name]} reads," if name in wanted_by else ""), value)
     return carried
 
 

@@ -112,15 +112,27 @@ def test_load_job_binds_rank_0s_names_in_the_notebook(exported):
     assert "'model', 'opt'" in shown and "Net torch.Size([1, 8])" in shown
 
 
-def test_a_name_that_cannot_go_stops_the_export_in_one_line_and_writes_nothing(exported):
+@pytest.mark.parametrize("made, read, said", [
+    ("handle = open('notes.txt', 'w')", "handle.name", "handle (TextIOWrapper) cannot go with the job"),
+    ("import socket\nlink = socket.socket()", "link.family", "link (socket) cannot go with the job"),
+    ("numbers = (i for i in range(3))\nnext_one = lambda: next(numbers)", "next_one()",
+     "numbers, which next_one reads, (a generator) cannot go with the job"),
+])
+def test_a_name_that_cannot_go_stops_the_export_in_one_line_and_writes_nothing(exported, made, read, said):
     kernel, folder, _ = exported
-    ok(kernel, "handle = open('notes.txt', 'w')")
-    ran = kernel.execute("#pragma taas --gpus 2 --device cpu\nprint(handle.name)\n")  # a run cannot send it either
-    assert ran.error is not None and "cannot send `handle`" in ran.error_text()
+    ok(kernel, made)
+    kernel.execute(f"#pragma taas --gpus 2 --device cpu\nprint({read})\n")  # run or not, the last taas cell
     failed = kernel.execute("%taas export other.py")
     assert failed.reply["status"] == "error" and failed.reply["ename"] == "UsageError"  # one line, no traceback
-    assert "taas: handle (TextIOWrapper) cannot go with the job" in failed.stream("stderr")
+    assert f"taas: {said}" in failed.stream("stderr")
     assert not (folder / "other.py").exists() and not (folder / "other.sbatch").exists()
+
+
+def test_a_named_cell_is_exported_and_a_cell_that_is_not_taas_is_refused(exported):
+    kernel, folder, _ = exported
+    assert "In[5] exported as again.py" in ok(kernel, "%taas export job/again.py In[5]").stream("stdout")
+    refused = kernel.execute("%taas export job/again.py In[2]")
+    assert "taas: In[2] is not a taas cell of this session" in refused.stream("stderr")
 
 
 def test_a_collective_checkpoint_of_the_job_lands_whole_and_a_stray_write_once(tmp_path):
