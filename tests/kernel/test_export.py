@@ -176,3 +176,22 @@ def test_a_registered_loader_feeds_each_rank_its_share_of_every_pass_in_the_job(
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0 len 8 took 256 256" in done.stdout
     assert "rank 1 len 8 took 256 256" in (tmp_path / "job" / "feed.taas" / "rank-1.log").read_text()
+
+
+def test_shared_folders_are_written_in_place_by_every_rank_of_the_job(tmp_path):
+    """--shared DIR in the pragma: in the job as in the cell, every rank's file there lands; elsewhere rank 0's only."""
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        cell = ("#pragma taas --gpus 2 --device cpu --shared parts\nimport os\nrank = os.environ['RANK']\n"
+                "os.makedirs('parts', exist_ok=True)\nopen(f'parts/rank{rank}.txt', 'w').write(rank)\n"
+                "open('stray.txt', 'w').write(rank)\n")
+        ran = kernel.execute(cell)
+        assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+        ok(kernel, "%taas export job/parts.py")
+    finally:
+        kernel.shutdown()
+    subprocess.run(["rm", "-rf", str(tmp_path / "parts"), str(tmp_path / "stray.txt")], check=True)
+    done = subprocess.run([sys.executable, "job/parts.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(path.name for path in (tmp_path / "parts").iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert (tmp_path / "stray.txt").read_text() == "0"
