@@ -7,8 +7,8 @@ Starting from the cell's closure (the notebook names it reads: cell/closure.py),
 - a module (``np``): an import line (``import numpy as np``);
 - a function or class of a library (``DataLoader``): an import line, where importing it gives that very object;
 - a function, class or lambda defined in a notebook cell: its source, the cell's own lines (decorators kept), taken
-  from the last cell that defined it at the top level; the names *its* body reads are carried too, in turn, and an
-  instance of a notebook class carries its class;
+  from the last cell that defined it at the top level; the names *its* body reads are carried too, in turn, and so
+  is every notebook class or function a value's pickle names (``__main__.Squares`` in a DataLoader's dataset);
 - anything else: a value, pickled beside the script (the job loads them after the definitions, so an instance
   of a notebook class finds its class).
 
@@ -23,6 +23,7 @@ import builtins
 import importlib
 import io
 import pickle
+import pickletools
 import symtable
 import textwrap
 import types
@@ -63,7 +64,20 @@ def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mappi
     carried = Carried()
     waiting = sorted(closure)
     seen: set[str] = set()
-    wanted_by: dict[str, str] = {}  # a name carried for a definition that reads it -> that definition
+    wanted_by: dict[str, str] = {}  # a name carried for a definition or a value that reads it -> that one
+    while waiting:
+        _take_all(waiting, seen, wanted_by, carried, namespace, cells, registered)
+        for name, value in carried.values.items():  # what the values' pickles name of the notebook goes too
+            for read in sorted(_check_picklable(name + (f", which {wanted_by[name]} reads," if name in wanted_by
+                                                               else ""), value) - seen):
+                wanted_by.setdefault(read, name)
+                waiting.append(read)
+    return carried
+
+
+def _take_all(waiting: list[str], seen: set[str], wanted_by: dict[str, str], carried: Carried,
+              namespace: Mapping[str, Any], cells: Mapping[int, str], registered: Sequence[Any]) -> None:
+    """Each name of ``waiting`` decided (an import, a definition, a value), and what definitions read in turn."""
     while waiting:
         name = waiting.pop(0)
         if name in seen or name not in namespace:
@@ -87,9 +101,6 @@ def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mappi
         carried.values[name] = value
         if any(value is loader for loader in registered):
             carried.loaders.append(name)
-    for name, value in carried.values.items():
-        _check_picklable(name + (f", which {wanted_by[name]} reads," if name in wanted_by else ""), value)
-    return carried
 
 
 def _import_line(name: str, value: Any) -> str | None:
@@ -167,11 +178,28 @@ class _Probe(pickle.Pickler):
         return ("tensor", id(obj)) if storage is not None and type(obj).__module__.startswith("torch") else None
 
 
-def _check_picklable(name: str, value: Any) -> None:
+def _check_picklable(name: str, value: Any) -> set[str]:
+    """The notebook names ``value``'s pickle refers to (``__main__.Net``: the job must define them first)."""
     if isinstance(value, types.GeneratorType):
         raise ExportError(f"taas: {name} (a generator) cannot go with the job: make it in the cell, or a list")
+    buffer = io.BytesIO()
     try:
-        _Probe(io.BytesIO(), protocol=5).dump(value)
+        _Probe(buffer, protocol=5).dump(value)
     except Exception as exc:  # noqa: BLE001 - any reason it cannot be pickled: said in one line
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         raise ExportError(f"taas: {name} ({type(value).__qualname__}) cannot go with the job: {reason}") from None
+    pushed: list[object] = []  # what each opcode pushed, as far as strings go (the module and name STACK_GLOBAL takes)
+    memo: list[object] = []
+    named = set()
+    for opcode, argument, _ in pickletools.genops(buffer.getvalue()):
+        if opcode.name == "MEMOIZE":
+            memo.append(pushed[-1] if pushed else None)
+        elif opcode.name in ("BINGET", "LONG_BINGET") and isinstance(argument, int) and argument < len(memo):
+            pushed.append(memo[argument])
+        elif "UNICODE" in opcode.name:
+            pushed.append(argument)
+        elif opcode.name == "STACK_GLOBAL" and len(pushed) >= 2 and pushed[-2] == "__main__":
+            named.add(str(pushed[-1]).split(".")[0])
+        else:
+            pushed.append(None)
+    return named

@@ -195,3 +195,23 @@ def test_shared_folders_are_written_in_place_by_every_rank_of_the_job(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(path.name for path in (tmp_path / "parts").iterdir()) == ["rank0.txt", "rank1.txt"]
     assert (tmp_path / "stray.txt").read_text() == "0"
+
+
+def test_a_notebook_class_a_value_holds_goes_with_the_job_by_its_source(tmp_path):
+    """A registered loader over a Dataset class of the notebook: the value's pickle names __main__.Squares, so the
+    class goes by its source, defined before the values load."""
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        ok(kernel, "import torch\nclass Squares(torch.utils.data.Dataset):\n    def __len__(self):\n        return 8\n"
+                   "    def __getitem__(self, i):\n        return torch.tensor(float(i * i))\n")
+        ok(kernel, "loader = torch.utils.data.DataLoader(Squares(), batch_size=4)")
+        ok(kernel, "#pragma taas --gpus 2 --device cpu\nprint('sum', float(sum(b.sum() for b in loader)))\n")
+        ok(kernel, "%taas export job/squares.py")
+    finally:
+        kernel.shutdown()
+    script = (tmp_path / "job" / "squares.py").read_text()
+    assert "class Squares(torch.utils.data.Dataset):" in script
+    assert script.index("class Squares") < script.index("_taas.values(")
+    done = subprocess.run([sys.executable, "job/squares.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sum 140.0" in done.stdout
