@@ -61,46 +61,57 @@ def carry(closure: Mapping[str, Any], namespace: Mapping[str, Any], cells: Mappi
           registered: Sequence[Any] = ()) -> Carried:
     """What the job takes for ``closure`` (``cells``: the notebook's cells by number, as Python; ``registered``:
     the loaders ``taas.register`` holds, which the job feeds to its ranks as the data workers would)."""
-    carried = Carried()
+    walk = _Walk(namespace, cells, registered)
     waiting = sorted(closure)
-    seen: set[str] = set()
-    wanted_by: dict[str, str] = {}  # a name carried for a definition or a value that reads it -> that one
     while waiting:
-        _take_all(waiting, seen, wanted_by, carried, namespace, cells, registered)
-        for name, value in carried.values.items():  # what the values' pickles name of the notebook goes too
-            for read in sorted(_check_picklable(name + (f", which {wanted_by[name]} reads," if name in wanted_by
-                                                               else ""), value) - seen):
-                wanted_by.setdefault(read, name)
-                waiting.append(read)
-    return carried
+        walk.take_all(waiting)
+        for name, value in walk.carried.values.items():  # what the values' pickles name of the notebook goes too
+            said = name + (f", which {walk.wanted_by[name]} reads," if name in walk.wanted_by else "")
+            walk.want(sorted(_check_picklable(said, value)), name, waiting)
+    return walk.carried
 
 
-def _take_all(waiting: list[str], seen: set[str], wanted_by: dict[str, str], carried: Carried,
-              namespace: Mapping[str, Any], cells: Mapping[int, str], registered: Sequence[Any]) -> None:
-    """Each name of ``waiting`` decided (an import, a definition, a value), and what definitions read in turn."""
-    while waiting:
-        name = waiting.pop(0)
-        if name in seen or name not in namespace:
-            continue
-        seen.add(name)
-        value = namespace[name]
-        line = _import_line(name, value)
-        if line is not None:
-            carried.imports[name] = line
-            continue
-        if _defined_in_a_cell(value):
-            definition, reads = _definition(name, value, cells)
-            carried.definitions[name] = definition
-            for read in sorted(reads - seen):
-                wanted_by.setdefault(read, name)
+@dataclass
+class _Walk:
+    """:func:`carry`'s walk over the notebook's names: what it decided, and which name asked for which."""
+
+    namespace: Mapping[str, Any]
+    cells: Mapping[int, str]
+    registered: Sequence[Any]
+    carried: Carried = field(default_factory=Carried)
+    seen: set[str] = field(default_factory=set)
+    wanted_by: dict[str, str] = field(default_factory=dict)  # a name carried for what reads it -> that name
+
+    def want(self, names: list[str], by: str, waiting: list[str]) -> None:
+        for read in names:
+            if read not in self.seen:
+                self.wanted_by.setdefault(read, by)
                 waiting.append(read)
-            continue
-        kind = type(value)
-        if kind.__module__ == "__main__":  # an instance of a notebook class: the class goes too
-            waiting.extend(n for n, v in namespace.items() if v is kind and n not in seen)
-        carried.values[name] = value
-        if any(value is loader for loader in registered):
-            carried.loaders.append(name)
+
+    def take_all(self, waiting: list[str]) -> None:
+        """Each name of ``waiting`` decided (an import, a definition, a value), and what definitions read in turn."""
+        carried, namespace = self.carried, self.namespace
+        while waiting:
+            name = waiting.pop(0)
+            if name in self.seen or name not in namespace:
+                continue
+            self.seen.add(name)
+            value = namespace[name]
+            line = _import_line(name, value)
+            if line is not None:
+                carried.imports[name] = line
+                continue
+            if _defined_in_a_cell(value):
+                definition, reads = _definition(name, value, self.cells)
+                carried.definitions[name] = definition
+                self.want(sorted(reads), name, waiting)
+                continue
+            kind = type(value)
+            if kind.__module__ == "__main__":  # an instance of a notebook class: the class goes too
+                self.want([n for n, v in namespace.items() if v is kind], name, waiting)
+            carried.values[name] = value
+            if any(value is loader for loader in self.registered):
+                carried.loaders.append(name)
 
 
 def _import_line(name: str, value: Any) -> str | None:
