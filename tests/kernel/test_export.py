@@ -46,17 +46,22 @@ def exported(tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
     kernel = Kernel(cwd=str(folder))
     try:
-        for cell in DEFINITIONS:
-            ok(kernel, cell)
-        trained = ok(kernel, TRAIN)
-        assert "trained" in trained.stream("stdout")
-        os.replace(folder / "weights.pt", folder / "notebook-weights.pt")
-        assert torch.load(folder / "who.pt")["rank"] == 0
-        os.remove(folder / "who.pt")
-        said = ok(kernel, "%taas export job/train.py").stream("stdout")
-        yield kernel, folder, said
+        yield kernel, folder, train_and_export(kernel, folder)
     finally:
         kernel.shutdown()
+
+
+def train_and_export(kernel: Kernel, folder) -> str:
+    """The notebook's cells run in ``kernel`` (whose working directory is ``folder``): only rank 0's files landed,
+    its weights set aside as notebook-weights.pt; then the cell exported as job/train.py. What the export said."""
+    for cell in DEFINITIONS:
+        ok(kernel, cell)
+    trained = ok(kernel, TRAIN)
+    assert "trained" in trained.stream("stdout")
+    os.replace(folder / "weights.pt", folder / "notebook-weights.pt")
+    assert torch.load(folder / "who.pt")["rank"] == 0
+    os.remove(folder / "who.pt")
+    return ok(kernel, "%taas export job/train.py").stream("stdout")
 
 
 def ok(kernel: Kernel, code: str):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.kernel.test_export import DEFINITIONS, TRAIN, ok, same_weights
+from tests.kernel.test_export import same_weights, train_and_export
 from tests.kernel_client import Kernel
 
 pytestmark = pytest.mark.ray
@@ -21,14 +21,9 @@ cluster_utils = pytest.importorskip("ray.cluster_utils", reason='the Ray entry p
 def test_the_exported_ray_job_trains_the_notebooks_weights_with_one_actor_per_rank(tmp_path):
     kernel = Kernel(cwd=str(tmp_path))
     try:
-        for cell in DEFINITIONS:
-            ok(kernel, cell)
-        ok(kernel, TRAIN)
-        ok(kernel, "%taas export job/train.py")
+        train_and_export(kernel, tmp_path)
     finally:
         kernel.shutdown()
-    os.replace(tmp_path / "weights.pt", tmp_path / "notebook-weights.pt")
-    os.remove(tmp_path / "who.pt")
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
         cluster.add_node(num_cpus=1)

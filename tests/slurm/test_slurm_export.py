@@ -4,13 +4,12 @@ notebook's bit-identical weights, and only rank 0's file lands."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
 import torch
 
-from tests.kernel.test_export import DEFINITIONS, TRAIN, ok, same_weights, without_jupyter
+from tests.kernel.test_export import same_weights, train_and_export, without_jupyter
 from tests.kernel_client import Kernel
 
 pytestmark = pytest.mark.slurm
@@ -19,14 +18,9 @@ pytestmark = pytest.mark.slurm
 def test_the_exported_sbatch_job_trains_the_notebooks_weights_and_only_rank_0s_file_lands(slurm, tmp_path):
     kernel = Kernel(cwd=str(tmp_path))
     try:
-        for cell in DEFINITIONS:
-            ok(kernel, cell)
-        ok(kernel, TRAIN)
-        ok(kernel, "%taas export job/train.py")
+        train_and_export(kernel, tmp_path)
     finally:
         kernel.shutdown()
-    os.replace(tmp_path / "weights.pt", tmp_path / "notebook-weights.pt")
-    os.remove(tmp_path / "who.pt")
     env = {**without_jupyter(tmp_path), "SLURM_CONF": slurm.env()["SLURM_CONF"]}
     env = {name: value for name, value in env.items() if not name.startswith("SLURM_") or name == "SLURM_CONF"}
     submitted = subprocess.run(["sbatch", "--wait", "--parsable", str(tmp_path / "job" / "train.sbatch")], cwd=tmp_path,
