@@ -179,7 +179,7 @@ def start(script: str, *, ranks: int, device: str = "cpu", restarts: int = 0, ti
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         _from_slurm()
     if "RANK" not in os.environ:
-        sys.exit(_launch(script, ranks, device, restarts, timeout))
+        sys.exit(_launch(script, ranks, restarts, timeout))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != ranks:
         print(f"taas: this job was exported for {ranks} rank(s) and runs as {world}", file=sys.stderr)
@@ -241,10 +241,10 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _launch(script: str, ranks: int, device: str, restarts: int, timeout: float | None) -> int:
+def _launch(script: str, ranks: int, restarts: int, timeout: float | None) -> int:
     """``python SCRIPT``: the job's ranks, attempt after attempt; the job's exit status."""
     for attempt in range(restarts + 1):
-        code = _attempt(script, ranks, device, attempt, timeout)
+        code = _attempt(script, ranks, attempt, timeout)
         if code == 0 or code == 124:
             return code
         if attempt < restarts:
@@ -252,7 +252,7 @@ def _launch(script: str, ranks: int, device: str, restarts: int, timeout: float 
     return code
 
 
-def _attempt(script: str, ranks: int, device: str, attempt: int, timeout: float | None) -> int:
+def _attempt(script: str, ranks: int, attempt: int, timeout: float | None) -> int:
     port, folder = _free_port(), job_folder(script)
     threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # the host's cores among its ranks, as a cell's ranks get
     children = []
