@@ -241,12 +241,13 @@ def jd_environment(site: str) -> dict[str, str]:
     return {"PYTHONPATH": site, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"}
 
 
-def paired(site: str, runs: int) -> dict[str, list[float]]:
+def paired(site: str, runs: int) -> tuple[dict[str, list[float]], dict[str, tuple[list[float], list[float]]]]:
     """taas's kept ranks and jupyter-distributed's kernels alive side by side, both idle between cells: each pair
     is one cell of each, 0.5 s apart, in ABBA order; per pair, taas's time over jupyter-distributed's, for the
-    first line and for the all_reduce cell."""
+    first line and for the all_reduce cell; and each tool's times (taas's, theirs)."""
     init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
     ratios: dict[str, list[float]] = {"first": [], "reduce": []}
+    seconds: dict[str, tuple[list[float], list[float]]] = {"first": ([], []), "reduce": ([], [])}
     with other_kernel(jd_environment(site), "jdist") as theirs:
         ours = Kernel()
         try:
@@ -264,10 +265,12 @@ def paired(site: str, runs: int) -> dict[str, list[float]]:
                         time.sleep(0.5)
                         times[cell] = cell()
                     ratios[name].append(times[taas_cell] / times[their_cell])
+                    seconds[name][0].append(times[taas_cell])
+                    seconds[name][1].append(times[their_cell])
             reply(ours, "%taas release")
         finally:
             ours.shutdown()
-    return ratios
+    return ratios, seconds
 
 
 def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
@@ -307,12 +310,13 @@ def main() -> None:
     arguments = parser.parse_args()
     runs = arguments.runs
     if arguments.paired:
-        ratios = paired(arguments.jupyter_distributed, runs)
+        ratios, seconds = paired(arguments.jupyter_distributed, runs)
         print(f"taas kept / jupyter-distributed, {runs} pairs (ABBA), both kept and idle between cells: "
-              "median of the paired ratios (min-max)\n")
-        print("| row | taas / jupyter-distributed | target |\n| --- | --- | --- |")
+              "median of the paired ratios (min-max), and each tool's median (min-max)\n")
+        print("| row | taas / jupyter-distributed | taas kept | jupyter-distributed | target |\n| --- | --- | --- | --- | --- |")
         for name, title in (("first", "first line"), ("reduce", "a cell with an all_reduce, to its reply")):
-            print(row(title, ratios[name], None, "<= 1.00x", "x").replace(" |  | <=", " | <="))
+            ours, theirs = (row("", times, None, "").split(" | ")[1] for times in seconds[name])
+            print(row(title, ratios[name], None, "<= 1.00x", "x").replace(" |  | <=", f" | {ours} | {theirs} | <="))
         return
     kernel = Kernel()
     try:

@@ -106,7 +106,7 @@ class Board:
         self.points = points  # rank 0's reports as they arrive, for the run log's record
         token = secrets.token_hex(4)
         self.chart_id, self.health_id = f"taas-chart-{token}", f"taas-health-{token}"
-        self.shown: set[str] = set()
+        self.shown: dict[str, dict] = {}  # display id -> the data it shows now
         self.dirty = False
         self.last_chart = self.last_health = 0.0
 
@@ -128,7 +128,8 @@ class Board:
             record.health = (previous, batch.health)
 
     def start(self) -> None:
-        """The two displays, in their places above the ranks' output, before any rank runs."""
+        """The two displays above the ranks' output, before any rank runs; "starting" for HEALTH_SECONDS, or to the end."""
+        self.last_health = time.monotonic()
         self._publish(self.health_id, {"text/plain": f"taas health · starting {len(self.ranks)} rank(s)"})
         self._publish(self.chart_id, {"text/plain": ""})
 
@@ -148,8 +149,10 @@ class Board:
             self._publish(self.health_id, {"text/plain": self.health_line()})
 
     def _publish(self, display_id: str, data: dict) -> None:
+        if self.shown.get(display_id) == data:  # it shows that already: a message spared
+            return
         self.publish(Display(data, {}, {"display_id": display_id}, display_id in self.shown))
-        self.shown.add(display_id)
+        self.shown[display_id] = data
 
     def _chart_text(self) -> str:
         reports = self.ranks[0].reports

@@ -139,8 +139,9 @@ class TaasMagics(Magics):
     def _start(self, line: str, cell: str) -> Started:
         """Parse, plan (the header into the run's log), start the run's thread and its view."""
         parsed = parse_cell(cell, line)
-        give_back_memory()  # what the notebook freed since the last run (kernel/runs/background.py)
         settings, why = self._settle(parsed.options)
+        if not (settings.keep and self.session.kept is not None and self.session.kept.running):  # a kept cell's run
+            give_back_memory()  # trims if it carries much; else what the notebook freed since (kernel/runs/background.py)
         code = translate(self._shell, parsed.source)
         closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
         if settings.trials is not None:  # a search: its trials are planned on its thread (kernel/trials/searchrun.py)

@@ -99,11 +99,18 @@ class RunThread:
         final snapshot). Once only (a search lets its ended trials go at every trial's end)."""
         if self._let_go:
             return
+        light = self._carried_little()
         self._let_go_of_parts()
         self.outcome = None
         self._let_go = True
         self.view_ended()
-        give_back_memory()
+        if not light:
+            give_back_memory()
+
+    def _carried_little(self) -> bool:
+        """A cell on kept ranks whose closure and results were small: the heap is not trimmed for it
+        (see :func:`give_back_memory`)."""
+        return False
 
     def view_ended(self) -> None:
         """A view showed the run's last entry (its pump's thread), or the run let go: the log's entries in the
@@ -178,6 +185,16 @@ class BackgroundRun(RunThread):
         self.prompts = run.prompts
         self.outcome: RunOutcome | None = None
 
+    def _carried_little(self) -> bool:
+        run, outcome = self.run, self.outcome
+        if run is None or not run.on_kept:
+            return False
+        result = outcome.result if outcome is not None else None
+        carried = len(run.packing.skeleton) + sum(blob.nbytes for blob in run.packing.blobs)
+        if result is not None:
+            carried += len(result.skeleton) + (result.data.size if result.data is not None else 0)
+        return carried < TRIM_BYTES
+
     def _work(self) -> RunOutcome:
         assert self.run is not None
         with self.run:
@@ -194,6 +211,9 @@ class BackgroundRun(RunThread):
         self.outcome = None
 
 
+TRIM_BYTES = 1 << 20  # a kept cell's closure and results, together: below this its run does not trim the heap
+
+
 def give_back_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
 
@@ -202,7 +222,9 @@ def give_back_memory() -> None:
     there stays in the process. Measured (every tensor freed, cells 10 to 60 of a kernel, each
     capturing a new 4 MB tensor and binding one back): the kernel grew by 53 MB; trimmed as each
     run starts and lets go, by 29 MB (what the notebook frees between those moments stays until
-    the next). It takes well under a millisecond."""
+    the next). It takes 0.3 to 1 ms (a kernel with torch: its heap is large), so it is skipped for a cell on
+    kept ranks that carried less than :data:`TRIM_BYTES` both ways: such a cell is a few milliseconds in all,
+    and what it freed is handed back with the next run that carries more."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -223,8 +223,8 @@ class Run:
             if self.kept is not None:
                 self.kept.cell_bound(self.sent, result, namespace)
             return final
-        finally:
-            memfile.remove_run(os.getpid(), self.spec.run_id)
+        finally:  # its one file (an earlier attempt's went between attempts: execution.py), without listing folders
+            memfile.remove(result.data.path) if result is not None else memfile.remove_run(os.getpid(), self.spec.run_id)
 
     def _ranks_gone(self) -> None:
         if self.kept is None or self.data is not None:  # kept ranks tag what they start as theirs, not the cell's

@@ -205,6 +205,8 @@ class ForkedSpare:
         self._exit_fd = exit_fd(pid)  # readable once it ends: then its code is due (None: when the factory next looks)
 
     def poll(self) -> int | None:
+        if self.returncode is None and self._exit_fd is not None and not self._ended():
+            return None  # its pidfd says it runs: nothing to read from the factory (a kept cell polls its ranks often)
         if self.returncode is None:
             self.factory.collect()
             self.returncode = self.factory.exits.pop(self.pid, None)
