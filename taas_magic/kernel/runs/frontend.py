@@ -215,7 +215,8 @@ def _flush_soon(stream: Any) -> None:
     io = getattr(stream, "pub_thread", None)  # private API: see taas_magic/private.py (OutStream._flush)
     send = getattr(stream, "_flush", None)
     thread = getattr(io, "thread", None)
-    if send is None or not isinstance(thread, threading.Thread) or not thread.is_alive() or thread is threading.current_thread():
+    if io is None or send is None or not isinstance(thread, threading.Thread) or not thread.is_alive() \
+            or thread is threading.current_thread():
         stream.flush()
         return
     io.schedule(send)
