@@ -59,6 +59,18 @@ class KeptGroup:
     group: ProcessGroup | None = None
     mux: Mux | None = None
     lost: str | None = None  # why they are gone (their state with them), once they are
+    greeted: bool = False  # the next cell's frames were sent already (:meth:`greet`)
+
+    def greet(self, bodies: list[bytes], ranks: int) -> None:
+        """Send a cell's frames (its spec and closure) to every rank now, from the cell's thread as its run starts:
+        the ranks begin the cell about a millisecond sooner than when its run's thread is up and sends them, which
+        then only supervises it (:func:`run_kept_cell`). Only for running ranks, and a cell without data workers
+        (those start first). What the ranks answer waits in their channels until the run's thread reads it."""
+        assert self.mux is not None and self.running
+        for rank in range(ranks):
+            for body in bodies:
+                self.mux.send(Peer(RANK, rank), body)
+        self.greeted = True
 
     def ended_why(self) -> str | None:
         """Why ranks that were started no longer run (a cell stopped them, a rank died), or None."""
@@ -87,7 +99,7 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
     """The cell on ``ranks`` (started now by ``start(0)`` if they are not running) and its data workers
     (``data()``, started first), supervised until every rank ended it; see the module docstring for what is
     kept when it fails or is interrupted."""
-    fresh = not ranks.running
+    fresh, greeted, ranks.greeted = not ranks.running, ranks.greeted, False
     if fresh:
         ranks.close()  # a group whose rank died between cells: what is left of it
         ranks.lost = None
@@ -108,7 +120,7 @@ def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], Proc
         else:  # the cell first, then its displays: the ranks' output is read only after them, so it comes below them
             assert ranks.group is not None
             supervisor.attach(ranks.group, lambda: None, watched=True)
-            for rank in range(parts.ids.ranks):
+            for rank in range(parts.ids.ranks) if not greeted else ():  # (the cell's thread may have sent them)
                 for body in parts.greeting(Peer(RANK, rank)):
                     supervisor.mux.send(Peer(RANK, rank), body)
             show_start(parts, plane)
