@@ -207,6 +207,19 @@ class Kernel:
         self.manager.cleanup_resources()
 
 
+def away_layers_left(timeout: float = 15) -> list[str]:
+    """An away host's layers (writes/away.py) still in this machine's temporary folder after ``timeout``. A cluster's
+    agent removes its host's after its ranks ended, in a process that outlives them (a Slurm allocation's keeper, a
+    Ray actor): gone a moment after the ranks, later on a loaded machine."""
+    import glob
+    import tempfile
+
+    deadline = time.monotonic() + timeout
+    while (left := glob.glob(os.path.join(tempfile.gettempdir(), "taas-away-*", "layer-*"))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def wait_until_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """The processes still running after ``timeout``. An orphaned zombie counts as gone: it has
     exited, and only waits for PID 1 (not ours) to read its status, which it does when it will

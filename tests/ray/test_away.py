@@ -15,7 +15,6 @@ back in the notebook), rank 0's other file landed and rank 1's not, and nothing 
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.collective_save import assert_whole, save, use_repository
-from tests.kernel_client import Kernel, wait_until_gone
+from tests.kernel_client import Kernel, away_layers_left, wait_until_gone
 from tests.ray.test_cluster import cell_processes
 
 pytestmark = pytest.mark.ray
@@ -124,7 +123,7 @@ def nothing_left_on_any_host():
     yield
     alive = wait_until_gone(cell_processes(), timeout=15)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), "taas-away-*", "layer-*")), "an away host's layers"
+    assert not away_layers_left(), "an away host's layers"
 
 
 def _hosts(ran) -> tuple[str, str]:

@@ -12,15 +12,13 @@ nothing written in the node's own folder, and nothing left on any node.
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
-import tempfile
 
 import pytest
 
 from tests.collective_save import SAVE, assert_whole, save, use_repository
-from tests.kernel_client import Kernel, wait_until_gone
+from tests.kernel_client import Kernel, away_layers_left, wait_until_gone
 from tests.slurm.test_slurm import cell_processes, job_of, steps
 
 pytestmark = pytest.mark.slurm
@@ -42,7 +40,7 @@ def nothing_left_on_any_node():
     yield
     alive = wait_until_gone(cell_processes(), timeout=15)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), "taas-away-*", "layer-*")), "an away node's layers"
+    assert not away_layers_left(), "an away node's layers"
 
 
 def _nodes(ran) -> dict[int, str]:
