@@ -207,15 +207,17 @@ class Kernel:
         self.manager.cleanup_resources()
 
 
-def away_layers_left(timeout: float = 15) -> list[str]:
-    """An away host's layers (writes/away.py) still in this machine's temporary folder after ``timeout``. A cluster's
-    agent removes its host's after its ranks ended, in a process that outlives them (a Slurm allocation's keeper, a
-    Ray actor): gone a moment after the ranks, later on a loaded machine."""
+def away_layers_left(kernel: Kernel, timeout: float = 15) -> list[str]:
+    """The layers of ``kernel``'s runs' away hosts (writes/away.py: their folders are named by its pid) still in this
+    machine's temporary folder after ``timeout``. A cluster's agent removes its host's after its ranks ended, in a
+    process that outlives them (a Slurm allocation's keeper, a Ray actor): gone a moment after the ranks, later on a
+    loaded machine. Another kernel's away hosts (another test worker's) are not this one's."""
     import glob
     import tempfile
 
+    pattern = os.path.join(tempfile.gettempdir(), f"taas-away-{kernel.pid}-*", "layer-*")
     deadline = time.monotonic() + timeout
-    while (left := glob.glob(os.path.join(tempfile.gettempdir(), "taas-away-*", "layer-*"))) and time.monotonic() < deadline:
+    while (left := glob.glob(pattern)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 

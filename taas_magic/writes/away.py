@@ -107,6 +107,12 @@ class AwayHost:
         return dataclasses.replace(place, repository=self.repository, layer=layer, away=self.notebook)
 
 
+def _kernel_pid(marker: str) -> str:
+    """The pid of the kernel that wrote ``marker`` (:class:`Marker`'s name), or ``0``: it names the host's folder."""
+    pid = os.path.basename(marker)[len(PREFIX):].split("-", 1)[0]
+    return pid if pid.isdigit() else "0"
+
+
 def settle(places: list[Placement], cwd: str) -> AwayHost | None:
     """None when this host sees the run's repository (or the run has no marker); else where its
     ranks write instead (made now). ``cwd``: the notebook's working folder. Runs on the agent's thread."""
@@ -114,7 +120,7 @@ def settle(places: list[Placement], cwd: str) -> AwayHost | None:
     if marked is None or marked.repository is None or marked.marker is None or sees(marked.repository, marked.marker):
         return None
     notebook = marked.repository
-    root = tempfile.mkdtemp(prefix=AWAY_PREFIX)
+    root = tempfile.mkdtemp(prefix=f"{AWAY_PREFIX}{_kernel_pid(marked.marker)}-")  # whose run: its kernel's pid
     # the host's own folder at that path (a copy of the repository, or not), else a stand-in
     here = notebook if os.path.isdir(notebook) else os.path.join(root, "repository")
     os.makedirs(here, mode=0o700, exist_ok=True)

@@ -119,11 +119,11 @@ def kernel(away_cluster):
 
 
 @pytest.fixture(autouse=True)
-def nothing_left_on_any_host():
+def nothing_left_on_any_host(kernel):
     yield
     alive = wait_until_gone(cell_processes(), timeout=15)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
-    assert not away_layers_left(), "an away host's layers"
+    assert not away_layers_left(kernel), "an away host's layers"
 
 
 def _hosts(ran) -> tuple[str, str]:

@@ -36,11 +36,11 @@ def kernel(slurm, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def nothing_left_on_any_node():
+def nothing_left_on_any_node(kernel):
     yield
     alive = wait_until_gone(cell_processes(), timeout=15)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
-    assert not away_layers_left(), "an away node's layers"
+    assert not away_layers_left(kernel), "an away node's layers"
 
 
 def _nodes(ran) -> dict[int, str]:

@@ -90,6 +90,7 @@ def test_a_host_with_another_folder_at_the_path_is_away_and_keeps_that_folder(re
     os.unlink(repo / marker.name)  # as a host whose folder at that path is not the notebook's sees it
     host = away.settle(_places(repo, marker.name), str(repo / "nb"))
     assert host is not None and host.root.startswith(tempfile.gettempdir())
+    assert os.path.basename(host.root).startswith(f"taas-away-{os.getpid()}-")  # named by the marker's kernel
     assert host.repository == str(repo) and host.notebook == str(repo) and host.cwd == str(repo / "nb")
     placed = [host.place(place) for place in _places(repo, marker.name)]
     assert [place.away for place in placed] == [str(repo)] * 2
