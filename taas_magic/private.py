@@ -106,18 +106,6 @@ PRIVATE: tuple[Private, ...] = (
             "a detached run's text view sends its displays through the publisher's session and socket, addressed "
             "to the cell that started the run (its parent header, captured then)", _FRONTEND,
             attributes=("session", "parent_header", "pub_socket", "topic")),
-    Private("ipykernel.iostream.OutStream", "ipykernel", IPYKERNEL,
-            "a waiting cell's flush of a run's text: its _flush scheduled on the IO thread (its pub_thread), not waited "
-            "for", _FRONTEND, attributes=("_flush", "pub_thread")),
-    Private("ipykernel.iostream.IOPubThread", "ipykernel", IPYKERNEL,
-            "where that flush is scheduled: the thread that sends the text and the displays in order", _FRONTEND,
-            attributes=("schedule", "thread")),
-    Private("ipykernel.zmqshell.ZMQDisplayPublisher._flush_streams", "ipykernel", IPYKERNEL,
-            "set on the publisher for one of a run's displays: both streams flushed as above, not waited for",
-            _FRONTEND),
-    Private("ipykernel.zmqshell.ZMQDisplayPublisher.publish", "ipykernel", IPYKERNEL,
-            "a run's displays in a waiting cell: it flushes the streams through _flush_streams first", _FRONTEND,
-            params=("data", "metadata", "transient", "update"), mentions=("_flush_streams",)),
     # -- ipywidgets and anywidget: the live view's probe and the page's widget manager
     Private("ipywidgets.Widget.handle_control_comm_opened", "ipywidgets", IPYWIDGETS,
             "the jupyter.widget.control comm handed on to ipywidgets after noting that a page restores widgets",

@@ -45,8 +45,7 @@ page reloaded while the cell runs gets it back only when the cell ends, and
 
 :func:`cell_publisher` is what a detached run's text view publishes with: display messages
 addressed to the cell that started the run (its parent header captured then), whichever cell
-runs when they are sent. :func:`cell_output` is what a waiting cell shows a run's log with: its
-streams and display publisher, flushed in order without waiting for ipykernel's IO thread.
+runs when they are sent.
 """
 
 from __future__ import annotations
@@ -194,65 +193,6 @@ def cell_publisher(shell: Any) -> Publish:
         session.send(display_pub.pub_socket, sent, ident=display_pub.topic)
 
     return publish
-
-
-class _FlushedSoon:
-    """A stream whose ``flush`` is scheduled on ipykernel's IO thread and not waited for (see :func:`cell_output`)."""
-
-    def __init__(self, stream: Any):
-        self.stream = stream
-
-    def write(self, text: str, /) -> int:
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        _flush_soon(self.stream)
-
-
-def _flush_soon(stream: Any) -> None:
-    """``stream.flush()``, scheduled on ipykernel's IO thread rather than waited for; where ``stream`` is not an
-    ipykernel ``OutStream`` with a running IO thread (``%%capture``'s, a terminal's), its own flush."""
-    io = getattr(stream, "pub_thread", None)  # private API: see taas_magic/private.py (OutStream._flush)
-    send = getattr(stream, "_flush", None)
-    thread = getattr(io, "thread", None)
-    if io is None or send is None or not isinstance(thread, threading.Thread) or not thread.is_alive() \
-            or thread is threading.current_thread():
-        stream.flush()
-        return
-    io.schedule(send)
-
-
-def _both_flushed_soon() -> None:
-    """What ipykernel's display publisher does before each display (both streams flushed), without the waits."""
-    _flush_soon(sys.stdout)
-    _flush_soon(sys.stderr)
-
-
-def cell_output(shell: Any) -> tuple[dict[str, Any], Publish]:
-    """The cell's streams and display publisher, for a run's log shown in the cell (output/cellstream.py).
-
-    ipykernel's ``OutStream.flush`` from the cell's thread waits for its IO thread to have sent the text (a round
-    trip: the flush scheduled there, then an event waited for), and its display publisher flushes both streams so
-    before each display: about ten waits in a kept cell, each 0.2 to 1 ms while the run's thread holds the GIL, all
-    before the first line. The order does not need them: that one thread sends the text and the displays in the
-    order they were scheduled. So here each flush is scheduled and not waited for; ipykernel's own flush at the
-    cell's end still waits before the reply. Where the streams or the publisher are not ipykernel's (``%%capture``,
-    a terminal), they are used as they are."""
-    streams = {"stdout": _FlushedSoon(sys.stdout), "stderr": _FlushedSoon(sys.stderr)}
-    display_pub = shell.display_pub
-    publish = publisher(display_pub)
-    if not callable(getattr(display_pub, "_flush_streams", None)):  # not ipykernel's publisher
-        return streams, publish
-
-    def in_order(message: Display | ClearOutput) -> None:
-        # private API: see taas_magic/private.py (ZMQDisplayPublisher._flush_streams): for this one display
-        display_pub._flush_streams = _both_flushed_soon
-        try:
-            publish(message)
-        finally:
-            del display_pub._flush_streams  # its own method again
-
-    return streams, in_order
 
 
 def answers_mid_cell(kernel: Any) -> bool:

@@ -17,16 +17,18 @@ the page restores widgets):
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from taas_magic.import_hooks import import_on_own_stack
 from taas_magic.kernel.runs.background import RunThread
-from taas_magic.kernel.runs.frontend import cell_output, cell_publisher, mid_cell_note
+from taas_magic.kernel.runs.frontend import cell_publisher, mid_cell_note
 from taas_magic.kernel.supervision.prompts import Console
 from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
 from taas_magic.output.liveview import LivePump, TextView
+from taas_magic.output.relay import publisher
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ def live_widget(run: RunThread) -> Any:
 
 
 def _stream(run: RunThread, viewing: Viewing, displays_only: bool = False) -> CellStream:
-    streams, publish = cell_output(viewing.shell)
-    return CellStream(run.log, streams, publish, viewing.budget, displays_only)
+    streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+    return CellStream(run.log, streams, publisher(viewing.shell.display_pub), viewing.budget, displays_only)
 
 
 def _display(shell: Any, widget: Any) -> None:
