@@ -36,6 +36,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from taas_magic.procs import stop_groups
+
 RESULTS = "results.pt"
 VALUES = "values.pt"
 
@@ -277,13 +279,7 @@ def _attempt(script: str, ranks: int, attempt: int, timeout: float | None) -> in
                 print(f"taas: the job ran past its --timeout {timeout:g} s: stopped", file=sys.stderr)
                 return 124
             time.sleep(0.05)
-    finally:
+    finally:  # each rank's group (it leads its own), and what it left there: TERM, then KILL
+        stop_groups(children, ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)))
         for child in children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+            child.wait()
