@@ -91,11 +91,15 @@ def _parse(text: str) -> TaasCell:
 
 
 def _is_taas(text: str) -> bool:
+    return _taas_cell(text) is not None
+
+
+def _taas_cell(text: str) -> TaasCell | None:
+    """``text`` parsed as a taas cell, or None: not one, or one that does not parse (not exportable)."""
     try:
-        _parse(text)
-    except Exception:  # noqa: BLE001 - not a taas cell, or one that does not parse: not exportable
-        return False
-    return True
+        return _parse(text)
+    except Exception:  # noqa: BLE001 - any reason it does not parse as one
+        return None
 
 
 def _cells(shell: InteractiveShell, raw: list[str]) -> dict[int, str]:
@@ -105,7 +109,8 @@ def _cells(shell: InteractiveShell, raw: list[str]) -> dict[int, str]:
         if not number or not text:
             continue
         try:
-            source: Any = _parse(text).source if _is_taas(text) else text
+            parsed = _taas_cell(text)
+            source: Any = parsed.source if parsed is not None else text
             cells[number] = translate(shell, source).source
         except Exception:  # noqa: BLE001 - a cell IPython could not translate defines nothing here
             continue
