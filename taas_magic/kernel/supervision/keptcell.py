@@ -65,8 +65,9 @@ class KeptGroup:
         """Send a cell's frames (its spec and closure) to every rank now, from the cell's thread as its run starts:
         the ranks begin the cell about a millisecond sooner than when its run's thread is up and sends them, which
         then only supervises it (:func:`run_kept_cell`). Only for running ranks, and a cell without data workers
-        (those start first). What the ranks answer waits in their channels until the run's thread reads it."""
-        assert self.mux is not None and self.running
+        (those start first): the caller has just seen them running. What the ranks answer waits in their channels
+        until the run's thread reads it."""
+        assert self.mux is not None
         for rank in range(ranks):
             for body in bodies:
                 self.mux.send(Peer(RANK, rank), body)
