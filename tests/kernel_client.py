@@ -144,7 +144,7 @@ class Kernel:
         messages: list[Message] = []
         deadline = time.monotonic() + timeout
         while True:
-            msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            msg = self._next_iopub(deadline)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind = msg["msg_type"]
@@ -158,6 +158,19 @@ class Kernel:
                 break
         self._last_status = reply["content"]["status"]
         return Execution(reply["content"], idle_at, messages)
+
+    def _next_iopub(self, deadline: float) -> dict:
+        """The next iopub message; a kernel that died meanwhile fails the test at once, with its exit code
+        (it would otherwise be waited on until the deadline: a crash in the kernel says nothing on iopub)."""
+        while True:
+            try:
+                return self.client.get_iopub_msg(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if not self.manager.is_alive():
+                    code = self.manager.provisioner.process.poll()  # type: ignore[union-attr]
+                    raise AssertionError(f"the kernel died while a cell ran (exit code {code})") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def execute(self, code: str, timeout: float = 120) -> Execution:
         after_error = self._last_status == "error"

@@ -138,19 +138,22 @@ def _open(handle: Handle) -> Any:
     """The exporter's storage, mapped here. IMPORTANT: :func:`export` synchronised the exporter's
     devices before exporting, so the bytes are final and the handle's IPC event is not waited on:
     torch opens that event (``cudaIpcOpenEventHandle``) and never closes it, one leaked event per
-    storage in a kernel that lives for days."""
+    storage in a kernel that lives for days.
+
+    IMPORTANT: ``_new_shared_cuda`` does not initialise torch's CUDA state; called first in a
+    process that never used CUDA (a kernel whose first CUDA value is rank 0's result), it killed
+    the process outright, with no message (H100, torch 2.11, 2026-11-27). ``torch.cuda.init()``
+    (idempotent) comes first, and raises an exception the callers fall back on."""
     import torch
 
+    torch.cuda.init()
     return torch.UntypedStorage._new_shared_cuda(*handle[:7], False)  # private API: see taas_magic/private.py
 
 
 def open_all(handles: dict[int, Handle]) -> tuple[dict[int, Any], str]:
     """Every handle opened here (index -> the exporter's storage, mapped, not copied), or none and why."""
-    import torch
-
     opened: dict[int, Any] = {}
     try:
-        torch.cuda.init()
         for index, handle in handles.items():
             opened[index] = _open(handle)
     except Exception as exc:  # noqa: BLE001 - any IPC error: the caller asks for host memory

@@ -187,6 +187,8 @@ w = torch.randn(2048, 2048, device="cuda") / 64
 x = torch.randn(2048, 2048, device="cuda")
 half = torch.full((), 0.5, device="cuda")
 torch.cuda.synchronize()
+import warnings  # torch's own note that this debug mode is a prototype is not taas's warning
+warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
 torch.cuda.set_sync_debug_mode("error")  # any step that waited for the GPU raises (the reports' thread too)
 try:
     for step in range(200):
