@@ -1,4 +1,5 @@
-"""Stopping process groups: the INT -> TERM -> KILL ladder, written once.
+"""Stopping process groups: the INT -> TERM -> KILL ladder, written once; and the cores a host's ranks
+share (:func:`omp_threads`, for every launcher and the exported job).
 
 Runs in the kernel (a run's own thread stops its ranks and data workers; the pool stops its spares),
 in a Ray host agent or Slurm task (its host's ranks), and in the spare factory (its forks' exits,
@@ -162,3 +163,13 @@ def kill_tagged(prefix: str) -> list[int]:
             except OSError:
                 pass
     return killed
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def omp_threads(local_world_size: int) -> int:
+    """``OMP_NUM_THREADS`` for each of ``local_world_size`` ranks of this host: its cores shared among them."""
+    return max(1, cores() // max(1, local_world_size))

@@ -1,4 +1,5 @@
-"""Framed, HMAC-signed messages between the kernel and its ranks.
+"""Framed, HMAC-signed messages between the kernel and its ranks; the loopback address and the port
+reservation every launcher holds for rank 0's store (:func:`reserve_port`).
 
 Runs in every process at either end of a channel: the kernel (a run's own thread reads and writes
 its frames), each rank, spare and data worker (rank/startup.py connects), and a Ray host agent or
@@ -45,6 +46,23 @@ import struct
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
+
+LOOPBACK = "127.0.0.1"  # where local-mode sockets listen, and rank 0's store in the local mode
+
+
+def reserve_port(host: str = LOOPBACK) -> socket.socket:
+    """Reserve a free TCP port for MASTER_PORT and keep it reserved for the run.
+
+    The socket is bound with SO_REUSEADDR but never listens: the kernel will not hand
+    the port to anyone else while it is held (so two notebooks launching at once cannot
+    clash), yet torch's TCPStore, which also sets SO_REUSEADDR, can still bind it.
+    Close the socket when the run ends.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
+
 
 KEY_SIZE = 32
 NONCE_SIZE = 32

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Sequence
@@ -26,9 +25,7 @@ from typing import Sequence
 from taas_magic.errors import LaunchError
 from taas_magic.launch.contract import Backend, DevicePlan
 from taas_magic.launch.placement import RankSlot
-
-LOOPBACK = "127.0.0.1"
-
+from taas_magic.procs import cores, omp_threads
 
 # A cluster whose GPUs are declared Ray resources without CUDA devices (a CPU test cluster), or a
 # Slurm allocation without GPUs: its ranks compute on CPU with gloo.
@@ -142,35 +139,13 @@ def choose_ranks(gpus: int | str, device: str, gpus_on_host: int, where: str = "
     return RankChoice(gpus_on_host, f"--gpus auto: one per GPU of {where}")
 
 
-def reserve_port(host: str = LOOPBACK) -> socket.socket:
-    """Reserve a free TCP port for MASTER_PORT and keep it reserved for the run.
-
-    The socket is bound with SO_REUSEADDR but never listens: the kernel will not hand
-    the port to anyone else while it is held (so two notebooks launching at once cannot
-    clash), yet torch's TCPStore, which also sets SO_REUSEADDR, can still bind it.
-    Close the socket when the run ends.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def omp_threads(local_world_size: int) -> int:
-    return max(1, _cores() // max(1, local_world_size))
-
-
 SPARE_CORES_PER_RANK = 4  # warm the next cell's spares during a run only where the ranks leave 3/4 of the cores idle
 
 
 def idle_cores(ranks: int) -> bool:
     """Whether ``ranks`` local ranks leave most of this host's cores idle (a 16-core host with
     a GPU or two: yes; 2 CPU ranks on 2 cores: no), so warming spares beside them costs the run nothing."""
-    return _cores() >= SPARE_CORES_PER_RANK * max(1, ranks)
+    return cores() >= SPARE_CORES_PER_RANK * max(1, ranks)
 
 
 @dataclass(frozen=True)

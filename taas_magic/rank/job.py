@@ -27,7 +27,6 @@ import atexit
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from taas_magic.procs import stop_groups
+from taas_magic.procs import omp_threads, stop_groups
+from taas_magic.wire import LOOPBACK, reserve_port
 
 RESULTS = "results.pt"
 VALUES = "values.pt"
@@ -237,12 +237,6 @@ def _divert_writes(repository: str) -> None:
     isolate_writes(repository, layer, mode, f"rank {os.environ['RANK']}")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _launch(script: str, ranks: int, restarts: int, timeout: float | None) -> int:
     """``python SCRIPT``: the job's ranks, attempt after attempt; the job's exit status."""
     for attempt in range(restarts + 1):
@@ -255,21 +249,23 @@ def _launch(script: str, ranks: int, restarts: int, timeout: float | None) -> in
 
 
 def _attempt(script: str, ranks: int, attempt: int, timeout: float | None) -> int:
-    port, folder = _free_port(), job_folder(script)
-    threads = max(1, len(os.sched_getaffinity(0)) // ranks)  # the host's cores among its ranks, as a cell's ranks get
-    children = []
-    for rank in range(ranks):
-        env = {"OMP_NUM_THREADS": str(threads), **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(ranks),
-               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-        log = None if rank == 0 else open(os.path.join(folder, f"rank-{rank}.log"), "ab")
-        children.append(subprocess.Popen([sys.executable, script], env=env, stdout=log, stderr=log,
-                                         start_new_session=True))
-        if log is not None:
-            log.close()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    # held until the attempt ends: no one else is given the port before rank 0's store binds it (SO_REUSEADDR)
+    reservation, folder = reserve_port(), job_folder(script)
+    port, threads = reservation.getsockname()[1], omp_threads(ranks)  # the host's cores among its ranks, as a cell's get
+    children: list[subprocess.Popen] = []
     try:
+        for rank in range(ranks):
+            env = {"OMP_NUM_THREADS": str(threads), **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                   "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": LOOPBACK,
+                   "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+            log = None if rank == 0 else open(os.path.join(folder, f"rank-{rank}.log"), "ab")
+            try:
+                children.append(subprocess.Popen([sys.executable, script], env=env, stdout=log, stderr=log,
+                                                 start_new_session=True))
+            finally:
+                if log is not None:
+                    log.close()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             codes = [child.poll() for child in children]
             failed = [code for code in codes if code not in (None, 0)]
@@ -279,7 +275,8 @@ def _attempt(script: str, ranks: int, attempt: int, timeout: float | None) -> in
                 print(f"taas: the job ran past its --timeout {timeout:g} s: stopped", file=sys.stderr)
                 return 124
             time.sleep(0.05)
-    finally:  # each rank's group (it leads its own), and what it left there: TERM, then KILL
+    finally:  # each rank's group (it leads its own), and what it left there: TERM, then KILL; then the port
         stop_groups(children, ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)))
         for child in children:
             child.wait()
+        reservation.close()

@@ -11,8 +11,8 @@ from taas_magic.launch.rankenv import (
     idle_cores,
     plan_devices,
     rank_environment,
-    reserve_port,
 )
+from taas_magic.wire import reserve_port
 
 
 def test_cpu_when_the_host_has_no_gpu():

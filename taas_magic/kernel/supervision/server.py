@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from taas_magic import wire
-from taas_magic.launch.rankenv import LOOPBACK
 
 PendingPeer = wire.Hello  # a connection that has not yet proven the run's key
 
@@ -36,7 +35,7 @@ class PeerServer:
     """Listens on 127.0.0.1 (the local mode; on the kernel's cluster address in the cluster
     mode, where other hosts' ranks connect); hands out connections that proved the key."""
 
-    def __init__(self, key: bytes, world_size: int, host: str = LOOPBACK):
+    def __init__(self, key: bytes, world_size: int, host: str = wire.LOOPBACK):
         self.key = key
         self.world_size = world_size
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

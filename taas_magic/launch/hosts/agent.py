@@ -39,7 +39,7 @@ from taas_magic import wire
 from taas_magic.feed.segments import CacheDirs, SegmentWriter
 from taas_magic.launch.contract import LaunchPlan
 from taas_magic.launch.local.processes import LocalProcessGroup
-from taas_magic.launch.rankenv import reserve_port, visible_gpu_count
+from taas_magic.launch.rankenv import visible_gpu_count
 from taas_magic.peers import STREAMS, HubChannels
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.tempdirs import remove_tree
@@ -80,7 +80,7 @@ class HostAgent:
 
     def reserve_master_port(self, address: str) -> int:
         """A free port for MASTER_PORT on this host, held until :meth:`close`."""
-        self._port = reserve_port(address)
+        self._port = wire.reserve_port(address)
         return self._port.getsockname()[1]
 
     def start(self, plan: LaunchPlan, first_rank: int, hub: wire.Handshake, control: int,

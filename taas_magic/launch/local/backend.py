@@ -20,14 +20,13 @@ from taas_magic.launch.local.spares import SparePool, bindings, slice_bindings
 from taas_magic.launch.local.standby import NEXT_CELL_DELAY, Standby
 from taas_magic.launch.placement import RankSlot
 from taas_magic.launch.rankenv import (
-    LOOPBACK,
     Binding,
     idle_cores,
     plan_devices,
-    reserve_port,
     slice_visible,
     visible_gpu_ids,
 )
+from taas_magic.wire import LOOPBACK, reserve_port
 
 
 class LocalBackend:

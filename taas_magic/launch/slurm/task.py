@@ -97,7 +97,7 @@ class Task:
         self.sock.sendall(json.dumps(message).encode() + b"\n")
 
     def hello(self) -> None:
-        from taas_magic.launch.rankenv import reserve_port
+        from taas_magic.wire import reserve_port
 
         address = self.sock.getsockname()[0]
         if self.task == 0:
