@@ -71,11 +71,17 @@ class Marker:
                 pass
 
 
+def _marker_pid(name: str) -> int | None:
+    """The pid of the kernel that wrote the marker named ``name`` (:class:`Marker`), or None: not a marker's name."""
+    pid = name[len(PREFIX):].split("-", 1)[0]
+    return int(pid) if name.startswith(PREFIX) and pid.isdigit() else None
+
+
 def _sweep(folder: str) -> None:
     """This host's markers whose kernel is gone (it was killed before it removed them)."""
     for name in os.listdir(folder):
-        pid = name[len(PREFIX):].split("-", 1)[0]
-        if name.startswith(PREFIX) and name.endswith(f"@{_HOST}") and pid.isdigit() and not pid_alive(int(pid)):
+        pid = _marker_pid(name)
+        if pid is not None and name.endswith(f"@{_HOST}") and not pid_alive(pid):
             try:
                 os.unlink(os.path.join(folder, name))
             except OSError:
@@ -107,12 +113,6 @@ class AwayHost:
         return dataclasses.replace(place, repository=self.repository, layer=layer, away=self.notebook)
 
 
-def _kernel_pid(marker: str) -> str:
-    """The pid of the kernel that wrote ``marker`` (:class:`Marker`'s name), or ``0``: it names the host's folder."""
-    pid = os.path.basename(marker)[len(PREFIX):].split("-", 1)[0]
-    return pid if pid.isdigit() else "0"
-
-
 def settle(places: list[Placement], cwd: str) -> AwayHost | None:
     """None when this host sees the run's repository (or the run has no marker); else where its
     ranks write instead (made now). ``cwd``: the notebook's working folder. Runs on the agent's thread."""
@@ -120,7 +120,8 @@ def settle(places: list[Placement], cwd: str) -> AwayHost | None:
     if marked is None or marked.repository is None or marked.marker is None or sees(marked.repository, marked.marker):
         return None
     notebook = marked.repository
-    root = tempfile.mkdtemp(prefix=f"{AWAY_PREFIX}{_kernel_pid(marked.marker)}-")  # whose run: its kernel's pid
+    kernel = _marker_pid(os.path.basename(marked.marker))  # whose run: its kernel's pid names the host's folder
+    root = tempfile.mkdtemp(prefix=f"{AWAY_PREFIX}{kernel if kernel is not None else 0}-")
     # the host's own folder at that path (a copy of the repository, or not), else a stand-in
     here = notebook if os.path.isdir(notebook) else os.path.join(root, "repository")
     os.makedirs(here, mode=0o700, exist_ok=True)
