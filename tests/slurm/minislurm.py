@@ -221,17 +221,22 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
         return self.run("squeue", "-h", "-o", "%i %T", check=False).split("\n")[:-1]
 
     def node_processes(self, name: str) -> list[psutil.Process]:
-        """What runs on node ``name``: its slurmd, its slurmstepds, and their tasks."""
+        """What runs on node ``name`` of this cluster: its slurmd, its slurmstepds, and their tasks.
+
+        Only this cluster's: pytest-xdist's other worker may run a MiniSlurm of its own beside this one,
+        with nodes of the same names (a loose match here once killed that cluster's node2 tasks
+        mid-test, and its test failed with a rank "killed by SIGKILL")."""
         found = []
         slurmd = self.daemons.get(name)
+        spool = str(self.dir / "spool" / name)
         for proc in psutil.process_iter(["pid", "name", "cmdline"]):
             try:
                 if slurmd is not None and proc.pid == slurmd.pid:
                     found.append(proc)
                 elif proc.info["name"] == "slurmstepd" and any(
-                        f"spool/{name}" in (f.path or "") for f in proc.open_files()):
+                        (f.path or "") == spool or (f.path or "").startswith(spool + "/") for f in proc.open_files()):
                     found.append(proc)
-                elif proc.environ().get("SLURMD_NODENAME") == name:
+                elif (environ := proc.environ()).get("SLURMD_NODENAME") == name and environ.get("SLURM_CONF") == str(self.conf):
                     found.append(proc)
             except psutil.Error:
                 continue

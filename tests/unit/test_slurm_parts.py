@@ -88,14 +88,14 @@ def test_a_rank_sees_its_tasks_slurm_variables_not_the_kernels(monkeypatch):
 
 def test_a_rank_whose_task_vanished_names_its_node_as_lost():
     ours, theirs = socket.socketpair()
-    child = SlurmChild(3, "gpu2", -1, -1, HostControl(ours, "gpu2"), lambda: None)
+    child = SlurmChild(3, "gpu2", -1, -1, HostControl(ours, "gpu2"), lambda: None, lambda: "task 3: gone")
     assert child.poll() is None and child.host == "gpu2"
     theirs.close()  # the node went away: no exit code came
     assert child.poll() == -9
-    assert child.host.startswith("gpu2 (its task vanished without a word")
+    assert child.host.startswith("gpu2 (its task ended without reporting the rank's exit") and "srun said: task 3: gone" in child.host
     ours.close()
     ours, theirs = socket.socketpair()
-    killed = SlurmChild(1, "gpu1", -1, -1, HostControl(ours, "gpu1"), lambda: None)
+    killed = SlurmChild(1, "gpu1", -1, -1, HostControl(ours, "gpu1"), lambda: None, lambda: "nothing")
     theirs.sendall(b"0 -9\n")  # the task reported its rank killed (out of memory, say): the node is fine
     theirs.close()
     assert killed.poll() == -9 and killed.host == "gpu1"
@@ -105,7 +105,7 @@ def test_a_rank_whose_task_vanished_names_its_node_as_lost():
 def test_a_rank_whose_step_ended_without_its_exit_counts_as_killed():
     ours, theirs = socket.socketpair()  # a node that lost power: its channel never closes
     ended = [None]
-    child = SlurmChild(0, "gpu1", -1, -1, HostControl(ours, "gpu1"), lambda: ended[0])
+    child = SlurmChild(0, "gpu1", -1, -1, HostControl(ours, "gpu1"), lambda: ended[0], lambda: "nothing")
     assert child.poll() is None
     ended[0] = 0.5  # srun just ended: its last exit reports may still be on the way
     assert child.poll() is None

@@ -6,7 +6,7 @@ beyond its steps, so a cell pays Slurm's queue never, only a step's start. ``--g
 for N tasks with one GPU each (``--gpus-per-task=1``) on the fewest of the allocation's nodes
 that hold them (``--nodes``: Slurm would otherwise spread them one per node), and Slurm
 places them. An allocation without GPUs runs its ranks as CPU tasks with gloo. A node a run
-found lost (its tasks vanished without a word, or the controller says it is down) is left out
+found lost (its tasks ended without reporting their ranks, or the controller says it is down) is left out
 of every later step (``--exclude``); ``--restarts`` continues on the nodes left while they
 have the GPUs.
 """

@@ -59,6 +59,7 @@ class SlurmChild:
     stderr_fd: int
     control: HostControl  # its task's exit channel
     srun_ended: Callable[[], float | None]  # how long ago the step's srun ended, or None
+    srun_said: Callable[[], str]  # srun's last lines: Slurm's, and what the tasks printed
     exit_fd: int | None = None  # exit codes arrive on the exit channel, polled
 
     @property
@@ -66,7 +67,8 @@ class SlurmChild:
         """Its node, and whether its task vanished without reporting the rank's exit (the node, its
         slurmd or the step went away)."""
         if self.control.lost and 0 not in self.control.codes:
-            return f"{self.node} (its task vanished without a word: the node, its slurmd or the step went away)"
+            return (f"{self.node} (its task ended without reporting the rank's exit: the node, its slurmd or the step "
+                    f"went away; srun said: {self.srun_said()})")
         return self.node
 
     def poll(self) -> int | None:
@@ -226,7 +228,7 @@ class SlurmStep:
                 task = hello["task"]
                 step.children.append(SlurmChild(task, hello["node"], hub[channels.stream(task, "stdout")].fileno(),
                                                 hub[channels.stream(task, "stderr")].fileno(),
-                                                HostControl(hub[channels.exits(task)], hello["node"]), srun.ended))
+                                                HostControl(hub[channels.exits(task)], hello["node"]), srun.ended, srun.said))
         except BaseException:
             step.close()
             raise

@@ -89,7 +89,6 @@ class Task:
         self.sock = connect_channel(hub, self.channels.command(self.task))
         self.reader = self.sock.makefile("rb")
         self.agent = HostAgent()
-        self.port: socket.socket | None = None
         self.closing = threading.Lock()  # the end command and the lifeline both close the agent: once
         self.closed = False
 
@@ -97,12 +96,11 @@ class Task:
         self.sock.sendall(json.dumps(message).encode() + b"\n")
 
     def hello(self) -> None:
-        from taas_magic.wire import reserve_port
-
         address = self.sock.getsockname()[0]
-        if self.task == 0:
-            self.port = reserve_port(address)  # rank 0's store binds it (SO_REUSEADDR); held meanwhile
-        self.send(where_slurm_put_me(address, self.port.getsockname()[1] if self.port is not None else None))
+        # task 0 reserves the rendezvous port; the agent holds it until its rank ends, since rank 0's store binds
+        # it (SO_REUSEADDR) only when the cell calls init_process_group: released earlier, another process may take it
+        port = self.agent.reserve_master_port(address) if self.task == 0 else None
+        self.send(where_slurm_put_me(address, port))
 
     def start(self) -> None:
         from taas_magic.launch.contract import LaunchPlan
@@ -116,8 +114,6 @@ class Task:
                             [plan["stack_file"]] if plan.get("stack_file") else [])
         self.agent.start(launch, self.task, self.hub, self.channels.exits(self.task),
                          command=tuple(plan["command"]) if plan.get("command") else None, dirs=tuple(plan.get("dirs", ())))
-        if self.port is not None:
-            self.port.close()
 
     def serve(self) -> None:
         """The kernel's commands, one JSON line each, each answered with its number, until ``end``
