@@ -320,17 +320,38 @@ class BlockingChannel:
         self._sock.close()
 
 
+SMALL_FRAME = 1 << 16  # a body this small is sent with its header in one write
+
+
+def _frame_parts(codec: FrameCodec, body: bytes) -> list[bytes]:
+    """The signed frame of one encoded body, as the writes that send it: one for a small frame; a large
+    closure is not copied to prepend its header."""
+    header = codec.header(body)
+    return [header + body] if len(body) <= SMALL_FRAME else [header, body]
+
+
 def write_frame(sock: socket.socket, codec: FrameCodec, body: bytes) -> None:
     """Sign and send one encoded body (see encode_body) on a blocking socket."""
-    sock.sendall(codec.header(body))
-    sock.sendall(body)  # separately: a large closure is not copied to prepend the header
+    for part in _frame_parts(codec, body):
+        sock.sendall(part)
 
 
 def send_blocking(sock: socket.socket, codec: FrameCodec, body: bytes) -> None:
-    """Send one encoded body on a socket that is otherwise read without blocking."""
+    """Send one encoded body on a socket that is otherwise read without blocking: a small frame, which the
+    socket's buffer almost always takes whole, in one non-blocking write; the rest blocking."""
+    parts = _frame_parts(codec, body)
+    if len(parts) == 1:
+        try:
+            sent = sock.send(parts[0])
+        except BlockingIOError:
+            sent = 0
+        if sent == len(parts[0]):
+            return
+        parts = [parts[0][sent:]]
     sock.setblocking(True)
     try:
-        write_frame(sock, codec, body)
+        for part in parts:
+            sock.sendall(part)
     finally:
         sock.setblocking(False)
 

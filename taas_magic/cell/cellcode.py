@@ -13,6 +13,7 @@ traceback can show the person's own text (registered in the rank's linecache).
 from __future__ import annotations
 
 import ast
+import functools
 import linecache
 from dataclasses import dataclass
 
@@ -47,17 +48,48 @@ def translate(shell: InteractiveShell, display_source: str) -> CellCode:
     Raises:
         TaasError: the cell has a syntax error (reported with the person's line number).
     """
-    source = _transformer_manager(shell).transform_cell(display_source)
+    filename = f"<taas In[{running_cell_number(shell)}]>"
+    manager = _transformer_manager(shell)
+    tree = _plain_python(manager, display_source, filename)
+    source = display_source
+    if tree is None:
+        source = manager.transform_cell(display_source)
     for transform in shell.input_transformers_post:
         source = "".join(transform(source.splitlines(keepends=True)))
-    filename = f"<taas In[{running_cell_number(shell)}]>"
     try:
-        tree = ast.parse(source, filename=filename)
+        if tree is None or source != display_source:
+            tree = ast.parse(source, filename=filename)
     except SyntaxError as exc:
         line = (exc.text or "").strip()
         raise TaasError(f"taas: SyntaxError on line {exc.lineno} of the cell: {exc.msg}: {line!r}") from None
     # private API (DisplayHook.semicolon_at_end_of_expression): see taas_magic/private.py
     return CellCode(display_source, source, tree, filename, DisplayHook.semicolon_at_end_of_expression(source))
+
+
+@functools.cache
+def _ipython_own() -> TransformerManager:
+    """IPython's own transforms, as a new shell has them."""
+    return TransformerManager()
+
+
+def _plain_python(manager: TransformerManager, source: str, filename: str) -> ast.Module | None:
+    """The cell's tree where IPython's transforms would leave it as it is, else None (translate it).
+
+    IPython's own transforms change only what is not Python (``%``, ``!``, ``?``, prompts, a leading
+    indent), and a leading blank line, so a cell that parses as it stands and begins with code is its own
+    translation: IPython's tokenizing pass over it (the longest step of a kept cell's plan, longer with
+    every line) is skipped. Only with exactly IPython's transforms: an extension's own may change Python."""
+    default = _ipython_own()
+    if (manager.cleanup_transforms != default.cleanup_transforms or manager.line_transforms != default.line_transforms
+            or manager.token_transformers != default.token_transformers):
+        return None
+    first = source.split("\n", 1)[0]
+    if not first.strip():
+        return None
+    try:
+        return ast.parse(source, filename=filename)
+    except SyntaxError:
+        return None
 
 
 def running_cell_number(shell: InteractiveShell) -> int:

@@ -20,7 +20,7 @@ import glob
 import os
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from taas_magic.errors import LaunchError
 from taas_magic.launch.contract import Backend, DevicePlan
@@ -123,15 +123,16 @@ def plan_devices(ranks: int, gpus_on_host: int | None = None, device: str = "aut
     return DevicePlan("cuda", gpus, "nccl")
 
 
-def choose_ranks(gpus: int | str, device: str, gpus_on_host: int, where: str = "this host") -> RankChoice:
-    """``--gpus N`` is N ranks; ``--gpus auto`` is one per GPU of ``where`` (as torchrun's
-    ``--nproc-per-node auto``), or :data:`AUTO_CPU_RANKS` CPU ranks where there is none or
-    ``device`` is ``cpu``."""
+def choose_ranks(gpus: int | str, device: str, count_gpus: Callable[[], int], where: str = "this host") -> RankChoice:
+    """``--gpus N`` is N ranks; ``--gpus auto`` is one per GPU of ``where`` (``count_gpus()``, asked only
+    then: as torchrun's ``--nproc-per-node auto``), or :data:`AUTO_CPU_RANKS` CPU ranks where there is none
+    or ``device`` is ``cpu``."""
     if gpus != "auto":
         assert isinstance(gpus, int), "the grammar gives an int or auto"
         return RankChoice(gpus)
     if device == "cpu":
         return RankChoice(AUTO_CPU_RANKS, f"--gpus auto with --device cpu: {AUTO_CPU_RANKS} CPU ranks")
+    gpus_on_host = count_gpus()
     if gpus_on_host == 0:
         if device == "cuda":  # plan_devices says why this cannot run
             return RankChoice(1)

@@ -16,10 +16,8 @@ cell: the widget cannot render them, the cell can.
 
 from __future__ import annotations
 
-from typing import IO
-
 from taas_magic.output.budget import OutputBudget
-from taas_magic.output.relay import Publish
+from taas_magic.output.relay import Publish, TextOut
 from taas_magic.output.runlog import DISPLAY, HEADER, OUT, SAY, Entry, RunLog
 
 TAAS_DISPLAY_PREFIX = "taas-"  # the chart, the health line, the data line: a live widget shows them itself
@@ -28,7 +26,7 @@ TAAS_DISPLAY_PREFIX = "taas-"  # the chart, the health line, the data line: a li
 class CellStream:
     """Show a run log's entries in the current cell (see the module docstring)."""
 
-    def __init__(self, log: RunLog, streams: dict[str, IO[str]], publish: Publish, budget: OutputBudget | None,
+    def __init__(self, log: RunLog, streams: dict[str, TextOut], publish: Publish, budget: OutputBudget | None,
                  displays_only: bool = False):
         self.log, self.streams, self.publish, self.budget = log, streams, publish, budget
         self.displays_only = displays_only
@@ -56,6 +54,10 @@ class CellStream:
             self._write(entry.stream, text)
         elif entry.kind in (SAY, HEADER):
             self._write(entry.stream, entry.text + "\n")
+
+    def say(self, line: str) -> None:
+        """One line of the kernel's own in the cell, in its place among the entries shown (even displays only)."""
+        self._write("stdout", line + "\n")
 
     def _write(self, name: str, text: str) -> None:
         if text:

@@ -40,6 +40,7 @@ import ctypes
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
@@ -63,16 +64,34 @@ def gather_limit(meminfo: str = "/proc/meminfo") -> tuple[int, str]:
     maps), so half of ``MemAvailable`` now; ``TAAS_GATHER_MAX_BYTES`` lowers it.
     """
     limit, why = 0, ""
-    try:
-        with open(meminfo) as lines:
-            available = next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:"))
+    available = _available(meminfo)
+    if available is not None:
         limit, why = available // 2, f"half of this host's {size_text(available)} free at launch"
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
     lowered = os.environ.get(LIMIT_VARIABLE, "").strip()
     if lowered.isdigit() and (not limit or int(lowered) < limit):
         limit, why = int(lowered), f"{LIMIT_VARIABLE}={lowered}"
     return limit, why
+
+
+MEMINFO_SECONDS = 1.0  # cells planned this soon after one another (kept cells) share one reading of /proc/meminfo
+_read_at: dict[str, tuple[float, int | None]] = {}
+
+
+def _available(meminfo: str) -> int | None:
+    """``MemAvailable`` in bytes (None: not known), read at most once in :data:`MEMINFO_SECONDS`: the kernel
+    makes the file anew at each read, a tenth of a kept cell's plan."""
+    now = time.monotonic()
+    read = _read_at.get(meminfo)
+    if read is not None and now - read[0] < MEMINFO_SECONDS:
+        return read[1]
+    available = None
+    try:
+        with open(meminfo) as lines:
+            available = next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    _read_at[meminfo] = (now, available)
+    return available
 
 
 # -- 1. which names, and each one's plan -----------------------------------------------------------

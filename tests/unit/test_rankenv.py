@@ -89,11 +89,11 @@ def test_device_cuda_with_gpus_is_nccl():
     ],
 )
 def test_gpus_auto_is_one_rank_per_gpu_or_two_cpu_ranks(gpus, device, on_host, ranks, why):
-    assert choose_ranks(gpus, device, on_host) == RankChoice(ranks, why)
+    assert choose_ranks(gpus, device, lambda: on_host) == RankChoice(ranks, why)
 
 
 def test_gpus_auto_with_device_cuda_on_a_cpu_host_fails_in_the_device_plan():
-    choice = choose_ranks("auto", "cuda", 0)
+    choice = choose_ranks("auto", "cuda", lambda: 0)
     with pytest.raises(LaunchError, match="--device cuda"):
         plan_devices(choice.ranks, gpus_on_host=0, device="cuda")
 

@@ -44,7 +44,7 @@ def export(shell: InteractiveShell, defaults: Mapping[str, object], argument: st
     parsed = _parse(raw[number])
     if parsed.options.trials is not None:
         raise UsageError(f"taas: In[{number}] is a search (--trials): export one of its trials' cells instead")
-    choice = choose_ranks(parsed.options.gpus, parsed.options.device, visible_gpu_count())
+    choice = choose_ranks(parsed.options.gpus, parsed.options.device, visible_gpu_count)
     settings = settle(parsed.options, defaults, choice.ranks)
     code = translate(shell, parsed.source)
     check_plain_python(code.source, number)

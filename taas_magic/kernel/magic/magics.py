@@ -43,7 +43,7 @@ from taas_magic.kernel.runs.frontend import Frontend
 from taas_magic.kernel.runs.kept import KeptRanks
 from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session, Warm
-from taas_magic.kernel.runs.views import Started, Viewing, show_run
+from taas_magic.kernel.runs.views import Started, Viewing, show_run, start_shown
 from taas_magic.kernel.trials.searchplan import plan_search
 from taas_magic.launch import engines
 from taas_magic.launch.contract import Backend, GpuSlice, Spares
@@ -151,8 +151,7 @@ class TaasMagics(Magics):
         run = plan(settings, code, closure, why, self._context())  # holds everything it took; its thread releases it
         background = self.session.runs.add(BackgroundRun(run, settings.detach))
         console = None if settings.detach else open_console(background)  # its prompts are this cell's from the start
-        background.start()
-        return Started(background, show_run(background, self._viewing(background)), console)
+        return Started(background, start_shown(background, self._viewing(background)), console)
 
     def _context(self, slot: int | None = None, slots: int = 1) -> PlanContext:
         """What planning a run reads; a search's trial on ``slot`` of ``slots`` is placed there."""
@@ -171,13 +170,13 @@ class TaasMagics(Magics):
         host's GPUs or the cluster's, before anything is held; and why that number, for the header."""
         cluster = self.session.cluster
         if cluster is None:
-            choice = choose_ranks(options.gpus, options.device, visible_gpu_count())
+            choice = choose_ranks(options.gpus, options.device, visible_gpu_count)
         else:
             if options.device == "cpu":
                 raise UsageError("taas: --device cpu runs the ranks on this host's CPU, but a cluster is attached "
                                  "(its ranks run on its GPUs); %taas cluster local runs cells on this host again")
-            gpus = sum(node.gpus_total for node in cluster.nodes())
-            choice = choose_ranks(options.gpus, options.device, gpus, where="the cluster")
+            choice = choose_ranks(options.gpus, options.device, lambda: sum(node.gpus_total for node in cluster.nodes()),
+                                  where="the cluster")
         return settle(options, self._session(), choice.ranks), choice.why
 
     def _session(self) -> dict[str, object]:

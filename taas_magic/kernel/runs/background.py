@@ -195,11 +195,12 @@ class BackgroundRun(RunThread):
             carried += len(result.skeleton) + (result.data.size if result.data is not None else 0)
         return carried < TRIM_BYTES
 
-    def start(self) -> None:
+    def greet(self) -> None:
+        """A cell on running kept ranks (without data workers): its frames sent to them now, from the cell's thread,
+        so they begin it before the run's thread is up (supervision/keptcell.py); before :meth:`start`."""
         run = self.run
         if run is not None and run.on_kept and run.data is None and run.kept is not None and run.kept.running:
-            run.kept.ranks.greet(run.bodies, run.peers.ranks)  # they begin the cell now (supervision/keptcell.py)
-        super().start()
+            run.kept.ranks.greet(run.bodies, run.peers.ranks)
 
     def _work(self) -> RunOutcome:
         assert self.run is not None

@@ -1,7 +1,8 @@
 """Which view a run gets in a cell, and putting it there.
 
 Runs in the kernel, on the cell's thread: it chooses the view and starts its pump
-(output/liveview.py), whose own thread feeds it from then on.
+(output/liveview.py), whose own thread feeds it from then on, and starts a cell's run once its view
+is in place (:func:`start_shown`).
 
 Three views of one log (output/runlog.py), chosen per cell (kernel/runs/frontend.py says whether
 the page restores widgets):
@@ -22,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from taas_magic.import_hooks import import_on_own_stack
-from taas_magic.kernel.runs.background import RunThread
-from taas_magic.kernel.runs.frontend import cell_publisher, mid_cell_note
+from taas_magic.kernel.runs.background import BackgroundRun, RunThread
+from taas_magic.kernel.runs.frontend import cell_output, cell_publisher, mid_cell_note
 from taas_magic.kernel.supervision.prompts import Console
 from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
 from taas_magic.output.liveview import LivePump, TextView
-from taas_magic.output.relay import publisher
+from taas_magic.output.relay import TextOut, publisher
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,30 @@ def show_run(run: RunThread, viewing: Viewing) -> CellStream | None:
         _display(viewing.shell, live_widget(run))
         if run.detached:
             return None
+        shown = _stream(run, viewing, displays_only=True)
         note = mid_cell_note(viewing.shell)  # an older ipykernel: a reloaded page waits for the cell's end
         if note is not None:
-            print(note)
-        return _stream(run, viewing, displays_only=True)
+            shown.say(note)
+        return shown
     if run.detached:
         run.views.append(LivePump(run.log, TextView(run.log, cell_publisher(viewing.shell)), f"taas-view-{run.id}",
                                   run.view_ended))
         return None
     return _stream(run, viewing)
+
+
+def start_shown(run: BackgroundRun, viewing: Viewing) -> CellStream | None:
+    """Start ``run`` from the cell, its view placed first: a cell on kept ranks sends them its frames now,
+    then the view and the header in it go out, then the run's thread starts (once up, it would hold the GIL
+    a while, and the header would wait for it). A view that fails leaves the run going (``%taas attach``)."""
+    run.greet()
+    try:
+        shown = show_run(run, viewing)
+        if shown is not None:
+            shown.show_new()
+    finally:
+        run.start()
+    return shown
 
 
 def attach(run: RunThread, viewing: Viewing) -> CellStream | None:
@@ -86,7 +102,10 @@ def live_widget(run: RunThread) -> Any:
 
 
 def _stream(run: RunThread, viewing: Viewing, displays_only: bool = False) -> CellStream:
-    streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+    direct = cell_output(viewing.shell)  # each entry sent at once (frontend.py says why), where the cell's output is ipykernel's
+    if direct is not None:
+        return CellStream(run.log, *direct, viewing.budget, displays_only)
+    streams: dict[str, TextOut] = {"stdout": sys.stdout, "stderr": sys.stderr}
     return CellStream(run.log, streams, publisher(viewing.shell.display_pub), viewing.budget, displays_only)
 
 

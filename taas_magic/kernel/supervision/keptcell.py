@@ -45,6 +45,7 @@ KEEP_WAIT_SECONDS = 1.0  # after a rank's error, how long the others may take to
 INTERRUPT_WAIT_SECONDS = 3.0  # after the person's interrupt, how long every rank may take to end its cell
 FAILURE_INTERRUPT_SECONDS = 1.5  # after a failure, how long the interrupted ranks may take (the error waits for it)
 STEP_SECONDS = 0.02
+ALIVE_RECHECK_SECONDS = 0.05  # kept ranks seen alive this recently are not polled again (KeptGroup.running)
 KEPT_LINE = "taas: the ranks are kept, with their globals and their process group: the next --keep cell runs in them"
 
 
@@ -60,6 +61,7 @@ class KeptGroup:
     mux: Mux | None = None
     lost: str | None = None  # why they are gone (their state with them), once they are
     greeted: bool = False  # the next cell's frames were sent already (:meth:`greet`)
+    seen_alive_at: float = float("-inf")  # when every rank was last seen alive (:attr:`running`)
 
     def greet(self, bodies: list[bytes], ranks: int) -> None:
         """Send a cell's frames (its spec and closure) to every rank now, from the cell's thread as its run starts:
@@ -82,13 +84,23 @@ class KeptGroup:
 
     @property
     def running(self) -> bool:
-        """Started, and every rank still alive (a rank may die between cells: the next cell starts new ones)."""
-        return self.group is not None and self.lost is None and _alive(self.group)
+        """Started, and every rank still alive (a rank may die between cells: the next cell starts new ones).
+        A cell's plan asks several times within a few milliseconds; their processes are polled at most once in
+        :data:`ALIVE_RECHECK_SECONDS` (a rank that dies meanwhile fails the cell as any dying rank does)."""
+        if self.group is None or self.lost is not None:
+            return False
+        now = time.monotonic()
+        if now - self.seen_alive_at > ALIVE_RECHECK_SECONDS:
+            if not _alive(self.group):
+                return False
+            self.seen_alive_at = now
+        return True
 
     def close(self) -> None:
         """Their channels closed (they leave on their own: rank/betweencells.py), then the group closed: its stop
         ladder's first grace is their time to leave (between cells a kept rank ignores the SIGINT it starts with)."""
         mux, group, self.mux, self.group = self.mux, self.group, None, None
+        self.seen_alive_at = float("-inf")
         if mux is not None:
             mux.close()
         if group is not None:
