@@ -130,6 +130,36 @@ plt.show()
     assert order.index("before") < order.index("display_data") < order.index("after")
 
 
+INTERLEAVED = """#pragma taas --device cpu --gpus 2 OPTIONS
+from IPython.display import display, HTML
+for i in range(5):
+    print("before", i, flush=True)
+    display(HTML(f"<b>{i}</b>"))
+    print("after", i, flush=True)
+"""
+
+
+@pytest.mark.parametrize("options", ["", "--keep"])
+def test_text_and_displays_reach_the_cell_in_the_order_rank_0_made_them(kernel, options):
+    """The cell's view sends text and displays straight to ipykernel's IOPub thread (kernel/runs/frontend.py's
+    cell_output): each queued there in order, none overtaking another, on fresh and on kept ranks."""
+    try:
+        ran = kernel.execute(INTERLEAVED.replace("OPTIONS", options), timeout=120)
+        assert ran.reply["status"] == "ok", ran.error_text()
+    finally:
+        if options:
+            kernel.execute("%taas release")
+    shown = []
+    for message in ran.messages:
+        if message.content.get("transient", {}).get("display_id", "").startswith("taas-"):
+            continue  # taas's own health line and chart, above the output
+        if message.type == "stream":
+            shown += [line for line in message.content["text"].splitlines() if line.startswith(("before", "after"))]
+        elif message.type == "display_data":
+            shown.append(message.content["data"]["text/html"])
+    assert shown == [each for i in range(5) for each in (f"before {i}", f"<b>{i}</b>", f"after {i}")], shown
+
+
 def test_final_expression_and_names_that_cannot_come_back(kernel):
     ran = kernel.execute(
         """#pragma taas --device cpu --gpus 1
