@@ -101,8 +101,7 @@ class _Rank:
 
 class Board:
     def __init__(self, ranks: int, publish: Publish, points: Callable[[list], None] | None = None):
-        self.ranks = [_Rank() for _ in range(ranks)]
-        self.publish = publish
+        self.ranks, self.publish = [_Rank() for _ in range(ranks)], publish
         self.points = points  # rank 0's reports as they arrive, for the run log's record
         token = secrets.token_hex(4)
         self.chart_id, self.health_id = f"taas-chart-{token}", f"taas-health-{token}"
@@ -128,10 +127,11 @@ class Board:
             record.health = (previous, batch.health)
 
     def start(self) -> None:
-        """The two displays above the ranks' output, before any rank runs; "starting" for HEALTH_SECONDS, or to the end."""
-        self.last_health = time.monotonic()
-        self._publish(self.health_id, {"text/plain": f"taas health · starting {len(self.ranks)} rank(s)"})
-        self._publish(self.chart_id, {"text/plain": ""})
+        """The two displays above the ranks' output, before any rank runs, once (background.py's begin may go first)."""
+        if not self.shown:
+            self.last_health = time.monotonic()
+            self._publish(self.health_id, {"text/plain": f"taas health · starting {len(self.ranks)} rank(s)"})
+            self._publish(self.chart_id, {"text/plain": ""})
 
     def metrics(self) -> list[dict]:
         """Rank 0's reports as kept (see the module docstring), each ``{"step": ..., metric: value}``."""

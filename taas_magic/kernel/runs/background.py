@@ -44,7 +44,7 @@ from typing import Any, Callable, TypeVar
 from IPython.core.error import UsageError
 
 from taas_magic.errors import RunInterrupted
-from taas_magic.kernel.runs.execution import execute
+from taas_magic.kernel.runs.execution import Execution, execute
 from taas_magic.kernel.runs.run import Run, ending
 from taas_magic.kernel.runs.summary import RunSummary
 from taas_magic.kernel.supervision.prompts import PromptDesk
@@ -184,6 +184,7 @@ class BackgroundRun(RunThread):
         self.record = run.record  # the session's record of it (kernel/runs/summary.py): small, kept
         self.prompts = run.prompts
         self.outcome: RunOutcome | None = None
+        self.execution: Execution | None = Execution(run, self._stop.is_set)  # wired now: see begin(); None once let go
 
     def _carried_little(self) -> bool:
         run, outcome = self.run, self.outcome
@@ -195,24 +196,30 @@ class BackgroundRun(RunThread):
             carried += len(result.skeleton) + (result.data.size if result.data is not None else 0)
         return carried < TRIM_BYTES
 
-    def greet(self) -> None:
-        """A cell on running kept ranks (without data workers): its frames sent to them now, from the cell's thread,
-        so they begin it before the run's thread is up (supervision/keptcell.py); before :meth:`start`."""
-        run = self.run
-        if run is not None and run.on_kept and run.data is None and run.kept is not None and run.kept.running:
+    def begin(self) -> None:
+        """On the cell's thread, before :meth:`start`, for a run without data workers (their line goes above the
+        board, so those runs leave all of it to their thread): a cell on running kept ranks sends them its frames
+        now, so they begin it before the run's thread is up (supervision/keptcell.py); and the live board's two
+        displays go into the log now, under the header, so the cell shows the three at once instead of each
+        as the run's thread writes it (each a wake-up of the cell's thread)."""
+        run, execution = self.run, self.execution
+        if run is None or execution is None or run.data is not None:
+            return
+        if run.on_kept and run.kept is not None and run.kept.running:
             run.kept.ranks.greet(run.bodies, run.peers.ranks)
+        execution.board.start()
 
     def _work(self) -> RunOutcome:
-        assert self.run is not None
+        assert self.run is not None and self.execution is not None
         with self.run:
-            return execute(self.run, self._stop.is_set)
+            return execute(self.execution)
 
     def _bind(self, namespace: dict) -> Any:
         assert self.outcome is not None and self.run is not None
         return self.run.bind_results(self.outcome.result, namespace)
 
     def _let_go_of_parts(self) -> None:
-        run, self.run = self.run, None
+        run, self.run, self.execution = self.run, None, None
         if run is not None and self.outcome is not None and not self.taken:
             run.drop_results()  # rank 0's results files: never to be bound
         self.outcome = None

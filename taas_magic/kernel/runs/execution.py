@@ -116,9 +116,9 @@ class Execution:
         memfile.remove_run(os.getpid(), self.run.spec.run_id)
 
 
-def execute(run: Run, stop_asked: Callable[[], bool]) -> RunOutcome:
-    """The ranks (and data workers) of ``run``, supervised until they end or ``stop_asked()``."""
-    execution = Execution(run, stop_asked)
+def execute(execution: Execution) -> RunOutcome:
+    """The ranks (and data workers) of the execution's run, supervised until they end or a stop is asked."""
+    run = execution.run
     attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
     try:
         if run.kept is not None:  # the kept ranks: started by the first cell, given each later one
