@@ -398,7 +398,6 @@ def _rule(tmp_path):
     return choose_rule(str(tmp_path / "repo"), "python")
 
 
-
 def test_the_boards_two_displays_go_out_once_whichever_thread_starts_it_first():
     """The cell's thread starts the board under the header (kernel/runs/background.py's begin); the run's thread
     then starts it again (supervisor.py's show_start), which adds nothing."""

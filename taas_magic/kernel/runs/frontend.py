@@ -176,11 +176,30 @@ def _comm_manager(shell: Any) -> Any:
 
 def cell_publisher(shell: Any) -> Publish:
     """Display messages addressed to the cell running now, from any thread, even after it ended."""
-    display_pub = shell.display_pub
+    send = _cell_sender(shell.display_pub)
+    if send is None:  # not a kernel: IPython's own publisher
+        return publisher(shell.display_pub)
+    return _display_sender(send, shell.display_pub.topic)
+
+
+Send = Callable[[str, dict, bytes], None]  # a message's type, its content and its topic, sent to one cell
+
+
+def _cell_sender(display_pub: Any) -> Send | None:
+    """What sends a message addressed to the cell running now (its parent header captured now), from any thread,
+    straight to ipykernel's IOPub queue; None where ``display_pub`` is not a kernel's."""
     session = getattr(display_pub, "session", None)
-    if session is None:  # not a kernel: IPython's own publisher
-        return publisher(display_pub)
+    if session is None:
+        return None
     parent = dict(display_pub.parent_header)  # private API: see taas_magic/private.py (ZMQDisplayPublisher)
+
+    def send(kind: str, content: dict, topic: bytes) -> None:
+        session.send(display_pub.pub_socket, session.msg(kind, content, parent=parent), ident=topic)
+
+    return send
+
+
+def _display_sender(send: Send, topic: bytes) -> Publish:
     from ipykernel.jsonutil import json_clean
 
     def publish(message: Display | ClearOutput) -> None:
@@ -190,8 +209,7 @@ def cell_publisher(shell: Any) -> Publish:
         else:
             kind = "update_display_data" if message.update else "display_data"
             content = {"data": message.data, "metadata": message.metadata, "transient": message.transient}
-        sent = session.msg(kind, json_clean(content), parent=parent)
-        session.send(display_pub.pub_socket, sent, ident=display_pub.topic)
+        send(kind, json_clean(content), topic)
 
     return publish
 
@@ -199,12 +217,12 @@ def cell_publisher(shell: Any) -> Publish:
 class _CellText:
     """One of the cell's text streams, each write sent at once as a ``stream`` message (see :func:`cell_output`)."""
 
-    def __init__(self, name: str, send: Callable[[str, dict], None]):
-        self.name, self._send = name, send
+    def __init__(self, name: str, send: Send):
+        self.name, self._send, self._topic = name, send, f"stream.{name}".encode()
 
     def write(self, text: str, /) -> int:
         if text:
-            self._send(self.name, {"name": self.name, "text": text})
+            self._send("stream", {"name": self.name, "text": text}, self._topic)
         return len(text)
 
     def flush(self) -> None:
@@ -226,16 +244,11 @@ def cell_output(shell: Any) -> tuple[dict[str, TextOut], Publish] | None:
     own order, as it would beside any cell's output."""
     from ipykernel.iostream import OutStream
 
-    display_pub, streams = shell.display_pub, (sys.stdout, sys.stderr)
-    session = getattr(display_pub, "session", None)
-    if session is None or not all(isinstance(stream, OutStream) for stream in streams):
+    send = _cell_sender(shell.display_pub)
+    if send is None or not all(isinstance(stream, OutStream) for stream in (sys.stdout, sys.stderr)):
         return None
-    parent = dict(display_pub.parent_header)  # private API: see taas_magic/private.py (ZMQDisplayPublisher)
-
-    def send(name: str, content: dict) -> None:
-        session.send(display_pub.pub_socket, session.msg("stream", content, parent=parent), ident=f"stream.{name}".encode())
-
-    return {name: _CellText(name, send) for name in ("stdout", "stderr")}, cell_publisher(shell)
+    streams: dict[str, TextOut] = {name: _CellText(name, send) for name in ("stdout", "stderr")}
+    return streams, _display_sender(send, shell.display_pub.topic)
 
 
 def answers_mid_cell(kernel: Any) -> bool:
