@@ -284,19 +284,39 @@ def distributed_breakpoint(dist: ModuleType) -> None:
 
 # -- holding the other ranks --------------------------------------------------------------------
 _kept_timeouts: dict[Any, datetime.timedelta] = {}
+_holding = False  # the kernel's last word (Hold): a rank is at a prompt now
+_hold_lock = threading.Lock()  # the inbox's reader (on_hold) and the cell's thread (group_made)
 
 
 def on_hold(frame: Hold) -> None:
-    """From the inbox's reader (the cell may be inside a collective): raise or restore every group's timeout."""
+    """From the inbox's reader (the cell may be inside a collective): raise or restore every group's timeout.
+    A hold that comes while the cell is still making its group (another rank reached its prompt first) is
+    kept, and the group gets it once made (:func:`group_made`)."""
+    global _holding
+    with _hold_lock:
+        _holding = frame.on
+        if not _initialized():
+            return
+        if frame.on:
+            raise_timeouts(HELD_TIMEOUT)
+        else:
+            for group, timeout in list(_kept_timeouts.items()):
+                _set_timeout(group, timeout)
+            _kept_timeouts.clear()
+
+
+def group_made() -> None:
+    """The cell's ``init_process_group`` just returned (rank/groups.py): while a rank is at a prompt, the group is
+    held as the others are. Without this, a hold that came during the init found no group to raise, and this
+    rank's first collective gave up on the prompted rank after the group's own timeout."""
+    with _hold_lock:
+        if _holding and _initialized():
+            raise_timeouts(HELD_TIMEOUT)
+
+
+def _initialized() -> bool:
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return
-    if frame.on:
-        raise_timeouts(HELD_TIMEOUT)
-    else:
-        for group, timeout in list(_kept_timeouts.items()):
-            _set_timeout(group, timeout)
-        _kept_timeouts.clear()
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def raise_timeouts(timeout: datetime.timedelta) -> None:

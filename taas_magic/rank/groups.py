@@ -13,6 +13,8 @@ Kept ranks (``--keep``, :func:`keep_across_cells`) keep their default group from
 cell's ``init_process_group`` while the group exists and its ``destroy_process_group`` of the default
 group do nothing, so a cell written for fresh ranks runs unchanged in kept ones.
 
+A group made while another rank is at a pdb prompt is held at once, as the groups made before (rank/cellpdb.py).
+
 Runs in each rank: on the cell's thread (the wrappers), and on the rank's main thread after the cell.
 """
 
@@ -22,6 +24,8 @@ import functools
 import sys
 from types import ModuleType
 from typing import Any, Callable
+
+from taas_magic.rank import cellpdb
 
 DTENSOR = "torch.distributed.tensor"
 
@@ -56,7 +60,9 @@ def defer_destroy(dist: ModuleType) -> None:
         if _kept and dist.is_initialized():
             return None  # made by an earlier cell of these kept ranks: the same group
         finish_destroy()
-        return init(*args, **kwargs)
+        made = init(*args, **kwargs)
+        cellpdb.group_made()  # held at once if another rank is at a prompt
+        return made
 
     destroy_process_group.__taas_deferred__ = True  # type: ignore[attr-defined]  # a marker: wrapped once only
     for name, wrapper in (("destroy_process_group", destroy_process_group), ("init_process_group", init_process_group)):

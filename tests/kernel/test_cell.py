@@ -204,7 +204,8 @@ print("INFO", info.id, info.num_workers, hasattr(sys, "ps1"), sys.flags.interact
 
 
 def test_percent_percent_taas_form(kernel):
-    ran = kernel.execute("%%taas --device cpu --gpus 2\nimport os\nprint('rank', os.environ['RANK'])\nint(os.environ['WORLD_SIZE'])")
+    ran = kernel.execute("%%taas --device cpu --gpus 2\nimport os\n"
+                         "print('rank', os.environ['RANK'])\nint(os.environ['WORLD_SIZE'])")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert ran.stream("stdout").endswith("rank 0\n")
     assert ran.result["text/plain"] == "2"
@@ -272,7 +273,8 @@ def test_a_flood_of_lines_shows_head_and_tail_keeps_all_in_a_log_and_few_message
 
 
 def test_a_large_closure_reaches_the_ranks_through_one_shared_file(kernel):
-    kernel.execute("import torch\nbig = torch.arange(3_000_000, dtype=torch.float64)\n%config TaasMagics.closure_file_bytes = 1 << 20")
+    kernel.execute("import torch\nbig = torch.arange(3_000_000, dtype=torch.float64)\n"
+                   "%config TaasMagics.closure_file_bytes = 1 << 20")
     try:
         ran = kernel.execute("#pragma taas --device cpu --gpus 2 --output all\nprint('sum', float(big.sum()), flush=True)")
         assert ran.reply["status"] == "ok", ran.error_text()

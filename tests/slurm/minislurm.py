@@ -233,8 +233,7 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
             try:
                 if slurmd is not None and proc.pid == slurmd.pid:
                     found.append(proc)
-                elif proc.info["name"] == "slurmstepd" and any(
-                        (f.path or "") == spool or (f.path or "").startswith(spool + "/") for f in proc.open_files()):
+                elif proc.info["name"] == "slurmstepd" and any(_under(f.path, spool) for f in proc.open_files()):
                     found.append(proc)
                 elif (environ := proc.environ()).get("SLURMD_NODENAME") == name and environ.get("SLURM_CONF") == str(self.conf):
                     found.append(proc)
@@ -313,3 +312,8 @@ if __name__ == "__main__":  # a Slurm to try things on: python -m tests.slurm.mi
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
+
+
+def _under(path: str | None, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it."""
+    return path is not None and (path == folder or path.startswith(folder + "/"))

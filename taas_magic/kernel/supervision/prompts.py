@@ -246,8 +246,14 @@ class RankPrompts:
             self.desk.resumed(rank)
 
     def close(self) -> None:
+        """The cell is over. If it ended with a rank at a prompt (stopped there), kept ranks go on unheld: the
+        timeouts their cells set apply again."""
         if self.desk is not None:
             self.desk.close()
+        if self.holding:
+            self.holding = False
+            for rank in range(self.ranks):
+                self.mux.send(Peer(RANK, rank), protocol.encode(Hold(False)))
 
     def next_attempt(self) -> None:
         if self.desk is not None:
