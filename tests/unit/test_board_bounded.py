@@ -9,10 +9,14 @@ import re
 import time
 import tracemalloc
 
+import pytest
+
 from taas_magic.history import PAST, RECENT
 from taas_magic.output.board import Board
 from taas_magic.output.runlog import RunLog
 from taas_magic.protocol import Report
+
+pytestmark = pytest.mark.unpinned  # pure Python: nothing of the minimums' pins (.ci/run)
 
 MILLION, BATCH = 1_000_000, 2000  # a rank reporting 8,000 steps a second sends 2,000 a batch
 

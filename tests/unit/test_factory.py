@@ -23,6 +23,8 @@ from taas_magic.launch.rankenv import CPU, Binding
 from taas_magic.procs import reap
 from taas_magic.rank.factory import _fresh_randomness
 
+pytestmark = pytest.mark.unpinned  # the spare factory: nothing of the minimums' pins but torch (.ci/run)
+
 
 def _ready_factory(step: bool = True, timeout: float = 60) -> SpareFactory:
     factory = SpareFactory({**os.environ, **SINGLE_THREADED}, frozen_settings(), step)
