@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import statistics
 import sys
 import tempfile
@@ -292,6 +293,14 @@ JD_REPLY_SECONDS = 10.0  # how long the failed cell is given to reply after jupy
 JD_MORE: dict[str, list] = {"failed": [], "interrupt": []}  # its recovery (3 values a run) and interrupt rows
 
 
+def median_interval(samples: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """A 95% interval of the median of ``samples`` (the percentile bootstrap, ``draws`` resamples, seeded): what
+    the median could as well have been on this machine, whose pairs spread widely."""
+    chooser = random.Random(seed)
+    medians = sorted(statistics.median(chooser.choices(samples, k=len(samples))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def row(name: str, values: list[float], beside: list[float] | None, target: str, unit: str = "s") -> str:
     def shown(samples: list[float]) -> str:
         return f"{statistics.median(samples):.3f} {unit} ({min(samples):.3f}-{max(samples):.3f})"
@@ -312,11 +321,14 @@ def main() -> None:
     if arguments.paired:
         ratios, seconds = paired(arguments.jupyter_distributed, runs)
         print(f"taas kept / jupyter-distributed, {runs} pairs (ABBA), both kept and idle between cells: "
-              "median of the paired ratios (min-max), and each tool's median (min-max)\n")
-        print("| row | taas / jupyter-distributed | taas kept | jupyter-distributed | target |\n| --- | --- | --- | --- | --- |")
+              "median of the paired ratios (min-max), its 95% interval (bootstrap), and each tool's median (min-max)\n")
+        print("| row | taas / jupyter-distributed | 95% interval | taas kept | jupyter-distributed | target |\n"
+              "| --- | --- | --- | --- | --- | --- |")
         for name, title in (("first", "first line"), ("reduce", "a cell with an all_reduce, to its reply")):
             ours, theirs = (row("", times, None, "").split(" | ")[1] for times in seconds[name])
-            print(row(title, ratios[name], None, "<= 1.00x", "x").replace(" |  | <=", f" | {ours} | {theirs} | <="))
+            low, high = median_interval(ratios[name])
+            print(row(title, ratios[name], None, "<= 1.00x", "x").replace(
+                " |  | <=", f" | {low:.3f}-{high:.3f} x | {ours} | {theirs} | <="))
         return
     kernel = Kernel()
     try:
