@@ -1,43 +1,46 @@
 """Kept ranks (``--keep``), beside fresh ranks: what a cell costs when the ranks are already there.
 
     python bench/keep.py [--runs 5]
+    python bench/keep.py --paired --runs 61 --jupyter-distributed SITE
 
-Through a real kernel (jupyter_client), ``--device cpu --gpus 2`` (gloo), each row measured ``--runs`` times
-(median, min, max), kept ranks beside fresh warm ranks (the same cell without ``--keep``, its warm spares
-ready) in the same kernel, one after the other, so a busy moment moves both:
+Through a real kernel (jupyter_client), ``--device cpu --gpus 2`` (gloo), each row measured ``--runs`` times (median,
+min, max), kept ranks beside fresh warm ranks (the same cell without ``--keep``, its warm spares ready) in the same
+kernel, one after the other, so a busy moment moves both:
 
-- first line: the execute request -> rank 0's first line on iopub, the ranks idle 2 s before; target for
-  the kept cell: at most 0.020 s;
-- all_reduce: the request -> the reply of a cell that all-reduces one tensor (``init_process_group`` in it:
-  harmless on kept ranks, paid again by fresh ones);
-- failed collective (the kept ranks' group made by the cell before, as jupyter-distributed's is): the request
-  of a cell where rank 1 raises while rank 0 waits in ``all_reduce`` -> rank
-  1's error shown (the cell's line saying so, before the others are given their time) and -> the cell's error
-  reply; then rank 1's error shown -> the reply of the next working ``--keep`` cell sent the moment the failed
-  cell ended (new ranks start: the kept ones were stopped); target: within 5 s;
-- interrupt: the kernel's interrupt of a kept cell looping in Python -> its reply (every rank stopped its
-  cell, and the ranks are kept); target: at most 3 s;
-- compiled: a ``torch.compile``'d function's first call in kept ranks (compiling), and its call in the next
-  kept cell (not compiled again); target: the second at most 5% of the first.
-- a 1 GB model: a kept cell that builds ``nn.Linear(16384, 16384)`` (1.07 GB of float32) on each rank, to its
-  reply, the kernel's resident memory after it, and a kept cell that uses it, to its reply; with the name left
-  on rank 0 until touched (``TaasMagics.lazy_bytes``' default) beside it copied into the notebook
-  (``lazy_bytes = 0``); target: the cell that uses it costs what any kept cell does, and no copy.
+- first line: the execute request -> rank 0's first line on iopub, the ranks idle 2 s before; target for the kept
+  cell: at most 0.020 s;
+- all_reduce: the request -> the reply of a cell that all-reduces one tensor (``init_process_group`` in it: harmless
+  on kept ranks, paid again by fresh ones);
+- failed collective (the kept ranks' group made by the cell before, as jupyter-distributed's is): the request of a
+  cell where rank 1 raises while rank 0 waits in ``all_reduce`` -> rank 1's error shown (the cell's line saying so,
+  before the others are given their time) and -> the cell's error reply; then rank 1's error shown -> the reply of the
+  next working ``--keep`` cell sent the moment the failed cell ended (new ranks start: the kept ones were stopped);
+  target: within 5 s;
+- interrupt: the kernel's interrupt of a kept cell looping in Python -> its reply (every rank stopped its cell, and
+  the ranks are kept); target: at most 3 s;
+- compiled: a ``torch.compile``'d function's first call in kept ranks (compiling), and its call in the next kept cell
+  (not compiled again); target: the second at most 5% of the first.
+- a 1 GB model: a kept cell that builds ``nn.Linear(16384, 16384)`` (1.07 GB of float32) on each rank, to its reply,
+  the kernel's resident memory after it, and a kept cell that uses it, to its reply; with the name left on rank 0
+  until touched (``TaasMagics.lazy_bytes``' default) beside it copied into the notebook (``lazy_bytes = 0``); target:
+  the cell that uses it costs what any kept cell does, and no copy.
 
 Beside them, ``--nbdistributed SITE`` (a folder holding ``pip install --no-deps --target SITE nbdistributed``)
-measures nbdistributed's kept workers on the first two rows, in a kernel of its own: ``%dist_init -n 2``, then
-the same cells (its workers made their gloo group at ``%dist_init``). Its recovery rows are not run: its
-only way out of a failed collective is ``%dist_shutdown``, whose ``pkill -f`` on name patterns (``worker.py``,
-``python.*worker``, ``torch.*distributed``) ends other processes of this machine too; its kernel is ended here
-by killing that kernel's own process tree. ``--jupyter-distributed SITE`` (the same, for jupyter-distributed)
-measures its proxy kernel over two rank kernels (a kernel spec of this run's own runs
-``python -m jupyter_distributed.kernel`` with ``JUPYTER_DISTRIBUTED_WORLD_SIZE=2``), its group made by a first
-cell, on the same two rows, then on the other two: after the failed collective, rank 1's error shown (in its
-live display), then what a person does (its README: after a failed collective "a group restart may be
-required"): the kernel's interrupt, and if the cell has not replied 10 s later (rank 0 waits in gloo's
-all_reduce), Jupyter's kernel restart and the group made again, to the next working cell; and the interrupt
-of a cell looping in Python. Its kernel is ended, restarts included, with its whole process tree.
-Each tool's rows are taken in blocks, as taas's kept ones: nothing else starts processes meanwhile.
+measures nbdistributed's kept workers on the first two rows, in a kernel of its own: ``%dist_init -n 2``, then the
+same cells (its workers made their gloo group at ``%dist_init``). Its recovery rows are not run: its only way out of a
+failed collective is ``%dist_shutdown``, whose ``pkill -f`` on name patterns (``worker.py``, ``python.*worker``,
+``torch.*distributed``) ends other processes of this machine too; its kernel is ended here by killing that kernel's
+own process tree. ``--jupyter-distributed SITE`` (the same, for jupyter-distributed) measures its proxy kernel over
+two rank kernels (a kernel spec of this run's own runs ``python -m jupyter_distributed.kernel`` with
+``JUPYTER_DISTRIBUTED_WORLD_SIZE=2``), its group made by a first cell, on the same two rows, then on the other two:
+after the failed collective, rank 1's error shown (in its live display), then what a person does (its README: after a
+failed collective "a group restart may be required"): the kernel's interrupt, and if the cell has not replied 10 s
+later (rank 0 waits in gloo's all_reduce), Jupyter's kernel restart and the group made again, to the next working
+cell; and the interrupt of a cell looping in Python. Its kernel is ended, restarts included, with its whole process
+tree. Each tool's rows are taken in blocks, as taas's kept ones: nothing else starts processes meanwhile.
+
+``--paired`` (with ``--jupyter-distributed``): only the first two rows, taas's kept ranks and jupyter-distributed's
+side by side in ABBA pairs; the median of the paired ratios and its 95% interval (bench/intervals.py).
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ import contextlib
 import json
 import os
 import queue
-import random
 import statistics
 import sys
 import tempfile
@@ -60,6 +62,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.intervals import median_interval  # noqa: E402
 from tests.kernel_client import Kernel  # noqa: E402
 
 KEEP = "#pragma taas --gpus 2 --device cpu --keep\n"
@@ -156,8 +159,6 @@ def kept_model(kernel: Kernel, lazy_bytes: int) -> tuple[float, float, float]:
 def other_kernel(env: dict[str, str], kernel_name: str = "python3") -> Iterator[Kernel]:
     """Another tool's kernel, with this interpreter first on PATH (the tools start "python" from PATH, as in an
     activated venv); ended with its whole process tree, never by the tool's own name-pattern kills."""
-    import psutil
-
     path = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
     kernel = Kernel(kernel_name=kernel_name, load_ext=False, env={**env, "PATH": path})
     try:
@@ -293,14 +294,6 @@ JD_REPLY_SECONDS = 10.0  # how long the failed cell is given to reply after jupy
 JD_MORE: dict[str, list] = {"failed": [], "interrupt": []}  # its recovery (3 values a run) and interrupt rows
 
 
-def median_interval(samples: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """A 95% interval of the median of ``samples`` (the percentile bootstrap, ``draws`` resamples, seeded): what
-    the median could as well have been on this machine, whose pairs spread widely."""
-    chooser = random.Random(seed)
-    medians = sorted(statistics.median(chooser.choices(samples, k=len(samples))) for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
-
-
 def row(name: str, values: list[float], beside: list[float] | None, target: str, unit: str = "s") -> str:
     def shown(samples: list[float]) -> str:
         return f"{statistics.median(samples):.3f} {unit} ({min(samples):.3f}-{max(samples):.3f})"
@@ -320,15 +313,14 @@ def main() -> None:
     runs = arguments.runs
     if arguments.paired:
         ratios, seconds = paired(arguments.jupyter_distributed, runs)
-        print(f"taas kept / jupyter-distributed, {runs} pairs (ABBA), both kept and idle between cells: "
-              "median of the paired ratios (min-max), its 95% interval (bootstrap), and each tool's median (min-max)\n")
-        print("| row | taas / jupyter-distributed | 95% interval | taas kept | jupyter-distributed | target |\n"
-              "| --- | --- | --- | --- | --- | --- |")
+        print(f"taas kept / jupyter-distributed, {runs} pairs (ABBA), both kept and idle between cells: median of the "
+              "paired ratios (min-max), its 95% interval (bootstrap), and each tool's median (min-max)\n\n| row | taas / "
+              "jupyter-distributed | 95% interval | taas kept | jupyter-distributed | target |\n" + "| --- " * 6 + "|")
         for name, title in (("first", "first line"), ("reduce", "a cell with an all_reduce, to its reply")):
             ours, theirs = (row("", times, None, "").split(" | ")[1] for times in seconds[name])
-            low, high = median_interval(ratios[name])
-            print(row(title, ratios[name], None, "<= 1.00x", "x").replace(
-                " |  | <=", f" | {low:.3f}-{high:.3f} x | {ours} | {theirs} | <="))
+            interval = "-".join(f"{bound:.3f}" for bound in median_interval(ratios[name]))
+            shown = f" | {interval} x | {ours} | {theirs} | <="
+            print(row(title, ratios[name], None, "<= 1.00x", "x").replace(" |  | <=", shown))
         return
     kernel = Kernel()
     try:
@@ -368,28 +360,25 @@ def main() -> None:
         ("nbdistributed", nbdistributed, arguments.nbdistributed),
         ("jupyter-distributed", jupyter_distributed, arguments.jupyter_distributed)) if site}
     print(f"kept ranks beside fresh warm ranks, 2 CPU ranks (gloo), {runs} runs each: median (min-max)\n")
-    print("| row | kept | fresh (warm spares) | target |")
-    print("| --- | --- | --- | --- |")
+    print("| row | kept | fresh (warm spares) | target |\n| --- | --- | --- | --- |")
     print(row("first line", *rows["first"], "kept <= 0.020 s"))
     print(row("a cell with an all_reduce, to its reply", *rows["reduce"], ""))
     print(row("failed collective: request to rank 1's error shown", rows["shown"][0], None, ""))
     print(row("failed collective: request to the error (the cell's end)", rows["failed"][0], None, ""))
     print(row("failed collective: the error shown to the next working cell", rows["next"][0], None, "<= 5 s"))
     print(row("interrupt: the interrupt to the reply, ranks kept", interrupts, None, "<= 3 s"))
-    ratio = second_call / first_call
     print(f"| compiled: first call (compiling) / next call in kept ranks | {first_call:.3f} s / {second_call:.4f} s "
-          f"= {ratio:.1%} | | <= 5% |")
+          f"= {second_call / first_call:.1%} | | <= 5% |")
     print(f"\na 1 GB model kept (nn.Linear(16384, 16384) on each rank), {min(runs, 3)} runs each\n")
-    print("| row | left on rank 0 until touched (default) | lazy_bytes = 0: copied into the notebook | target |")
-    print("| --- | --- | --- | --- |")
+    print("| row | left on rank 0 until touched (default) | lazy_bytes = 0: copied into the notebook | target |\n"
+          "| --- | --- | --- | --- |")
     for k, (title, unit) in enumerate((("the cell that builds it, to its reply", "s"),
                                        ("the kernel's resident memory after it", "GB"),
                                        ("a kept cell that uses it, to its reply", "s"))):
         print(row(title, [m[k] for m in models[64 * 2**20]], [m[k] for m in models[0]], "", unit))
     for name, (first, reduce) in others.items():
         print(f"\n{name}'s kept processes (2 ranks, gloo), the same cells\n")
-        print(f"| row | {name} | taas kept (above) |")
-        print("| --- | --- | --- |")
+        print(f"| row | {name} | taas kept (above) |\n| --- | --- | --- |")
         more = JD_MORE if name == "jupyter-distributed" else {"failed": [], "interrupt": []}
         failed = more["failed"]
         for title, theirs, ours in (("first line", first, rows["first"][0]),
