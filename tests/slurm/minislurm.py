@@ -34,6 +34,8 @@ from pathlib import Path
 
 import psutil
 
+from taas_magic.writes.layer import inside
+
 GPUS_PER_NODE = 2
 CPUS_PER_NODE = 4  # declared (SlurmdParameters=config_overrides): room for ranks and data workers on 2 cores
 
@@ -233,7 +235,7 @@ PartitionName=gpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSu
             try:
                 if slurmd is not None and proc.pid == slurmd.pid:
                     found.append(proc)
-                elif proc.info["name"] == "slurmstepd" and any(_under(f.path, spool) for f in proc.open_files()):
+                elif proc.info["name"] == "slurmstepd" and any(inside(f.path or "", spool) for f in proc.open_files()):
                     found.append(proc)
                 elif (environ := proc.environ()).get("SLURMD_NODENAME") == name and environ.get("SLURM_CONF") == str(self.conf):
                     found.append(proc)
@@ -312,8 +314,3 @@ if __name__ == "__main__":  # a Slurm to try things on: python -m tests.slurm.mi
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
-
-
-def _under(path: str | None, folder: str) -> bool:
-    """Whether ``path`` is ``folder`` or inside it."""
-    return path is not None and (path == folder or path.startswith(folder + "/"))

@@ -251,9 +251,13 @@ class RankPrompts:
         if self.desk is not None:
             self.desk.close()
         if self.holding:
-            self.holding = False
-            for rank in range(self.ranks):
-                self.mux.send(Peer(RANK, rank), protocol.encode(Hold(False)))
+            self._hold(False)
+
+    def _hold(self, on: bool) -> None:
+        """Every rank told to hold (a rank is in pdb) or to go back to its cell's timeouts."""
+        self.holding = on
+        for rank in range(self.ranks):
+            self.mux.send(Peer(RANK, rank), protocol.encode(Hold(on)))
 
     def next_attempt(self) -> None:
         if self.desk is not None:
@@ -267,9 +271,7 @@ class RankPrompts:
             self.mux.send(Peer(RANK, rank), protocol.encode(Answer(line)))
         holding = bool(self.desk.in_pdb)
         if holding != self.holding:
-            self.holding = holding
-            for rank in range(self.ranks):
-                self.mux.send(Peer(RANK, rank), protocol.encode(Hold(holding)))
+            self._hold(holding)
 
     @property
     def in_pdb(self) -> tuple[int, ...]:
