@@ -20,7 +20,7 @@ everything it starts; every other path stays diverted.
 A deletion under a shared directory acts on the repository too, so rotating checkpoints is
 rank 0's job, as torchtitan, accelerate, the HF Trainer and Lightning do it.
 
-Runs in each rank, on whichever thread makes the save (a mount is per process); :data:`_lock`
+Runs in each rank, on whichever thread makes the save (a mount is per process); :data:`lock`
 serialises it.
 """
 
@@ -36,7 +36,7 @@ from taas_magic.writes.layer import Layer, inside, inside_any
 MS_BIND = 0x1000
 MS_REC = 0x4000
 
-_lock = threading.Lock()
+lock = threading.RLock()  # share() and a refresh of the view (writes/namespace.py) are one at a time
 _repository: str | None = None  # the repository, where this process's writes are diverted
 _real: int | None = None  # overlay: an O_PATH descriptor of the repository below the mount
 _layer: Layer | None = None  # python: the divert.py Layer
@@ -61,6 +61,30 @@ def forget_repository() -> None:
     if _real is not None:
         os.close(_real)
     _repository = _real = None
+
+
+def repository() -> str | None:
+    """The repository this process diverts (None: it diverts nothing)."""
+    return _repository
+
+
+def repository_below() -> str:
+    """Overlay: a path to the repository itself, below the mount (:func:`keep_repository` kept it)."""
+    assert _real is not None, "keep_repository first"
+    return f"/proc/self/fd/{_real}"
+
+
+def bind_all(root: str) -> None:
+    """Overlay: every folder shared so far that is still there bound again under ``root``, a new view of the
+    repository (writes/namespace.py makes one at each refresh, before it takes the old one's place)."""
+    with lock:
+        if _real is None or _held:
+            return
+        # IMPORTANT: a folder rank 0 removed since (rotating old checkpoints) is not made again: it is forgotten,
+        # and a save into it later shares it anew.
+        _shared[:] = [rel for rel in _shared if os.path.isdir(os.path.join(repository_below(), rel))]
+        for rel in _shared:
+            _bind(rel, root)
 
 
 def use_layer(repository: str, layer: Layer) -> None:
@@ -99,7 +123,7 @@ def share(path: str | os.PathLike) -> bool:
     rel = relative(path)
     if rel is None:
         return False
-    with _lock:
+    with lock:
         if is_shared(rel):
             return True
         if _held:  # a rank on an away host: the folder stays in its layer, sent as the rank ends (writes/outbox.py)
@@ -147,10 +171,11 @@ def _makedirs(path: str, mkdir: Callable[[str], None]) -> None:
             pass
 
 
-def _bind(rel: str) -> None:
+def _bind(rel: str, root: str | None = None) -> None:
+    """Bind the repository's own ``rel`` over ``rel`` of the view at ``root`` (the repository's path: the view in use)."""
     assert _repository is not None and _real is not None
-    below = f"/proc/self/fd/{_real}/{rel}" if rel != "." else f"/proc/self/fd/{_real}"
-    view = os.path.join(_repository, rel)
+    below = os.path.join(repository_below(), rel) if rel != "." else repository_below()
+    view = os.path.join(root or _repository, rel)
     try:
         os.makedirs(below, exist_ok=True)  # in the repository itself
         os.makedirs(view, exist_ok=True)  # the mount point, in the overlay (there already, through the lower layer)
