@@ -10,62 +10,7 @@ Both isolation modes (the ``mode`` fixture), fresh and kept ranks. The cell gath
 import pytest
 
 from tests.kernel_client import assert_nothing_left
-
-CHANGES = '''
-import os, torch.distributed as dist
-
-def look(path):
-    """What a rank sees at ``path``: missing, a folder's sorted entries, or a file's text."""
-    if not os.path.exists(path):
-        return None
-    if os.path.isdir(path):
-        return sorted(os.listdir(path))
-    with open(path) as handle:
-        return handle.read()
-
-def make_changes(rank):
-    """Rank 0's changes, one of each kind, to paths rank 1 has looked at already."""
-    if rank != 0:
-        return
-    with open("new.txt", "w") as f: f.write("new")                    # a new file
-    os.makedirs("newdir/inner"); open("newdir/inner/a.txt", "w").close()  # new folders
-    with open("inplace.txt", "r+") as f: f.write("v2")                # a change in place (the same inode)
-    os.remove("gone.txt")                                             # a deletion
-    os.rename("before.txt", "after.txt")                              # a rename to a new name
-    with open("target.txt.tmp", "w") as f: f.write("v2")
-    os.replace("target.txt.tmp", "target.txt")                        # the atomic save onto an existing name
-    open("ckpt/step-2", "w").close()                                  # an entry added to a folder
-    os.makedirs("both"); open("both/rank0", "w").close()              # a folder rank 1 made too
-    with open("both.txt", "w") as f: f.write("rank 0")                # a path rank 1 wrote too
-
-PATHS = ("new.txt", "newdir", "newdir/inner", "inplace.txt", "gone.txt", "before.txt", "after.txt",
-         "target.txt", "ckpt", "both", "both.txt")
-
-def seed():
-    """The repository before: made by the notebook itself."""
-    for name, text in (("inplace.txt", "v1"), ("gone.txt", "here"), ("before.txt", "b"), ("target.txt", "v1")):
-        with open(name, "w") as f: f.write(text)
-    os.makedirs("ckpt", exist_ok=True)
-    open("ckpt/step-1", "w").close()
-'''
-
-# What every rank must see once rank 0 has made its changes; rank 1's own write of both.txt shadows rank 0's
-# for rank 1 only, and the folder both made shows both ranks' entries there.
-AFTER = {
-    "new.txt": "new", "newdir": ["inner"], "newdir/inner": ["a.txt"], "inplace.txt": "v2", "gone.txt": None,
-    "before.txt": None, "after.txt": "b", "target.txt": "v2", "ckpt": ["step-1", "step-2"], "both": ["rank0"],
-    "both.txt": "rank 0",
-}
-RANK_1_OWN = {"both": ["rank0", "rank1"], "both.txt": "rank 1"}
-
-LOOK_FIRST = '''
-rank = int(os.environ["RANK"])
-if rank == 1:  # looks every path up first, writes its own both.txt and both/rank1
-    before = {path: look(path) for path in PATHS}
-    assert before["new.txt"] is None and before["target.txt"] == "v1" and before["gone.txt"] == "here", before
-    os.makedirs("both"); open("both/rank1", "w").close()
-    with open("both.txt", "w") as f: f.write("rank 1")
-'''
+from tests.view_cells import CHANGES, LOOK_FIRST, expected, gathered
 
 
 def _seen_by_rank(k, rank: int) -> dict:
@@ -75,21 +20,12 @@ def _seen_by_rank(k, rank: int) -> dict:
 
 
 def _expect(seen: dict, rank: int) -> None:
-    assert seen == {**AFTER, **(RANK_1_OWN if rank == 1 else {})}, f"rank {rank} saw {seen}"
+    assert seen == expected(rank), f"rank {rank} saw {seen}"
 
 
 def test_every_rank_sees_rank_0s_changes_after_a_barrier_even_paths_it_looked_up_first(kernel, repo, mode):
     kernel.execute(CHANGES + "seed()")
-    ran = kernel.execute(
-        "#pragma taas --gpus 2 --device cpu\n"
-        "dist.init_process_group('gloo')\n" + LOOK_FIRST +
-        "dist.barrier()\n"
-        "make_changes(rank)\n"
-        "dist.barrier()\n"
-        "seen = [None, None]\n"
-        "dist.all_gather_object(seen, {path: look(path) for path in PATHS})\n"
-        "dist.destroy_process_group()\n"
-    )
+    ran = kernel.execute(gathered("#pragma taas --gpus 2 --device cpu", 2))
     assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
     for rank in (0, 1):
         _expect(_seen_by_rank(kernel, rank), rank)

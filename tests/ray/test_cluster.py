@@ -10,6 +10,7 @@ test leaves no rank process and no agent actor behind.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -19,6 +20,7 @@ import psutil
 import pytest
 
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
+from tests.view_cells import CHANGES, expected, gathered
 
 pytestmark = pytest.mark.ray
 cluster_utils = pytest.importorskip("ray.cluster_utils", reason='the cluster mode needs Ray: pip install "taas-magic[ray]"')
@@ -393,6 +395,21 @@ def test_a_breakpoint_on_the_second_host_prompts_in_the_cell(attached):
     assert session.execution.result["text/plain"] == "10.0"
 
 
+def test_ranks_on_both_hosts_see_what_rank_0_wrote_after_a_barrier(attached, tmp_path):
+    """writes/view.py on a cluster whose hosts see the repository: ranks 1-3 (two on the second host) look every
+    path up first, rank 0 changes them, and after a barrier every rank sees rank 0's changes."""
+    (tmp_path / ".git").mkdir()
+    ran = attached.execute(f"%taas config repo {tmp_path}\nimport os\nos.chdir({str(tmp_path)!r})\n" + CHANGES + "seed()")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    try:
+        ran = attached.execute(gathered("#pragma taas --gpus 4", 4), timeout=120)
+        assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+        seen = attached.execute("print(repr(seen))").stream("stdout")
+        assert eval(seen) == [expected(rank) for rank in range(4)], seen  # noqa: S307 - the test's own repr
+    finally:
+        attached.execute(f"%taas config repo {os.getcwd()}\nos.chdir({os.getcwd()!r})")
+
+
 def test_kept_ranks_stay_on_the_cluster_across_cells_until_released(attached):
     keep = "#pragma taas --gpus 4 --keep --output all\n"
     first = attached.execute(keep + "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
@@ -410,3 +427,4 @@ def test_kept_ranks_stay_on_the_cluster_across_cells_until_released(attached):
     assert "released the kept ranks (4 rank(s) on auto, Ray at" in released.stream(), released.stream()
     # last in the file: Ray's free counts lag a released placement group, and test_status_shows_the_cluster
     # asserts every GPU free at once (tests/ray/test_away.py waits for it)
+

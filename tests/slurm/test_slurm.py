@@ -22,6 +22,7 @@ import pytest
 
 from taas_magic.output.budget import log_dir
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
+from tests.view_cells import CHANGES, expected, gathered
 
 pytestmark = pytest.mark.slurm
 
@@ -301,3 +302,19 @@ def test_a_breakpoint_on_the_second_node_prompts_in_the_cell(attached, slurm):
     assert "(2, '2')" in session.text and re.search(r"> Cell In\[\d+\], line 6, in <module>", session.texts[0])
     assert session.execution.result["text/plain"] == "10.0"
     assert steps(slurm, job_of(attached)) == []
+
+
+def test_ranks_on_both_nodes_see_what_rank_0_wrote_after_a_barrier(attached):
+    """writes/view.py in a Slurm step whose nodes see the repository: ranks 1-3 look every path up first, rank 0
+    changes them, and after a barrier every rank on both nodes sees rank 0's changes."""
+    folder = attached.repo / "view"
+    folder.mkdir()
+    ran = attached.execute(f"import os\nos.chdir({str(folder)!r})\n" + CHANGES + "seed()")
+    assert ran.reply["status"] == "ok", ran.error_text()
+    try:
+        ran = attached.execute(gathered("#pragma taas --gpus 4", 4), timeout=120)
+        assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+        seen = attached.execute("print(repr(seen))").stream("stdout")
+        assert eval(seen) == [expected(rank) for rank in range(4)], seen  # noqa: S307 - the test's own repr
+    finally:
+        attached.execute(f"os.chdir({str(attached.repo)!r})")
