@@ -46,7 +46,7 @@ from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
 from taas_magic.transfer import cudaipc, memfile, returns, sharded
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
-from taas_magic.writes import checkpoints, outbox, savers, view
+from taas_magic.writes import checkpoints, outbox, refresh, savers
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
@@ -96,7 +96,7 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     if spec.keep:
         groups.keep_across_cells()  # the cells' init and destroy of the default group do no harm
     when_imported("torch.distributed", groups.defer_destroy)  # the default group outlives the cell's sharded names' gather
-    when_imported("torch.distributed", view.follow_collectives)  # past a collective, rank 0's writes are seen here
+    when_imported("torch.distributed", refresh.follow_collectives)  # past a collective, rank 0's writes are seen here
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
@@ -122,7 +122,7 @@ def _cell_setup(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int
     """Each cell: its run's data (seed, checkpoints, savers' folders), its trial, its prompt, its sources,
     where its displays go (rank 0's, or every rank's with --output all)."""
     channel = inbox.channel
-    view.refresh()  # the repository as rank 0 has left it (a kept rank's last look was in the cell before)
+    refresh.refresh()  # the repository as rank 0 has left it (a kept rank's last look was in the cell before)
     shell.configure(module, channel.send if rank == 0 or spec.output == "all" else None)
     identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)

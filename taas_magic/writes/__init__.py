@@ -1,7 +1,8 @@
 """Only rank 0 writes to the repository, except the folders of collective checkpoints.
 
 - ``rule.py``: the kernel's rule: the repository, the overlay probe, the scratch layers and their report.
-- ``namespace.py``: in a rank other than 0: its user + mount namespace and the overlay over the repository.
+- ``namespace.py``: in a rank other than 0: its user + mount namespace and the overlay over the repository, made anew.
+- ``refresh.py``: in a rank other than 0: the overlay made anew as each collective returns and each cell starts.
 - ``divert.py``: the Python fallback where namespaces are forbidden: the patched file functions, over ``layer.py``.
 - ``layer.py``: the fallback's private layer: where each path is read and written, copy-up, tombstones.
 - ``shared.py``: in a rank: one folder of the repository written in place (a bind mount, or the layer passing it).

@@ -20,7 +20,7 @@ cell: a spare that will be rank 1 or above therefore enters its namespaces
 which any thread may do) when a cell takes it.
 
 **The view is made again at every point a program may rely on it** (:func:`remount`, called by
-writes/view.py after each collective and at each kept cell's start). An overlay caches what it has
+writes/refresh.py after each collective and at each kept cell's start). An overlay caches what it has
 looked up and never asks its lower layer again: a path rank 1 looked up before rank 0 made it stays
 missing, a file rank 0 deleted stays there, and a name rank 0 ``os.replace``-d onto keeps its old
 content, for the life of that mount (the kernel documents changes to the lower layer as undefined).
@@ -127,7 +127,7 @@ def mounted() -> bool:
 
 def remount() -> None:
     """A fresh view of the repository in place of the one in use (see the module docstring); its shared
-    folders bound again. Any thread; the caller serialises (writes/view.py).
+    folders bound again. Any thread; the caller serialises (writes/refresh.py).
 
     Raises:
         IsolationUnavailable: the new overlay or a bind in it was refused (the old view stays).

@@ -396,7 +396,7 @@ def test_a_breakpoint_on_the_second_host_prompts_in_the_cell(attached):
 
 
 def test_ranks_on_both_hosts_see_what_rank_0_wrote_after_a_barrier(attached, tmp_path):
-    """writes/view.py on a cluster whose hosts see the repository: ranks 1-3 (two on the second host) look every
+    """writes/refresh.py on a cluster whose hosts see the repository: ranks 1-3 (two on the second host) look every
     path up first, rank 0 changes them, and after a barrier every rank sees rank 0's changes."""
     (tmp_path / ".git").mkdir()
     ran = attached.execute(f"%taas config repo {tmp_path}\nimport os\nos.chdir({str(tmp_path)!r})\n" + CHANGES + "seed()")

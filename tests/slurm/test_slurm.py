@@ -305,7 +305,7 @@ def test_a_breakpoint_on_the_second_node_prompts_in_the_cell(attached, slurm):
 
 
 def test_ranks_on_both_nodes_see_what_rank_0_wrote_after_a_barrier(attached):
-    """writes/view.py in a Slurm step whose nodes see the repository: ranks 1-3 look every path up first, rank 0
+    """writes/refresh.py in a Slurm step whose nodes see the repository: ranks 1-3 look every path up first, rank 0
     changes them, and after a barrier every rank on both nodes sees rank 0's changes."""
     folder = attached.repo / "view"
     folder.mkdir()

@@ -1,4 +1,4 @@
-"""writes/namespace.py's refresh and writes/view.py's collectives, in a real user + mount namespace.
+"""writes/namespace.py's refresh and writes/refresh.py's collectives, in a real user + mount namespace.
 
 A child process (``unshare`` needs a single thread, so not pytest's) mounts the overlay over a repository
 and looks every path up; this process, outside the namespace, is rank 0 and changes them; the child then
@@ -15,7 +15,7 @@ import pytest
 
 CHILD = textwrap.dedent('''
     import json, os, sys
-    from taas_magic.writes import namespace, shared, view
+    from taas_magic.writes import namespace, refresh, shared
 
     repository, scratch, how = sys.argv[1:4]
     os.chdir(repository)
@@ -43,7 +43,7 @@ CHILD = textwrap.dedent('''
     sys.stdin.readline()  # rank 0 changes the repository now
     if how == "collective":
         import torch.distributed as dist
-        view.follow_collectives(dist)
+        refresh.follow_collectives(dist)
         dist.init_process_group("gloo", init_method="file://" + os.path.join(scratch, "store"), rank=0, world_size=1)
         dist.barrier()
     else:
