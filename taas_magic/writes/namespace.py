@@ -19,29 +19,15 @@ cell: a spare that will be rank 1 or above therefore enters its namespaces
 (:func:`enter_namespace`) first thing, and only mounts the overlay (:func:`mount_overlay`,
 which any thread may do) when a cell takes it.
 
-**The view is made again at every point a program may rely on it** (:func:`remount`, called by
-writes/refresh.py after each collective and at each kept cell's start). An overlay caches what it has
-looked up and never asks its lower layer again: a path rank 1 looked up before rank 0 made it stays
-missing, a file rank 0 deleted stays there, and a name rank 0 ``os.replace``-d onto keeps its old
-content, for the life of that mount (the kernel documents changes to the lower layer as undefined).
-So the rank mounts a new overlay over the same repository and upper layer (the rank's own writes
-stay), mounts it *beneath* the one in use (``move_mount(MOVE_MOUNT_BENEATH)``, Linux 6.5) and
-detaches the old one on a thread of its own: the path never shows anything but a view (no moment
-where the repository itself is there to write), and the old mount's teardown (an RCU grace period,
-up to half a second measured) costs the cell nothing. About 0.5 ms. On a kernel without
-``MOVE_MOUNT_BENEATH`` the new overlay is mounted on top and the old one stays below it, covered,
-until the rank ends. What a refresh cannot reach: processes the rank started before it (a
-DataLoader's workers) keep the view they were started with for relative paths (their working
-directory), and files already open stay the files they were.
+A view is mounted again whenever rank 0's writes must be seen (writes/refresh.py says why and when):
+:func:`mount_view` mounts another overlay of the same repository and upper layer at a folder of the
+scratch directory, from where refresh.py moves it onto the repository.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import queue
-import threading
-import time
 
 from taas_magic.writes import shared
 
@@ -49,16 +35,10 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
-MNT_DETACH = 2
-SYS_MOVE_MOUNT = 429  # the same number on every architecture (the syscalls added since 5.1 share one table)
-AT_FDCWD = -100
-MOVE_MOUNT_BENEATH = 0x200
-SWITCH_SECONDS = 5.0  # the old view is gone from the path within this long (it takes microseconds)
 
-_options: bytes | None = None  # the overlay's mount options, the lower layer named below the mount
-_staging = ""  # an empty folder of the scratch directory where the next view is made
-_beneath = True  # this kernel mounts beneath (Linux 6.5); False once it said EINVAL
-_detacher: queue.Queue[str] | None = None  # paths whose top mount the detaching thread unmounts
+_lower: str | None = None  # once mounted: the repository, below the mount (a path through a descriptor)
+_scratch = ""  # the rank's scratch directory (its upper layer's)
+_views = 0  # views mounted by mount_view: each has a work directory of its own
 
 
 class IsolationUnavailable(OSError):
@@ -113,94 +93,33 @@ def mount_overlay(repository: str, scratch: str) -> None:
         raise
     # The old cwd still points at the directory below the mount: enter the overlay.
     os.chdir(cwd)
-    global _options, _staging
+    global _lower, _scratch
     # Later views name the lower layer through the descriptor below the mount: the path now shows the overlay.
-    _options = f"lowerdir={shared.repository_below()},upperdir={upper},workdir={work},userxattr".encode()
-    _staging = os.path.join(scratch, "next-view")
-    os.makedirs(_staging, exist_ok=True)
+    _lower, _scratch = shared.repository_below(), scratch
 
 
-def mounted() -> bool:
-    """Whether this process's repository is an overlay view (:func:`mount_overlay` succeeded)."""
-    return _options is not None
+def scratch_dir() -> str | None:
+    """This process's scratch directory once its overlay is mounted (None: it has none, or not yet)."""
+    return _scratch if _lower is not None else None
 
 
-def remount() -> None:
-    """A fresh view of the repository in place of the one in use (see the module docstring); its shared
-    folders bound again. Any thread; the caller serialises (writes/refresh.py).
+def mount_view(target: str) -> str:
+    """Another overlay of the same repository and upper layer (the rank's own writes stay) at ``target``, after
+    :func:`mount_overlay`; any thread. Its work directory is its own (returned: remove it once the view is gone):
+    an overlay mounted with another's empties that one's, and its next copy-up would fail.
 
     Raises:
-        IsolationUnavailable: the new overlay or a bind in it was refused (the old view stays).
+        IsolationUnavailable: the overlay mount is refused.
     """
-    repository = shared.repository()
-    assert _options is not None and repository is not None, "mount_overlay first"
-    with shared.lock:  # a folder shared meanwhile (a save on another thread) is bound in the view that stays
-        _make_next_view()
-        _take_its_place(repository)
-
-
-def _make_next_view() -> None:
-    """The new overlay at the staging folder, with the shared folders bound in it."""
+    global _views
+    assert _lower is not None, "mount_overlay first"
+    _views += 1
+    work = os.path.join(_scratch, f"work-{_views}")
+    os.makedirs(work, exist_ok=True)
+    options = f"lowerdir={_lower},upperdir={os.path.join(_scratch, 'upper')},workdir={work},userxattr".encode()
     libc = ctypes.CDLL(None, use_errno=True)
-    _check(libc.mount(b"overlay", _staging.encode(), b"overlay", 0, _options), "overlay mount")
-    try:
-        shared.bind_all(_staging)
-    except OSError as exc:
-        libc.umount2(_staging.encode(), MNT_DETACH)
-        raise IsolationUnavailable(exc.errno, f"could not bind the shared folders again: {exc}") from exc
-
-
-def _take_its_place(repository: str) -> None:
-    """The view at the staging folder moved onto ``repository`` (beneath the old one, which then goes, or
-    on top of it), and the working directory entered again in it."""
-    global _beneath
-    libc = ctypes.CDLL(None, use_errno=True)
-    new_device = os.stat(_staging).st_dev
-    try:
-        cwd = os.getcwd()
-    except FileNotFoundError:
-        cwd = repository
-    if _beneath and _move(libc, repository, MOVE_MOUNT_BENEATH) != 0:
-        _beneath = ctypes.get_errno() != 22  # EINVAL: this kernel cannot mount beneath; any other errno is raised
-        if _beneath:
-            errno = ctypes.get_errno()
-            libc.umount2(_staging.encode(), MNT_DETACH)
-            raise IsolationUnavailable(errno, f"move_mount beneath: {os.strerror(errno)}")
-    elif _beneath:
-        _detach_top(repository, new_device)  # moved beneath: the old view, on top, goes
-    if not _beneath and _move(libc, repository, 0) != 0:  # on top, the old view covered below it
-        errno = ctypes.get_errno()
-        libc.umount2(_staging.encode(), MNT_DETACH)
-        raise IsolationUnavailable(errno, f"move_mount: {os.strerror(errno)}")
-    try:
-        os.chdir(cwd)
-    except OSError:  # rank 0 removed the folder this rank stood in
-        os.chdir(repository)
-
-
-def _move(libc: ctypes.CDLL, repository: str, flags: int) -> int:
-    """``move_mount`` the view made at the staging folder onto ``repository``; 0, or -1 with errno set."""
-    return int(libc.syscall(SYS_MOVE_MOUNT, AT_FDCWD, _staging.encode(), AT_FDCWD, repository.encode(), flags))
-
-
-def _detach_top(path: str, new_device: int) -> None:
-    """Unmount the view on top of ``path`` on the detaching thread, and return once ``path`` shows the new one."""
-    global _detacher
-    if _detacher is None:
-        _detacher = queue.Queue()
-        threading.Thread(target=_detach_loop, args=(_detacher,), name="taas-view-detach", daemon=True).start()
-    _detacher.put(path)
-    deadline = time.monotonic() + SWITCH_SECONDS
-    while os.stat(path).st_dev != new_device:
-        if time.monotonic() > deadline:
-            raise IsolationUnavailable(0, f"the old view of {path} was not detached in {SWITCH_SECONDS:.0f} s")
-        time.sleep(0)
-
-
-def _detach_loop(paths: queue.Queue[str]) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    while True:
-        libc.umount2(paths.get().encode(), MNT_DETACH)  # returns after an RCU grace period: off the cell's thread
+    _check(libc.mount(b"overlay", target.encode(), b"overlay", 0, options), "overlay mount")
+    return work
 
 
 def divert_writes(repository: str, scratch: str, in_namespace: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""writes/namespace.py's refresh and writes/refresh.py's collectives, in a real user + mount namespace.
+"""writes/refresh.py's views and collectives, in a real user + mount namespace.
 
 A child process (``unshare`` needs a single thread, so not pytest's) mounts the overlay over a repository
 and looks every path up; this process, outside the namespace, is rank 0 and changes them; the child then
@@ -20,8 +20,9 @@ CHILD = textwrap.dedent('''
     repository, scratch, how = sys.argv[1:4]
     os.chdir(repository)
     namespace.divert_writes(repository, scratch)
-    if how == "on-top":
-        namespace._beneath = False  # as on a kernel before 6.5
+    if how != "collective":
+        views = refresh.Views(repository, scratch)
+        views.beneath = how != "on-top"  # on top: as on a kernel before 6.5
     shared.share(os.path.join(repository, "parts"))
     os.chdir("sub")
 
@@ -46,14 +47,20 @@ CHILD = textwrap.dedent('''
         refresh.follow_collectives(dist)
         dist.init_process_group("gloo", init_method="file://" + os.path.join(scratch, "store"), rank=0, world_size=1)
         dist.barrier()
+        views = refresh._views
     else:
         for _ in range(3):
-            namespace.remount()
+            views.switch()
+    views.ready.wait()  # the next view made
+    views.old.join()  # the old ones dropped
     with open("../parts/__1_0.distcp", "w") as f:  # a collective checkpoint's folder: still written in place
         f.write("part")
+    with open("a", "w") as f:  # a file of the repository changed: copied up into the layer, by the view in use
+        f.write("rank 1's a")
+    assert open("a").read() == "rank 1's a"
     with open("/proc/self/mountinfo") as f:
         overlays = sum(" overlay " in line for line in f)
-    print(json.dumps({"seen": look(), "cwd": os.getcwd(), "overlays": overlays}), flush=True)
+    print(json.dumps({"seen": look(), "cwd": os.getcwd(), "overlays": overlays, "a": open("a").read()}), flush=True)
 ''')
 
 
@@ -92,8 +99,11 @@ def test_a_refresh_shows_rank_0s_changes_keeps_the_ranks_own_and_its_shared_fold
         child.kill()
     assert said["seen"] == {"../new.txt": "new", "../target.txt": "v2", "../gone.txt": None, "../newdir": [],
                             ".": ["a", "b"], "../mine.txt": "rank 1's own"}
+    assert said["a"] == "rank 1's a"
     assert said["cwd"] == str(repository / "sub")
-    assert not (repository / "mine.txt").exists()  # its own write stayed in its layer
+    assert not (repository / "mine.txt").exists()  # its own writes stayed in its layer
+    assert (repository / "sub" / "a").read_text() == ""
     assert (repository / "parts" / "__1_0.distcp").read_text() == "part"  # the shared folder, bound again
-    # Beneath, the old views go: one overlay is left. On top, the old ones stay below (the fallback's cost).
-    assert said["overlays"] == (4 if how == "on-top" else 1)
+    # Beneath, the old views go: the one in use is left, and the next one, ready. On top, the old ones stay below
+    # (the fallback's cost).
+    assert said["overlays"] == (5 if how == "on-top" else 2)
