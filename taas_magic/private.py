@@ -138,6 +138,9 @@ PRIVATE: tuple[Private, ...] = (
     Private("linecache.cache", "python", PYTHON,
             "cell text registered and read as (size, mtime, lines, name) entries, as IPython's compiler does",
             "cell/cellcode.py, rank/execute.py"),
+    Private("sys._current_frames", "python", PYTHON,
+            "the rank's cell thread's innermost frame, looked at with its health every 2 s: how long it has waited "
+            "in one call into torch.distributed (the hang line)", "autopsy/waiting.py"),
     Private("pickle._Unpickler", "python", PYTHON,
             "the pure-Python unpickler: its memo filled and its GET opcodes wrapped, to name the names whose "
             "shared objects could not be rebuilt", "transfer/unpack.py",

@@ -30,6 +30,7 @@ DEVICES = ("auto", "cpu", "cuda")
 AUTO = "auto"  # --gpus auto: one rank per GPU of this host (2 CPU ranks where there is none)
 MAX_CPUS = 8
 MAX_RESTARTS = 100
+HANG_SECONDS = 30.0  # --hang's default: a rank this long in one collective, and the cell says so
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(i?b)?$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -79,20 +80,28 @@ class Count:
 
 
 class Seconds:
-    """A positive, finite number of seconds."""
+    """A positive, finite number of seconds (or 0 too, where ``zero`` says what 0 means)."""
+
+    def __init__(self, zero: str = ""):
+        self.zero = zero
 
     def parse(self, flag: str, token: str) -> float:
         try:
             value = float(token)
         except ValueError:
             raise PragmaError(f"{flag} needs a number of seconds, got {token!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise PragmaError(f"{flag} must be a positive number of seconds, got {token!r}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not self.zero):
+            raise PragmaError(f"{flag} must be {self._accepted()}, got {token!r}")
         return value
 
     def refusal(self, value: object) -> str | None:
-        accepted = value is None or (isinstance(value, (int, float)) and value > 0)
-        return None if accepted else "a positive number of seconds"
+        if value is None or (isinstance(value, (int, float)) and math.isfinite(value)
+                             and (value > 0 or (value == 0 and bool(self.zero)))):
+            return None
+        return self._accepted()
+
+    def _accepted(self) -> str:
+        return "a positive number of seconds" + (f", or 0 ({self.zero})" if self.zero else "")
 
     def from_setting(self, value: object) -> object:
         return value
@@ -242,6 +251,9 @@ OPTIONS: tuple[Option, ...] = (
            default=16, setting="ahead"),
     Option("--timeout", "SECONDS", "timeout", Seconds(),
            "stop every rank after this long and name the ranks still running", setting="timeout"),
+    Option("--hang", "SECONDS", "hang", Seconds(zero="never"),
+           "default 30: when a rank has waited this long in one collective, the cell says where every rank is "
+           "(again at most once a minute; nothing is stopped); 0: never", default=HANG_SECONDS, setting="hang"),
     Option("--restarts", "K", "restarts", Count(0, MAX_RESTARTS),
            f"0..{MAX_RESTARTS}, default 0: when the run fails, start every rank again up to K times in this cell",
            default=0, setting="restarts"),

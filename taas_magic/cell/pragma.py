@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from taas_magic.cell.options import AUTO, BY_FLAG, OPTIONS, SEARCH_ONLY, Flag, PragmaError
+from taas_magic.cell.options import AUTO, BY_FLAG, HANG_SECONDS, OPTIONS, SEARCH_ONLY, Flag, PragmaError
 
 PRAGMA_RE = re.compile(r"^\s*#\s*pragma\s+taas(?=\s|$)(?P<args>.*)$")
 CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
@@ -36,6 +36,7 @@ class PragmaOptions:
     cpus: int = 1
     units: int | None = None
     timeout: float | None = None
+    hang: float | None = None  # None: the session default (30 s); 0: never
     output: str | None = None  # None: the session default (rank0 unless configured)
     cache_ram: int | None = None  # None: the session default
     ahead: int | None = None  # None: the session default
@@ -73,6 +74,7 @@ class RunSettings:
     output: str
     detach: bool = False
     keep: bool = False  # --keep: the ranks stay for the next cell (kernel/runs/kept.py)
+    hang: float = HANG_SECONDS  # the hang line after this long in one collective (autopsy/hangline.py); 0: never
     trials: int | None = None
     parallel: int | None = None
     objective: str = "loss"

@@ -39,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from taas_magic.protocol import PeerChannel, Report
 
@@ -53,6 +53,7 @@ _keep = _pending.append
 _sent = 0  # reports sent so far: a report without a step is numbered by its place
 _lock = threading.Lock()  # one sender at a time: the thread, or flush at the end
 _channel: PeerChannel | None = None
+_waited: Callable[[float], float] | None = None  # the rank's wait in one collective, measured with its health
 
 
 def report(step: Any = None, **metrics: Any) -> None:
@@ -160,10 +161,11 @@ def _stage(value: Any) -> Any:
         return value  # a report never raises into the training loop for our sake
 
 
-def start(channel: PeerChannel) -> None:
-    """Send batches and health from a daemon thread, for the rest of the rank's life."""
-    global _channel
-    _channel = channel
+def start(channel: PeerChannel, waited: Callable[[float], float] | None = None) -> None:
+    """Send batches and health from a daemon thread, for the rest of the rank's life; ``waited(now)``: the
+    seconds the cell has waited in one collective, sent with the health (autopsy/waiting.py)."""
+    global _channel, _waited
+    _channel, _waited = channel, waited
     threading.Thread(target=_send_forever, name="taas-reports", daemon=True).start()
 
 
@@ -260,7 +262,10 @@ def _float(value: Any) -> float | None:
 def _health() -> dict:
     """What the health line shows for this rank, measured here (the kernel may be another host)."""
     times = os.times()
-    figures: dict[str, Any] = {"at": time.monotonic(), "cpu": times.user + times.system, "pid": os.getpid()}
+    now = time.monotonic()
+    figures: dict[str, Any] = {"at": now, "cpu": times.user + times.system, "pid": os.getpid()}
+    if _waited is not None:  # seconds the cell has spent in one collective (the hang line: autopsy/hangline.py)
+        figures["waiting"] = _waited(now)
     try:
         with open("/proc/self/statm") as statm:
             figures["rss"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -36,6 +36,7 @@ import sys
 import types
 
 from taas_magic.autopsy import dump as stacks
+from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
@@ -91,7 +92,7 @@ def _own_output() -> None:
 
 def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.ModuleType:
     """Once per rank: a fresh ``__main__`` for its cells, IPython's stand-ins, the rank's device, the hooks."""
-    reports.start(channel)
+    reports.start(channel, waiting.waited)  # its health says how long the cell has waited in one collective
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
         groups.keep_across_cells()  # the cells' init and destroy of the default group do no harm

@@ -19,7 +19,7 @@ from taas_magic.launch.local.backend import LocalBackend
 from taas_magic.runspec import RunSpec
 from taas_magic.writes.rule import choose_rule
 
-SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "restarts": 0, "place_timeout": 60.0, "output": "rank0", "keep": False}
+SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "hang": 30.0, "restarts": 0, "place_timeout": 60.0, "output": "rank0", "keep": False}
 VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
 
 

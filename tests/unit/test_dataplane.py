@@ -21,7 +21,7 @@ from taas_magic.protocol import Display, Elements, Job, Loaders, Ready, ToPeer, 
 from taas_magic.tempdirs import ram_root
 from taas_magic.writes.rule import choose_rule
 
-SESSION = {"cache_ram": "64M", "ahead": 16, "timeout": None, "restarts": 0, "place_timeout": 60.0, "output": "rank0", "keep": False}
+SESSION = {"cache_ram": "64M", "ahead": 16, "timeout": None, "hang": 30.0, "restarts": 0, "place_timeout": 60.0, "output": "rank0", "keep": False}
 HANDSHAKE = wire.Handshake("127.0.0.1", 5000, b"k" * 32).line()
 
 

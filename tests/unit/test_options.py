@@ -19,15 +19,15 @@ def test_help_and_usage_name_every_option_with_its_value():
 
 def test_every_option_parses_and_sets_its_own_field():
     samples = {"--gpus": "2", "--device": "cpu", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
-               "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": "", "--keep": "",
+               "--hang": "0", "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": "", "--keep": "",
                "--trials": "8", "--parallel": "2", "--objective": "acc", "--maximize": "", "--sampler": "grid",
                "--prune": "halving", "--study": "s1", "--shared": "ckpt,out/zero"}
     assert set(samples) == {option.flag for option in OPTIONS}
     searching = {"--trials", "--parallel", "--objective", "--maximize", "--sampler", "--prune", "--study"}
     parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items() if flag not in searching))
     assert (parsed.gpus, parsed.device, parsed.cpus, parsed.units, parsed.cache_ram, parsed.ahead, parsed.timeout, parsed.restarts,
-            parsed.per_host, parsed.place_timeout, parsed.output, parsed.detach, parsed.shared) == \
-        (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all", True, ("ckpt", "out/zero"))
+            parsed.per_host, parsed.place_timeout, parsed.output, parsed.detach, parsed.shared, parsed.hang) == \
+        (2, "cpu", 3, 9, 1 << 30, 4, 5.0, 2, 1, 7.0, "all", True, ("ckpt", "out/zero"), 0.0)
     search = parse_options("--gpus 2 " + " ".join(f"{flag} {samples[flag]}" for flag in sorted(searching)))
     assert (search.trials, search.parallel, search.objective, search.maximize, search.sampler, search.prune,
             search.study) == (8, 2, "acc", True, "grid", "halving", "s1")
@@ -46,6 +46,7 @@ def test_every_option_parses_and_sets_its_own_field():
         ("cache_ram", "lots", "a size such as 512M or 4G"),
         ("timeout", -1.0, "a positive number of seconds"),
         ("place_timeout", 0.0, "a positive number of seconds"),
+        ("hang", -1.0, r"a positive number of seconds, or 0 \(never\)"),
         ("ahead", 1, "at least 2"),
         ("restarts", 101, "0..100"),
         ("restarts", -1, "0..100"),
@@ -61,7 +62,7 @@ def test_a_setting_with_an_invalid_value_is_refused_naming_what_is_accepted(sett
         magics.spares.close(wait=30)  # the factory it started at load, reaped (not left to the garbage collector)
 
 
-SESSION = {"cache_ram": "2G", "ahead": 8, "timeout": 30.0, "restarts": 1, "place_timeout": 5.0, "output": "all", "keep": False}
+SESSION = {"cache_ram": "2G", "ahead": 8, "timeout": 30.0, "hang": 45.0, "restarts": 1, "place_timeout": 5.0, "output": "all", "keep": False}
 
 
 def test_a_runs_settings_are_the_pragmas_then_the_sessions_then_the_tables_defaults():
@@ -70,7 +71,7 @@ def test_a_runs_settings_are_the_pragmas_then_the_sessions_then_the_tables_defau
     assert set(SESSION) == {option.setting for option in OPTIONS if option.setting}
     given = settle(parse_options("--gpus auto --ahead 4 --output rank0 --cpus 2"), SESSION, ranks=3)
     assert (given.gpus, given.ahead, given.output, given.cpus) == (3, 4, "rank0", 2)  # the pragma's
-    assert (given.cache_ram, given.timeout, given.restarts, given.place_timeout) == (2 << 30, 30.0, 1, 5.0)  # the session's
+    assert (given.cache_ram, given.timeout, given.restarts, given.place_timeout, given.hang) == (2 << 30, 30.0, 1, 5.0, 45.0)
     kept = dict(SESSION, keep=True)
     assert settle(parse_options("--gpus 2"), kept, ranks=2).keep is True  # the session's default
     assert settle(parse_options("--gpus 2 --trials 3"), kept, ranks=2).keep is False  # a search keeps no ranks
@@ -99,7 +100,8 @@ def test_status_shows_every_options_session_default_from_the_table():
 
     defaults = shown_defaults(dict(SESSION, cache_ram=""))
     line = next(line for line in status_text(None, 0, defaults).splitlines() if line.startswith("defaults: "))
-    assert line == "defaults: --cache-ram auto, --ahead 8, --timeout 30.0, --restarts 1, --place-timeout 5.0, --output all, --keep False"
+    assert line == ("defaults: --cache-ram auto, --ahead 8, --timeout 30.0, --hang 45.0, --restarts 1, --place-timeout 5.0, "
+                    "--output all, --keep False")
 
 
 @pytest.mark.parametrize(("text", "after_two_ranks"), [("off", 0), ("auto", 2), ("0", 0), ("5", 5)])

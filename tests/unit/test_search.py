@@ -19,7 +19,7 @@ from taas_magic.protocol import Suggest
 from taas_magic.search.space import grid_space
 from taas_magic.search.trial import FixedTrial, RemoteTrial, Suggested
 
-SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "place_timeout": 60.0, "restarts": 0, "output": "rank0", "keep": False}
+SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "hang": 30.0, "place_timeout": 60.0, "restarts": 0, "output": "rank0", "keep": False}
 
 
 @pytest.mark.parametrize(("cell", "grid"), [

@@ -25,7 +25,7 @@ from taas_magic.peers import PeerIds
 from taas_magic.protocol import Display, Released, Report, Result
 from tests.unit.recording import WrittenText
 
-SESSION = {"cache_ram": "64M", "ahead": 16, "timeout": None, "restarts": 0, "place_timeout": 60.0, "output": "rank0", "keep": False}
+SESSION = {"cache_ram": "64M", "ahead": 16, "timeout": None, "hang": 30.0, "restarts": 0, "place_timeout": 60.0, "output": "rank0", "keep": False}
 WAIT = 10.0  # seconds a condition may take on a loaded machine
 
 

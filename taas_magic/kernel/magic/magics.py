@@ -58,6 +58,7 @@ from taas_magic.writes.checkpoints import DEFAULT_KEEP
 class TaasMagics(Magics):
     output = option_trait("--output", "Default for --output.")
     timeout = option_trait("--timeout", "Default for --timeout, in seconds.")
+    hang = option_trait("--hang", "Default for --hang: seconds in one collective before the cell says so (0: never).")
     cache_ram = option_trait("--cache-ram", "Default for --cache-ram (e.g. '4G'); empty: min(4G, half of /dev/shm free).")
     ahead = option_trait("--ahead", "Default for --ahead: elements per rank that may wait before workers pause.")
     place_timeout = option_trait("--place-timeout", "Default for --place-timeout: seconds to wait for a cluster's GPUs.")

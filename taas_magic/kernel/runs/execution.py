@@ -29,6 +29,7 @@ from typing import Callable
 
 from taas_magic import wire
 from taas_magic.autopsy import stacks
+from taas_magic.autopsy.hangline import HangWatch
 from taas_magic.errors import LaunchError
 from taas_magic.kernel.runs.run import Run
 from taas_magic.kernel.supervision.dataplane import DataPlane
@@ -63,10 +64,12 @@ class Execution:
     def parts(self) -> RunParts:
         """What supervising the run takes, each by name."""
         run, log, trial = self.run, self.run.log, self.run.trial
+        sources = _notebook_sources(run.spec)
         return RunParts(
             server=run.server, ids=run.peers, greeting=self.greeting, relay=self.relay, publish=log.publish,
             host_copy=run.handoff.answer_host_copy, board=self.board, timeout=run.settings.timeout,
-            explain=functools.partial(stacks.autopsy, sources=_notebook_sources(run.spec), cell=run.spec.filename),
+            explain=functools.partial(stacks.autopsy, sources=sources, cell=run.spec.filename),
+            hang=HangWatch(run.settings.hang, sources, run.spec.filename) if run.settings.hang else None,
             stop_asked=self.stop_asked, prompts=run.prompts, saves=run.heard,
             suggest=trial.answer if trial is not None else not_a_search,
             prune_asked=trial.pruned if trial is not None else never,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from taas_magic import protocol
+from taas_magic.autopsy.hangline import HangWatch
 from taas_magic.errors import RunError, TrialPruned
 from taas_magic.feed.coordinator import Send
 from taas_magic.kernel.supervision import attempts as attempt_loop
@@ -47,23 +48,7 @@ from taas_magic.output.board import Board
 from taas_magic.output.displays import HeldDisplays
 from taas_magic.output.relay import OutputRelay, Publish
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
-from taas_magic.protocol import (
-    CheckpointSaved,
-    ClearOutput,
-    ClosureHostWanted,
-    Display,
-    Done,
-    Exhausted,
-    FilePart,
-    Prompt,
-    Ready,
-    Report,
-    Result,
-    Resumed,
-    Suggest,
-    Suggested,
-    Want,
-)
+from taas_magic.protocol import Suggest, Suggested
 from taas_magic.transfer.results import keep_result
 
 POLL_SECONDS = 0.05
@@ -73,7 +58,7 @@ SETTLE_STEP_SECONDS = 0.01
 
 MarkerHook = Callable[[Peer, int], None]  # a rank's display ``n`` belongs here in its text
 Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps, running ranks -> the autopsy's lines
-HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
+HostCopy = Callable[[int, protocol.ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
 SuggestAnswer = Callable[[int, Suggest], Suggested]  # a search's trial answering a rank's suggestion (search/link.py)
 
 
@@ -104,12 +89,20 @@ class RunParts:
     prune_asked: Callable[[], bool] = never  # a search's pruner stopped this trial: every rank, at once
     prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/supervision/prompts.py)
     # a collective save's folder, named by a rank; a piece of a file from a host that does not see the repository (writes/)
-    saves: Callable[[int, CheckpointSaved | FilePart], None] | None = None
+    saves: Callable[[int, protocol.CheckpointSaved | protocol.FilePart], None] | None = None
+    hang: HangWatch | None = None  # the hang line: a rank long in one collective said while it waits (autopsy/hangline.py)
+
+    def reported(self, rank: int, frame: protocol.Report) -> None:
+        """A rank's reports to the live board; its health's wait to the hang line."""
+        if self.board is not None:
+            self.board.add(rank, frame)
+        if self.hang is not None:
+            self.hang.saw(rank, frame.health)
 
 
 @dataclass
 class RunOutcome:
-    result: Result | None  # rank 0's results; None if rank 0 ended with sys.exit(0)
+    result: protocol.Result | None  # rank 0's results; None if rank 0 ended with sys.exit(0)
     exit_codes: dict[int, int]
 
 
@@ -121,11 +114,11 @@ class Supervisor:
         self.parts, self.data, self.kept = parts, data, kept
         self.mux = mux if mux is not None else Mux(parts.server, parts.ids, parts.greeting)
         self.relay = parts.relay(self._on_marker)
-        loader_name = data.coordinator.name_of if data is not None else _no_feed
+        loader_name = data.coordinator.name_of if data is not None else lambda feed: "the registered loaders"
         self.verdict = Verdict(parts.ids.ranks, self._host, loader_name, kept=kept)
         self.displays = HeldDisplays(self.relay, parts.publish, parts.ids)
         self.group: ProcessGroup | None = None  # the current attempt's ranks (attach / detach)
-        self.result: Result | None = None
+        self.result: protocol.Result | None = None
         self.running: Callable[[], None] | None = None  # once per attempt, when every rank has connected
         self.debugging = RankPrompts(parts.prompts, parts.ids.ranks, self.mux)
         for worker in data.workers.children if data is not None else ():
@@ -175,7 +168,7 @@ class Supervisor:
                 self.relay.end_of_stream(peer, stream)
             case FrameArrived(peer=peer, frame=frame) if peer.is_rank:
                 self._route(peer, frame)
-            case FrameArrived(peer=worker, frame=Ready() | Exhausted() | Done() as frame) if self.data is not None:
+            case FrameArrived(peer=worker, frame=protocol.Ready() | protocol.Exhausted() | protocol.Done() as frame) if self.data:
                 self._send_all(self.data.coordinator.on_worker(worker.index, frame))
             case PeerExited(peer=peer) if peer.is_rank:
                 self.debugging.exited(peer.index)
@@ -185,28 +178,28 @@ class Supervisor:
 
     def _route(self, rank: Peer, frame: protocol.ToKernel) -> None:
         match frame:
-            case Display() | ClearOutput():
+            case protocol.Display() | protocol.ClearOutput():
                 self.displays.keep(rank, frame)
-            case Report() if self.parts.board is not None:
-                self.parts.board.add(rank.index, frame)
-            case Result() if rank.index == 0:
+            case protocol.Report():
+                self.parts.reported(rank.index, frame)
+            case protocol.Result() if rank.index == 0:
                 # CUDA storages sent as IPC handles are copied now, while rank 0 waits with them alive;
                 # if they cannot be, it sends them again through host memory and that result is kept.
                 kept, reply = keep_result(frame)
                 if reply is not None:
                     self.mux.send(rank, reply)
                 self.result = kept if kept is not None else self.result
-            case ClosureHostWanted():
+            case protocol.ClosureHostWanted():
                 reply, line = self.parts.host_copy(rank.index, frame)
                 self.relay.notice(line)
                 self.mux.send(rank, reply)
-            case Suggest():
+            case protocol.Suggest():
                 self.mux.send(rank, protocol.encode(self.parts.suggest(rank.index, frame)))
-            case Want() if self.data is not None:
+            case protocol.Want() if self.data is not None:
                 self._send_all(self.data.coordinator.on_rank(rank.index, frame))
-            case Prompt() | Resumed():
+            case protocol.Prompt() | protocol.Resumed():
                 self.debugging.route(rank.index, frame)
-            case CheckpointSaved() | FilePart() if self.parts.saves is not None:
+            case protocol.CheckpointSaved() | protocol.FilePart() if self.parts.saves is not None:
                 self.parts.saves(rank.index, frame)
 
     def _send_all(self, sends: list[Send]) -> None:
@@ -274,10 +267,6 @@ def _kept_output_read(supervisor: Supervisor) -> bool:
     return all(supervisor.relay.cell_ended(rank) for rank in ranks)
 
 
-def _no_feed(feed: int | None) -> str:
-    return "the registered loaders"
-
-
 class AttemptWatch:
     """One attempt watched: the supervisor stepped until every rank finished or it failed, within
     ``--timeout`` (which does not count the time a rank waits at a pdb prompt), a stop asked
@@ -287,6 +276,8 @@ class AttemptWatch:
         self.supervisor = supervisor
         self.timeout = supervisor.parts.timeout
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if supervisor.parts.hang is not None:
+            supervisor.parts.hang.forget()  # an attempt's ranks say their own waits
 
     def run(self) -> RunOutcome | None:
         """The outcome, or None: it failed (the verdict says how). An interrupt shows where every
@@ -335,11 +326,20 @@ class AttemptWatch:
                 raise KeyboardInterrupt  # as the person's interrupt: the autopsy, then every rank stopped
             if supervisor.parts.prune_asked():
                 self._pruned()
+            self._say_if_hung(now)
             if self.deadline is not None and now >= self.deadline:
                 assert self.timeout is not None  # a deadline exists only with a timeout
                 running, lines = self.autopsy()
                 verdict.saw(TimedOut(self.timeout, running, tuple(lines)))
                 return None
+
+    def _say_if_hung(self, now: float) -> None:
+        """The hang line when one is due (autopsy/hangline.py): where every rank is, and nothing stopped."""
+        supervisor, hang = self.supervisor, self.supervisor.parts.hang
+        if hang is None or supervisor.group is None or supervisor.debugging.in_pdb or (waited := hang.due(now)) is None:
+            return
+        running = supervisor.verdict.running()
+        supervisor.relay.notice(hang.line(supervisor.group.stacks(running), running, supervisor.parts.ids.ranks, waited))
 
     def _wait(self) -> float:
         """How long the next select may wait: until a flush, the deadline, or a courier's copies."""
