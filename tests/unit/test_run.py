@@ -16,7 +16,7 @@ from taas_magic.launch.local.backend import LocalBackend
 from taas_magic.runspec import RunSpec
 from taas_magic.writes.rule import choose_rule
 
-SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "restarts": 2, "place_timeout": 60.0, "output": "rank0", "keep": False}
+SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "hang": 30.0, "restarts": 2, "place_timeout": 60.0, "output": "rank0", "keep": False}
 RUN_DATA = ("TAAS_STACKS_FILE", "TAAS_CHECKPOINTS", "TAAS_KEEP_CHECKPOINTS", "TAAS_SEED")
 
 
