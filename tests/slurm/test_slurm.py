@@ -318,3 +318,15 @@ def test_ranks_on_both_nodes_see_what_rank_0_wrote_after_a_barrier(attached):
         assert eval(seen) == [expected(rank) for rank in range(4)], seen  # noqa: S307 - the test's own repr
     finally:
         attached.execute(f"os.chdir({str(attached.repo)!r})")
+
+
+def test_the_hang_line_names_where_ranks_on_both_nodes_are_while_they_wait(attached):
+    """autopsy/hangline.py on a cluster: ranks 1-3 wait in a barrier while rank 0 sleeps; the cell says so while
+    it waits (the ranks' health through their channels, their stacks through each host's agent), then completes."""
+    ran = attached.execute("#pragma taas --gpus 4 --hang 1\nimport time, torch.distributed as dist\n"
+                           "dist.init_process_group('gloo')\nif dist.get_rank() == 0:\n    time.sleep(8)\n"
+                           "dist.barrier()\n", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    said = [line for line in ran.stream().splitlines() if line.startswith("taas: ranks disagree for ")]
+    assert len(said) == 1, ran.stream()
+    assert said[0].endswith(": rank 0 is at line 5 in time.sleep; ranks 1, 2, 3 wait in barrier (line 6)"), said
