@@ -15,7 +15,9 @@ one line, the autopsy's summary, and again at most once a minute while it lasts;
     taas: ranks disagree for 30 s: rank 0 is at line 3 in time.sleep; rank 1 waits in barrier (line 5)
     taas: no rank has moved for 30 s: ranks 0, 1 wait in all_reduce (line 14)
 
-A rank that finished its cell is named as such. A rank whose health stopped coming (its GIL held by C code)
+A rank that finished its cell is named as such; where the ranks disagree and some run on a host that does not
+see the notebook's repository (writes/away.py), the line says so: what rank 0 wrote is not there, the commonest
+reason their branches part (a resume from a checkpoint rank 0 saved). A rank whose health stopped coming (its GIL held by C code)
 is taken as still waiting, as its last figure plus the time since. Nothing is said while a rank is at a pdb
 prompt (the others are held there on purpose).
 """
@@ -36,16 +38,20 @@ class HangWatch:
     def __init__(self, seconds: float, sources: Sources, cell: str):
         self.seconds, self.sources, self.cell = seconds, sources, cell
         self.waits: dict[int, tuple[float, float]] = {}  # rank -> (seconds waited, when the kernel heard it)
+        self.away: set[int] = set()  # ranks on hosts that do not see the notebook's repository
         self.said_at: float | None = None
 
     def saw(self, rank: int, health: Mapping | None) -> None:
         """A rank's health figures (output/reports.py), perhaps with its wait."""
         if health is not None:
             self.waits[rank] = (float(health.get("waiting", 0.0)), time.monotonic())
+            if health.get("away"):
+                self.away.add(rank)
 
     def forget(self) -> None:
         """A new attempt's ranks (``--restarts``): the old ones' waits are theirs no more."""
         self.waits.clear()
+        self.away.clear()
 
     def due(self, now: float) -> float | None:
         """The longest wait now, when it is ``seconds`` or more and no line was said in the last minute."""
@@ -64,4 +70,9 @@ class HangWatch:
             who = f"rank {finished[0]}" if len(finished) == 1 else "ranks " + ", ".join(map(str, finished))
             where += f"; {who} finished the cell"
         agree = not finished and len(set(positions.values())) == 1
-        return f"taas: {'no rank has moved' if agree else 'ranks disagree'} for {waited:.0f} s: {where}"
+        line = f"taas: {'no rank has moved' if agree else 'ranks disagree'} for {waited:.0f} s: {where}"
+        if self.away and not agree:
+            away = sorted(self.away)
+            who = f"rank {away[0]} runs" if len(away) == 1 else "ranks " + ", ".join(map(str, away)) + " run"
+            line += f" ({who} on a host that does not see the repository: what rank 0 wrote is not there)"
+        return line

@@ -39,3 +39,9 @@ def waited(now: float) -> float:
         _frame, _instruction, _since = frame, frame.f_lasti, now
         return 0.0
     return now - _since
+
+
+def figures(now: float, away: bool = False) -> dict:
+    """What the rank's health carries for the hang line: its wait, and whether its host does not see the
+    notebook's repository (``away``: then what rank 0 writes is not there, which the line says)."""
+    return {"waiting": waited(now), **({"away": True} if away else {})}

@@ -53,7 +53,7 @@ _keep = _pending.append
 _sent = 0  # reports sent so far: a report without a step is numbered by its place
 _lock = threading.Lock()  # one sender at a time: the thread, or flush at the end
 _channel: PeerChannel | None = None
-_waited: Callable[[float], float] | None = None  # the rank's wait in one collective, measured with its health
+_more: Callable[[float], dict] | None = None  # more of the rank's figures, measured with its health (the hang line's)
 
 
 def report(step: Any = None, **metrics: Any) -> None:
@@ -161,11 +161,11 @@ def _stage(value: Any) -> Any:
         return value  # a report never raises into the training loop for our sake
 
 
-def start(channel: PeerChannel, waited: Callable[[float], float] | None = None) -> None:
-    """Send batches and health from a daemon thread, for the rest of the rank's life; ``waited(now)``: the
-    seconds the cell has waited in one collective, sent with the health (autopsy/waiting.py)."""
-    global _channel, _waited
-    _channel, _waited = channel, waited
+def start(channel: PeerChannel, more: Callable[[float], dict] | None = None) -> None:
+    """Send batches and health from a daemon thread, for the rest of the rank's life; ``more(now)``: figures sent
+    with the health besides its own (the hang line's: autopsy/waiting.py)."""
+    global _channel, _more
+    _channel, _more = channel, more
     threading.Thread(target=_send_forever, name="taas-reports", daemon=True).start()
 
 
@@ -264,8 +264,8 @@ def _health() -> dict:
     times = os.times()
     now = time.monotonic()
     figures: dict[str, Any] = {"at": now, "cpu": times.user + times.system, "pid": os.getpid()}
-    if _waited is not None:  # seconds the cell has spent in one collective (the hang line: autopsy/hangline.py)
-        figures["waiting"] = _waited(now)
+    if _more is not None:  # how long the cell has waited in one collective (the hang line: autopsy/hangline.py)
+        figures.update(_more(now))
     try:
         with open("/proc/self/statm") as statm:
             figures["rss"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

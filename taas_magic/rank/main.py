@@ -92,7 +92,7 @@ def _own_output() -> None:
 
 def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.ModuleType:
     """Once per rank: a fresh ``__main__`` for its cells, IPython's stand-ins, the rank's device, the hooks."""
-    reports.start(channel, waiting.waited)  # its health says how long the cell has waited in one collective
+    reports.start(channel, functools.partial(waiting.figures, away=outbox.away()))  # and the hang line's figures
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
         groups.keep_across_cells()  # the cells' init and destroy of the default group do no harm

@@ -73,6 +73,11 @@ def _move(path: str, source: str, target: str) -> str:
     return path
 
 
+def away() -> bool:
+    """Whether this rank runs on a host that does not see the notebook's repository."""
+    return _away is not None
+
+
 def here(spec: RunSpec) -> RunSpec:
     """The run's folders in the repository (``--shared``, the run's checkpoints), as this host holds them."""
     if _away is None:

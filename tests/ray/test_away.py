@@ -172,3 +172,32 @@ def test_the_parts_of_ranks_on_hosts_without_the_repository_are_sent_to_it(kerne
         assert hidden.returncode == 0 and hidden.stdout == "", hidden  # nothing written on that host's own folder
         aways.append(away)
     assert sorted(rank for away in aways for rank in away) == [0, 1], aways  # rank 0 off the notebook's host, and not
+
+
+RESUME = """\
+#pragma taas --gpus 2 --per-host 1 --hang 1 --timeout 20
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    torch.save({"step": 3}, "resume.pt")
+dist.barrier()
+t = torch.zeros(1)
+if os.path.exists("resume.pt"):  # resume: rank 0 sees what it wrote
+    dist.barrier()
+else:  # a host that does not see the repository: starts from scratch, and waits for what never comes
+    dist.recv(t, src=0)
+"""
+
+
+def test_a_resume_on_a_host_that_does_not_see_the_repository_is_said_while_the_ranks_wait(kernel, away_cluster):
+    """Rank 1 runs where the repository is not: rank 0's checkpoint is not there, the ranks take different
+    branches, and the hang line says so within seconds, naming the host's blindness; --timeout then ends it."""
+    _, root, _ = away_cluster
+    use_repository(kernel, root / "local-B" / "repo-resume")
+    _until_every_gpu_is_free(kernel)  # rank 0 on A (which sees it), rank 1 on B (which does not)
+    ran = kernel.execute(RESUME, timeout=120)
+    assert ran.error is not None and ran.error["ename"] == "RunTimeout", ran.stream()
+    said = [line for line in ran.stream().splitlines() if line.startswith("taas: ranks disagree for ")]
+    assert len(said) == 1, ran.stream()
+    assert said[0].endswith("rank 0 waits in barrier (line 9); rank 1 waits in recv (line 11) (rank 1 runs on a host "
+                            "that does not see the repository: what rank 0 wrote is not there)"), said

@@ -99,3 +99,12 @@ def test_the_line_says_whether_the_ranks_disagree_and_names_a_rank_that_finished
         "taas: no rank has moved for 30 s: ranks 0, 1 wait in all_reduce (line 3)")
     assert watch.line({0: WAITS_IN_ALL_REDUCE}, (0,), 2, 30) == (
         "taas: ranks disagree for 30 s: rank 0 waits in all_reduce (line 3); rank 1 finished the cell")
+
+
+def test_ranks_on_a_host_that_does_not_see_the_repository_are_named_where_the_ranks_disagree():
+    watch = _watch()
+    watch.saw(1, {"waiting": 31.0, "away": True})
+    assert watch.line({0: WAITS_IN_BROADCAST, 1: WAITS_IN_ALL_REDUCE}, (0, 1), 2, 31) == (
+        "taas: ranks disagree for 31 s: rank 0 waits in broadcast (line 2); rank 1 waits in all_reduce (line 3) "
+        "(rank 1 runs on a host that does not see the repository: what rank 0 wrote is not there)")
+    assert "does not see" not in watch.line({0: WAITS_IN_ALL_REDUCE, 1: WAITS_IN_ALL_REDUCE}, (0, 1), 2, 31)
