@@ -331,7 +331,7 @@ def _bring_whole(dist: ModuleType, results: CellResults, closure: dict[str, Any]
         return _apply(results, closure, _Outcome(failed={name: why for name in plans})) if rank == 0 else (results, closure)
     if rank != 0:
         return results, closure
-    rebuild = unshard.Rebuild(whole)
+    rebuild = unshard.Rebuild(whole, in_place=not spec.keep)  # kept ranks keep their own sharded values
     before = {name: type_name(values[name]) for name in decision.whole}  # a rebuilt module changes its class
     for name in decision.whole:
         outcome.bound[name] = rebuild(values[name])

@@ -24,12 +24,15 @@ and its ``state_dict()`` entry, are one: gathered once, one storage in the noteb
 One object stays one object: ``done`` maps the ids already made plain (modules, parameters,
 whole tensors) to what they became, so a tied weight is one ``Parameter`` afterwards and a
 module reached from two names is made plain once. Runs in rank 0 only, on the cell's thread,
-after the cell and the gather (transfer/sharded.py): the values are never used in the rank again
+after the cell and the gather (transfer/sharded.py): in fresh ranks in place (the values are never used in
+the rank again); in kept ranks on new objects (:func:`shallow_tree`: new module objects and containers over the
+same tensors, no tensor copied), since the next cell goes on with rank 0's sharded model
 (:func:`tensor_key` runs in every rank, as the ranks plan the gather).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 # nn.Module's hook tables, by key; private API: see taas_magic/private.py (torch.nn.Module)
@@ -132,15 +135,36 @@ def tensor_key(dtensor: Any) -> Any:
             tuple(dtensor.shape), str(dtensor.placements))
 
 
-class Rebuild:
-    """Rank 0: values with their DTensors replaced by the whole tensors, in place where they can be."""
+def shallow_tree(module: Any, clones: dict[int, Any]) -> Any:
+    """A new module object for ``module`` and each of its submodules (``clones``: those made so far, by the
+    original's id), of the original class, holding the same parameters, buffers and attributes in tables of its
+    own: :func:`make_plain` then changes the copy, and ``module`` stays as it is (kept ranks go on using it)."""
+    if id(module) in clones:
+        return clones[id(module)]
+    clone: Any = object.__new__(original_class(type(module)))  # not copy.copy: FSDPModule.__new__ may call __init__
+    clones[id(module)] = clone
+    state = dict(vars(module))
+    for key in ("_parameters", "_buffers", "_modules", *HOOK_TABLES, *HOOK_FLAGS):
+        if isinstance(state.get(key), dict):
+            state[key] = type(state[key])(state[key])
+    vars(clone).update(state)
+    for name, child in state["_modules"].items():
+        if child is not None:
+            state["_modules"][name] = shallow_tree(child, clones)
+    return clone
 
-    def __init__(self, whole: dict[Any, Any]):
+
+class Rebuild:
+    """Rank 0: values with their DTensors replaced by the whole tensors, in place where they can be; or, for ranks
+    that are kept (``in_place=False``), in new containers and new module objects, so that rank 0 keeps its own."""
+
+    def __init__(self, whole: dict[Any, Any], in_place: bool = True):
         import torch
         from torch.distributed.tensor import DTensor
 
-        self._whole, self._dtensor, self._torch = whole, DTensor, torch
+        self._whole, self._dtensor, self._torch, self.in_place = whole, DTensor, torch, in_place
         self.done: dict[int, Any] = {}
+        self.clones: dict[int, Any] = {}
 
     def __call__(self, value: Any) -> Any:
         if isinstance(value, ATOMS):
@@ -153,14 +177,15 @@ class Rebuild:
             if isinstance(value, torch.nn.Parameter):
                 result = torch.nn.Parameter(result, requires_grad=value.requires_grad)
         elif isinstance(value, torch.nn.Module):
-            result = make_plain(value, lambda dtensor: self._whole[tensor_key(dtensor)], self.done)
+            module = value if self.in_place else shallow_tree(value, self.clones)
+            result = make_plain(module, lambda dtensor: self._whole[tensor_key(dtensor)], self.done)
         elif isinstance(value, (dict, list)):
-            self.done[id(value)] = value  # a cycle meets the value itself
+            result = value if self.in_place else copy.copy(value)
+            self.done[id(value)] = result  # a cycle meets the value itself
             for key, item in list(value.items() if isinstance(value, dict) else enumerate(value)):
                 new = self(item)
                 if new is not item:
-                    value[key] = new
-            result = value
+                    result[key] = new
         elif type(value) is tuple:
             items = [self(item) for item in value]
             result = tuple(items) if any(new is not old for new, old in zip(items, value)) else value

@@ -105,6 +105,29 @@ del model, state, expected, whole, doubled
 """)
 
 
+def test_kept_ranks_keep_their_sharded_model_and_state_dict_while_a_whole_copy_comes_back(kernel):
+    """With --keep, rank 0's names are gathered whole for the notebook on new objects: its own FSDP model, its
+    optimizer's state and a dict of DTensors stay sharded in the rank, and the next kept cell trains on them."""
+    keep = HEAD.replace("--device cpu", "--device cpu --keep")
+    try:
+        ran = _ran(kernel, keep + "state = {'model': model.state_dict()}\nsharded = type(model.a.weight).__name__\n")
+        assert "taas: model: FSDPNet, came back whole as Net" in ran.stream("stdout"), ran.stream()
+        _check(kernel, WHOLE_MODEL + "assert all(type(t) is torch.Tensor for t in state['model'].values())\n"
+                                      "assert sharded == 'DTensor'")
+        again = _ran(kernel, "#pragma taas --gpus 2 --device cpu --keep\n"
+                             "from torch.distributed.fsdp import FSDPModule\n"
+                             "assert isinstance(model, FSDPModule) and type(model.a.weight).__name__ == 'DTensor'\n"
+                             "assert all(type(t).__name__ == 'DTensor' for t in state['model'].values())\n"
+                             "train(model, 2)\n"
+                             "after = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}\n")
+        assert "taas: --keep: cell 2 on the kept ranks" in again.stream(), again.stream()
+        _check(kernel, "assert any(not torch.equal(after[k], expected[k]) for k in expected)  # it trained on\n"
+                       "del model, state, expected, after, sharded")
+    finally:
+        released = kernel.execute("%taas release")
+        assert released.reply["status"] == "ok", released.error_text()
+
+
 def test_a_cell_that_destroys_its_group_still_brings_the_model_back(kernel):
     ran = _ran(kernel, HEAD + "del mesh\ndist.destroy_process_group()\nmodel\n")
     assert "taas: model: FSDPNet, came back whole as Net" in ran.stream("stdout"), ran.stream()
