@@ -40,6 +40,7 @@ class HangWatch:
         self.waits: dict[int, tuple[float, float]] = {}  # rank -> (seconds waited, when the kernel heard it)
         self.away: set[int] = set()  # ranks on hosts that do not see the notebook's repository
         self.said_at: float | None = None
+        self.held_at = float("-inf")  # the last moment a rank was at a pdb prompt: waits count from then
 
     def saw(self, rank: int, health: Mapping | None) -> None:
         """A rank's health figures (output/reports.py), perhaps with its wait."""
@@ -53,9 +54,14 @@ class HangWatch:
         self.waits.clear()
         self.away.clear()
 
-    def due(self, now: float) -> float | None:
-        """The longest wait now, when it is ``seconds`` or more and no line was said in the last minute."""
+    def due(self, now: float, held: bool = False) -> float | None:
+        """The longest wait now, when it is ``seconds`` or more and no line was said in the last minute; ``held``: a
+        rank is at a pdb prompt now (the others wait on purpose: nothing is due, and waits count from its end)."""
+        if held:
+            self.held_at = now
+            return None
         waited = max((seconds + now - heard for seconds, heard in self.waits.values() if seconds > 0), default=0.0)
+        waited = min(waited, now - self.held_at)
         if waited < self.seconds or (self.said_at is not None and now - self.said_at < REPEAT_SECONDS):
             return None
         self.said_at = now

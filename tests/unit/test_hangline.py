@@ -108,3 +108,12 @@ def test_ranks_on_a_host_that_does_not_see_the_repository_are_named_where_the_ra
         "taas: ranks disagree for 31 s: rank 0 waits in broadcast (line 2); rank 1 waits in all_reduce (line 3) "
         "(rank 1 runs on a host that does not see the repository: what rank 0 wrote is not there)")
     assert "does not see" not in watch.line({0: WAITS_IN_ALL_REDUCE, 1: WAITS_IN_ALL_REDUCE}, (0, 1), 2, 31)
+
+
+def test_nothing_is_due_while_a_rank_is_at_a_prompt_and_the_waits_count_from_its_end():
+    watch = _watch()
+    watch.saw(1, {"waiting": 100.0})  # held in a barrier while rank 0 is at its prompt
+    now = time.monotonic()
+    assert watch.due(now, held=True) is None
+    assert watch.due(now + 10) is None  # 10 s since the prompt ended, though the barrier began 110 s ago
+    assert round(watch.due(now + 31)) == 31

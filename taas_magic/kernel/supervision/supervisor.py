@@ -336,7 +336,7 @@ class AttemptWatch:
     def _say_if_hung(self, now: float) -> None:
         """The hang line when one is due (autopsy/hangline.py): where every rank is, and nothing stopped."""
         supervisor, hang = self.supervisor, self.supervisor.parts.hang
-        if hang is None or supervisor.group is None or supervisor.debugging.in_pdb or (waited := hang.due(now)) is None:
+        if hang is None or supervisor.group is None or (waited := hang.due(now, bool(supervisor.debugging.in_pdb))) is None:
             return
         running = supervisor.verdict.running()
         supervisor.relay.notice(hang.line(supervisor.group.stacks(running), running, supervisor.parts.ids.ranks, waited))
