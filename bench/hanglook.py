@@ -1,6 +1,6 @@
 """What the hang line costs a rank's training: its look at the cell's thread, beside a step without it.
 
-    python bench/hangline.py [--pairs 31] [--steps 200] [--every 0.01]
+    python bench/hanglook.py [--pairs 31] [--steps 200] [--every 0.01]
 
 The rank's half of the hang line (taas_magic/autopsy/waiting.py) is one look at the main thread's innermost
 frame (``sys._current_frames``) with each health figure, every 2 s, on the reports thread. Rows, in this
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=0.01)
     arguments = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"bench/hangline.py: {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+    print(f"bench/hanglook.py: {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
           f"Python {platform.python_version()}, torch {torch.__version__}; --hang {HANG_SECONDS:g} s by default")
     net, optimizer = model()
     train(net, optimizer, arguments.steps)  # warm

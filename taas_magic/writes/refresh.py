@@ -117,13 +117,13 @@ class Views:
                 _libc().umount2(self.next.encode(), MNT_DETACH)
                 raise
             self.ready.clear()
-            self.old.put((old, self.work))
+            try:
+                os.chdir(cwd)
+            except OSError:  # rank 0 removed the folder this rank stood in
+                os.chdir(self.repository)
+            self.old.put((old, self.work))  # once nothing of this process stands in it
             self.work = self.next_work
             self.taken.set()  # the staging folder is empty again: the next view may be made there
-        try:
-            os.chdir(cwd)
-        except OSError:  # rank 0 removed the folder this rank stood in
-            os.chdir(self.repository)
 
     def _take_the_next(self) -> None:
         """Beneath the view in use, which then moves off the path (to be dropped); or on top of it."""

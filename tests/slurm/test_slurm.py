@@ -21,8 +21,9 @@ import psutil
 import pytest
 
 from taas_magic.output.budget import log_dir
+from tests.four_ranks import every_rank_sees_rank_0s_writes, the_hang_line_is_said_once_and_the_cell_completes
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
-from tests.view_cells import CHANGES, expected, gathered
+from tests.view_cells import CHANGES
 
 pytestmark = pytest.mark.slurm
 
@@ -312,21 +313,10 @@ def test_ranks_on_both_nodes_see_what_rank_0_wrote_after_a_barrier(attached):
     ran = attached.execute(f"import os\nos.chdir({str(folder)!r})\n" + CHANGES + "seed()")
     assert ran.reply["status"] == "ok", ran.error_text()
     try:
-        ran = attached.execute(gathered("#pragma taas --gpus 4", 4), timeout=120)
-        assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
-        seen = attached.execute("print(repr(seen))").stream("stdout")
-        assert eval(seen) == [expected(rank) for rank in range(4)], seen  # noqa: S307 - the test's own repr
+        every_rank_sees_rank_0s_writes(attached)
     finally:
         attached.execute(f"os.chdir({str(attached.repo)!r})")
 
 
 def test_the_hang_line_names_where_ranks_on_both_nodes_are_while_they_wait(attached):
-    """autopsy/hangline.py on a cluster: ranks 1-3 wait in a barrier while rank 0 sleeps; the cell says so while
-    it waits (the ranks' health through their channels, their stacks through each host's agent), then completes."""
-    ran = attached.execute("#pragma taas --gpus 4 --hang 1\nimport time, torch.distributed as dist\n"
-                           "dist.init_process_group('gloo')\nif dist.get_rank() == 0:\n    time.sleep(8)\n"
-                           "dist.barrier()\n", timeout=120)
-    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
-    said = [line for line in ran.stream().splitlines() if line.startswith("taas: ranks disagree for ")]
-    assert len(said) == 1, ran.stream()
-    assert said[0].endswith(": rank 0 is at line 5 in time.sleep; ranks 1, 2, 3 wait in barrier (line 6)"), said
+    the_hang_line_is_said_once_and_the_cell_completes(attached)

@@ -1,0 +1,26 @@
+"""Checks that run alike on Ray (tests/ray) and Slurm (tests/slurm): four ranks over two hosts, in a kernel
+attached to the cluster, whose working folder is a repository both hosts see."""
+
+from tests.kernel_client import Kernel
+from tests.view_cells import expected, gathered
+
+
+def every_rank_sees_rank_0s_writes(kernel: Kernel) -> None:
+    """writes/refresh.py: ranks 1-3 look every path up first, rank 0 changes them (tests/view_cells.py, seeded in
+    the working folder), and after a barrier every rank on both hosts sees rank 0's changes and its own writes."""
+    ran = kernel.execute(gathered("#pragma taas --gpus 4", 4), timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    seen = kernel.execute("print(repr(seen))").stream("stdout")
+    assert eval(seen) == [expected(rank) for rank in range(4)], seen  # noqa: S307 - the test's own repr
+
+
+def the_hang_line_is_said_once_and_the_cell_completes(kernel: Kernel) -> None:
+    """autopsy/hangline.py: ranks 1-3 wait in a barrier while rank 0 sleeps; the cell says so while it waits (the
+    ranks' health through their channels, their stacks through each host's agent), then completes."""
+    ran = kernel.execute("#pragma taas --gpus 4 --hang 1\nimport time, torch.distributed as dist\n"
+                         "dist.init_process_group('gloo')\nif dist.get_rank() == 0:\n    time.sleep(8)\n"
+                         "dist.barrier()\n", timeout=120)
+    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
+    said = [line for line in ran.stream().splitlines() if line.startswith("taas: ranks disagree for ")]
+    assert len(said) == 1, ran.stream()
+    assert said[0].endswith(": rank 0 is at line 5 in time.sleep; ranks 1, 2, 3 wait in barrier (line 6)"), said
