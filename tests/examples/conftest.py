@@ -19,6 +19,8 @@ import pytest
 from tests.kernel_client import Kernel, assert_nothing_left
 
 VENDORED = Path(__file__).resolve().parent / "vendored"
+# The vendored programs are not this suite's tests, though some are named like them (accelerate's test_sync.py)
+collect_ignore = ["vendored"]
 CELL = "#pragma taas --gpus 2 --device cpu --output all"
 
 
