@@ -80,11 +80,8 @@ def mount_overlay(repository: str, scratch: str) -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     cwd = os.getcwd()
-    upper, work = os.path.join(scratch, "upper"), os.path.join(scratch, "work")
-    os.makedirs(upper, exist_ok=True)
-    os.makedirs(work, exist_ok=True)
-    # userxattr: in a user namespace overlayfs must keep its opaque/whiteout marks in user.* xattrs.
-    options = f"lowerdir={repository},upperdir={upper},workdir={work},userxattr".encode()
+    os.makedirs(os.path.join(scratch, "upper"), exist_ok=True)
+    options = _options(repository, scratch, "work")
     shared.keep_repository(repository)  # a way below the mount, for the directories written in place
     try:
         _check(libc.mount(b"overlay", repository.encode(), b"overlay", 0, options), "overlay mount")
@@ -114,12 +111,19 @@ def mount_view(target: str) -> str:
     global _views
     assert _lower is not None, "mount_overlay first"
     _views += 1
-    work = os.path.join(_scratch, f"work-{_views}")
-    os.makedirs(work, exist_ok=True)
-    options = f"lowerdir={_lower},upperdir={os.path.join(_scratch, 'upper')},workdir={work},userxattr".encode()
+    work = f"work-{_views}"
     libc = ctypes.CDLL(None, use_errno=True)
-    _check(libc.mount(b"overlay", target.encode(), b"overlay", 0, options), "overlay mount")
-    return work
+    _check(libc.mount(b"overlay", target.encode(), b"overlay", 0, _options(_lower, _scratch, work)), "overlay mount")
+    return os.path.join(_scratch, work)
+
+
+def _options(lower: str, scratch: str, work: str) -> bytes:
+    """An overlay's mount options: ``lower`` under the rank's upper layer in ``scratch``, with the work folder
+    ``work`` there (made here)."""
+    os.makedirs(os.path.join(scratch, work), exist_ok=True)
+    # userxattr: in a user namespace overlayfs must keep its opaque/whiteout marks in user.* xattrs.
+    return (f"lowerdir={lower},upperdir={os.path.join(scratch, 'upper')},workdir={os.path.join(scratch, work)},"
+            "userxattr").encode()
 
 
 def divert_writes(repository: str, scratch: str, in_namespace: bool = False) -> None:

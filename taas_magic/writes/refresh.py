@@ -89,7 +89,7 @@ class Views:
         self.taken = threading.Event()  # it was taken: make another
         self.failure: OSError | None = None  # the next view could not be made
         self.old: queue.Queue[tuple[int, str]] = queue.Queue()  # the views off the path: a descriptor, a work folder
-        self.work = os.path.join(scratch, "work")  # the work folder of the view in use (namespace.py's first)
+        self.work = ""  # the work folder of the view in use: the first view's stays until the scratch goes
         self.next_work = ""  # the next view's
         threading.Thread(target=self._make, name="taas-next-view", daemon=True).start()
         threading.Thread(target=self._drop, name="taas-old-views", daemon=True).start()
@@ -158,7 +158,8 @@ class Views:
             if self.beneath:
                 _libc().umount2(self.gone.encode(), MNT_DETACH)  # one of the old views there: they are all dropped
                 os.close(old)
-                shutil.rmtree(work, ignore_errors=True)  # a process still in that view can make no new file there
+                if work:
+                    shutil.rmtree(work, ignore_errors=True)  # a process still in that view can make no new file there
             else:
                 os.close(old)  # covered, not gone: its work folder stays
             self.old.task_done()

@@ -36,7 +36,7 @@ from taas_magic.writes.layer import Layer, inside, inside_any
 MS_BIND = 0x1000
 MS_REC = 0x4000
 
-lock = threading.RLock()  # share() and a refresh of the view (writes/namespace.py) are one at a time
+lock = threading.RLock()  # share() and a refresh of the view (writes/refresh.py) are one at a time
 _repository: str | None = None  # the repository, where this process's writes are diverted
 _real: int | None = None  # overlay: an O_PATH descriptor of the repository below the mount
 _layer: Layer | None = None  # python: the divert.py Layer
@@ -76,7 +76,7 @@ def repository_below() -> str:
 
 def bind_all(root: str) -> None:
     """Overlay: every folder shared so far that is still there bound again under ``root``, a new view of the
-    repository (writes/namespace.py makes one at each refresh, before it takes the old one's place)."""
+    repository (writes/refresh.py makes one ready for each refresh, and binds them as it takes its place)."""
     with lock:
         if _real is None or _held:
             return
