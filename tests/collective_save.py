@@ -1,5 +1,5 @@
 """A 2-rank FSDP2 ``dcp.save`` for the cluster tests (tests/ray/test_away.py, tests/slurm/test_slurm_away.py),
-and the checks that it landed whole in the notebook's repository.
+and the checks that it landed whole in the notebook's repository; and a resume there (writes/unseen.py).
 
 The cell prints, for each rank, whether its host sees the repository's path (``REPO``, set in the
 notebook), saves with DCP into ``ckpt/step3``, writes one stray file per rank (only rank 0's may
@@ -98,3 +98,35 @@ def assert_whole(kernel: Kernel, repo: Path, ran: Execution, away: set[int]) -> 
     check = kernel.execute(LOAD)
     assert check.reply["status"] == "ok", check.error_text() + check.stream()
     assert "same 4" in check.stream("stdout")
+
+
+RESUME_SAVE = """\
+#pragma taas --gpus 2 OPTIONS
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    torch.save({"step": 3}, "snapshot.pt")
+dist.barrier()
+"""
+RESUME_LOAD = """\
+#pragma taas --gpus 2 OPTIONS --timeout 90
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+step = torch.load("snapshot.pt")["step"] if os.path.exists("snapshot.pt") else 0  # the DDP tutorial's resume
+dist.barrier()
+print("resumed at", step)
+"""
+
+
+def assert_resume_fails_where_the_repository_is_not(kernel: Kernel, options: str, away: int) -> None:
+    """Rank 0, which sees the repository, saves in one cell; the next cell resumes: rank ``away``, on a host that
+    does not see it, finds the file's name (the same branch as rank 0's) and fails reading it, with one line that
+    says why, at once: no hang line, no timeout."""
+    saved = kernel.execute(RESUME_SAVE.replace("OPTIONS", options), timeout=300)
+    assert saved.reply["status"] == "ok", saved.error_text() + saved.stream()
+    resumed = kernel.execute(RESUME_LOAD.replace("OPTIONS", options), timeout=300)
+    error = resumed.error_text()
+    assert resumed.error is not None and resumed.error["ename"] == "RankFailed", error + resumed.stream()
+    assert f"rank {away}" in error and "UnseenFileError: snapshot.pt cannot be read here: " in error, error
+    assert "this host does not see the notebook's repository" in error, error
+    assert "ranks disagree" not in resumed.stream() and "resumed at" not in resumed.stream(), resumed.stream()

@@ -47,7 +47,7 @@ from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
 from taas_magic.transfer import cudaipc, memfile, returns, sharded
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
-from taas_magic.writes import checkpoints, outbox, refresh, savers
+from taas_magic.writes import checkpoints, outbox, refresh, savers, unseen
 
 EXIT_CELL_RAISED = 1
 FLUSH_SECONDS = 0.05
@@ -124,6 +124,7 @@ def _cell_setup(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int
     where its displays go (rank 0's, or every rank's with --output all)."""
     channel = inbox.channel
     refresh.refresh()  # the repository as rank 0 has left it (a kept rank's last look was in the cell before)
+    unseen.mark(spec.repository_names)  # on a host that does not see it: its files named, a clear line on reading one
     shell.configure(module, channel.send if rank == 0 or spec.output == "all" else None)
     identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)

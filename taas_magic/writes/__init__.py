@@ -14,6 +14,7 @@
   pickle), and the kernel's ledger of a run's collective saves.
 - ``away.py``: on a cluster, whether a host sees the notebook's repository (the run's marker: the kernel writes it,
   the host's agent reads it); where a host's ranks write when it does not.
+- ``unseen.py``: on such a host: the repository's files it lacks, named in each rank's view, unreadable, with one line.
 - ``outbox.py``: in a rank on such a host: what it wrote for the repository, sent to the kernel as it ends.
 - ``landing.py``: the kernel's half: those files written into the repository, each whole, before the check.
 """

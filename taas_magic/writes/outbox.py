@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 from taas_magic.protocol import CheckpointSaved, FilePart, ToKernel
 from taas_magic.runspec import RunSpec
 from taas_magic.wire import Placement
-from taas_magic.writes import shared
+from taas_magic.writes import shared, unseen
 
 CHUNK = 1 << 20  # bytes of a file per frame
 
@@ -64,6 +64,7 @@ def enter(place: Placement) -> None:
     # only ranks carry the run's marker, and rank r is peer r on the wire (peers.py): peer 0 is rank 0
     _away = _Away(os.path.realpath(place.repository), place.away, os.path.join(place.layer, "upper"), place.peer_id == 0)
     shared.hold_in_layer()
+    unseen.enter(_away.repository, _away.upper)  # the repository's files this host lacks: named, not readable
 
 
 def _move(path: str, source: str, target: str) -> str:
@@ -109,6 +110,8 @@ def ship(send: Send) -> None:
         return
     _shipped = True
     for relative in files(_away.upper, (".",) if _away.everything else shared.shared()):
+        if unseen.placeholder(relative):
+            continue  # the notebook's own file, named here only
         try:
             send_file(send, _away.upper, relative)
         except ConnectionError:

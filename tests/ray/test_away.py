@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.collective_save import assert_whole, save, use_repository
+from tests.collective_save import assert_resume_fails_where_the_repository_is_not, assert_whole, save, use_repository
 from tests.kernel_client import Kernel, away_layers_left, wait_until_gone
 from tests.ray.test_cluster import cell_processes
 
@@ -201,3 +201,17 @@ def test_a_resume_on_a_host_that_does_not_see_the_repository_is_said_while_the_r
     assert len(said) == 1, ran.stream()
     assert said[0].endswith("rank 0 waits in barrier (line 9); rank 1 waits in recv (line 11) (rank 1 runs on a host "
                             "that does not see the repository: what rank 0 wrote is not there)"), said
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["fresh", "kept"])
+def test_a_resume_in_a_later_cell_on_a_host_that_does_not_see_the_repository_fails_with_one_line(kernel, away_cluster,
+                                                                                                  keep):
+    """writes/unseen.py: rank 0 (host A sees the repository) saves; in the next cell rank 1 (host B does not) finds
+    the file's name as rank 0 does and fails reading it, naming the file and why, rather than starting afresh."""
+    _, root, _ = away_cluster
+    use_repository(kernel, root / "local-B" / f"repo-later-{keep}")
+    _until_every_gpu_is_free(kernel)  # rank 0 on A, rank 1 on B
+    try:
+        assert_resume_fails_where_the_repository_is_not(kernel, "--per-host 1" + (" --keep" if keep else ""), away=1)
+    finally:
+        kernel.execute("%taas release")

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from tests.collective_save import SAVE, assert_whole, save, use_repository
+from tests.collective_save import SAVE, assert_resume_fails_where_the_repository_is_not, assert_whole, save, use_repository
 from tests.kernel_client import Kernel, away_layers_left, wait_until_gone
 from tests.slurm.test_slurm import cell_processes, job_of, steps
 
@@ -98,3 +98,11 @@ def test_a_rank_whose_cell_raises_after_the_save_still_sends_it(kernel, slurm):
     assert sorted(os.listdir(repo / "ckpt" / "step3")) == [".metadata", "__0_0.distcp", "__1_0.distcp"], ran.stream()
     assert "incomplete" not in ran.stream("stderr") and (repo / "stray-0.txt").exists()
     assert "written by rank(s) 0 on hosts that do not see the repository" in ran.stream("stderr"), ran.stream()
+
+
+def test_a_resume_in_a_later_cell_on_a_node_that_does_not_see_the_repository_fails_with_one_line(kernel, slurm):
+    """writes/unseen.py: node2's own folder, so rank 1 is away: it finds rank 0's snapshot by name, and reading it
+    fails with one line, rather than starting afresh and waiting for rank 0 forever."""
+    use_repository(kernel, slurm.node_local("node2") / "repo-resume")
+    assert_resume_fails_where_the_repository_is_not(kernel, "", away=1)
+    assert steps(slurm, job_of(kernel)) == []

@@ -38,6 +38,7 @@ from taas_magic.search.link import TrialLink
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import closure_route
 from taas_magic.transfer.sharded import gather_limit
+from taas_magic.writes import unseen
 from taas_magic.writes.rule import WriteRule, resolve_shared
 
 INLINE_ALWAYS = 1 << 62  # a threshold no closure reaches: its bytes travel in the frames
@@ -154,4 +155,5 @@ def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, sha
         lazy_bytes=context.lazy_bytes if held.settings.keep and held.trial is None else 0,
         compile_cache=context.compile_cache if backend.loopback_only else "",  # a folder of this host: its ranks only
         seed=data.seed if data is not None else secrets.randbits(31),
+        repository_names=() if backend.loopback_only else unseen.names(rule.repository),  # for hosts that do not see it
     )
