@@ -39,7 +39,7 @@ from taas_magic.rank import identity as _identity
 
 __all__ = ["register", "unregister", "registered", "get_worker_info", "in_rank",
            "save_checkpoint", "load_checkpoint", "checkpoint_path", "shared", "report", "metrics", "lightning_logger", "wait",
-           "trial", "trials", "study"]
+           "trial", "trials", "study", "load_job"]
 
 
 def in_rank() -> bool:

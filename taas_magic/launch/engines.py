@@ -5,12 +5,14 @@ Runs in the kernel. Without an attachment a run's ranks are processes on this ho
 ``$TAAS_CLUSTER`` when the extension loads, into a cluster's attachment. An engine is imported only
 when asked for: the local mode never imports Ray. A fourth engine is a package beside ``local/``,
 ``ray/`` and ``slurm/`` implementing launch/contract.py, and one line in :data:`CLUSTER_WORDS` (or
-:data:`ADDRESSES`).
+:data:`ADDRESSES`): ``%taas cluster WORD``'s row in ``%taas help`` and the docs is made from that line
+(kernel/magic/commands.py), so no engine is named outside launch/.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 from taas_magic.launch.contract import Attachment, Backend, GpuSlice, Show, Spares
@@ -31,27 +33,43 @@ def _slurm(options: str, show: Show | None) -> Attachment:
     return SlurmCluster.attach(options, show)
 
 
-# ``%taas cluster WORD [OPTIONS]``: the engine named by its first word, given the rest.
-CLUSTER_WORDS: dict[str, Callable[[str, Show | None], Attachment]] = {"slurm": _slurm}
+@dataclass(frozen=True)
+class Engine:
+    """How ``%taas cluster`` reaches one engine: its factory, and its row in ``%taas help`` and the docs."""
+
+    attach: Callable[[str, Show | None], Attachment]  # (the line's argument, where to say what it waits for)
+    argument: str  # as help names it: "OPTIONS"
+    help: str  # what the row does
+
+
+# ``%taas cluster WORD [OPTIONS]``: the engine named by its first word, given the rest (kernel/magic/commands.py
+# makes one row of each).
+CLUSTER_WORDS: dict[str, Engine] = {
+    "slurm": Engine(_slurm, "OPTIONS", "hold a Slurm allocation (salloc options; none: the job this kernel runs in)"),
+}
 # ``%taas cluster ADDRESS``: anything else is an address (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``).
-ADDRESSES: Callable[[str, Show | None], Attachment] = _ray
+ADDRESSES = Engine(_ray, "ADDRESS|local", "run ranks on a Ray cluster (ray.init address), or back to this host")
 
 
-def attach(given: str | None, show: Show | None = None) -> Attachment | None:
-    """The attachment ``%taas cluster GIVEN`` asks for; ``given`` None: ``$TAAS_CLUSTER``'s, at load
-    (where nothing may wait in a queue: ``show`` is None). None: this host (``off``, ``local``, unset).
+def attach(given: str | None, show: Show | None = None, word: str | None = None) -> Attachment | None:
+    """The attachment ``%taas cluster [WORD] GIVEN`` asks for: the engine ``word`` names, given ``given``; no
+    ``word``: an address, or this host. ``given`` None: ``$TAAS_CLUSTER``'s, at load (where nothing may wait in
+    a queue: ``show`` is None), its first word read as an engine's where it is one. None: this host (``off``,
+    ``local``, unset).
 
     Raises:
         ClusterError: the engine is not installed, the cluster does not answer, or it refused.
     """
+    if word is not None:
+        return CLUSTER_WORDS[word].attach(given or "", show)
     text = (os.environ.get(ENVIRONMENT, "") if given is None else given).strip()
     if text in THIS_HOST:
         return None
-    word, _, rest = text.partition(" ")
-    factory = CLUSTER_WORDS.get(word)
-    if factory is not None:
-        return factory(rest.strip(), show)
-    return ADDRESSES(text, show)
+    first, _, rest = text.partition(" ")
+    engine = CLUSTER_WORDS.get(first) if given is None else None
+    if engine is not None:
+        return engine.attach(rest.strip(), show)
+    return ADDRESSES.attach(text, show)
 
 
 def warm_spares() -> Spares:

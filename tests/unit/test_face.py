@@ -41,6 +41,7 @@ PUBLIC = {
     "trial": "() -> 'Any'",
     "trials": "() -> 'Any'",
     "study": "() -> 'Any'",
+    "load_job": "(script: 'str') -> 'dict'",
 }
 
 _FACE_PATH = re.compile(r"taas(\.[A-Za-z_]\w*)*")  # "taas", "taas.report": the face or a name in it

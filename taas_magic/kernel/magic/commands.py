@@ -9,7 +9,7 @@ from the rows, never written again:
 
 - :func:`find` picks the row a ``%taas`` line names (an empty line is ``help``): its words
   first, then its argument (none, one word, or the rest of the line), the row with the most
-  words winning (``cluster slurm X`` is the Slurm row, not ``cluster ADDRESS``); a line no row
+  words winning (``cluster WORD X`` is an engine's row, not ``cluster ADDRESS``); a line no row
   takes raises IPython's ``UsageError``, the one line the cell shows;
 - :data:`HELP` is ``%taas help`` (kernel/magic/status.py's text around the rows' usage and help);
 - docs/hooks/reference.py makes reference/commands.md's table from the rows, and fails the docs
@@ -25,16 +25,19 @@ runcommands.py, debug.py), which take only what they use.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 from IPython.core.error import UsageError
 
 from taas_magic.errors import LaunchError
-from taas_magic.kernel.magic import debug, exporting, linecommands, runcommands
+from taas_magic.kernel.magic import exporting, linecommands, runcommands
+from taas_magic.kernel.magic.debug import taas_debug
 from taas_magic.kernel.magic.linecommands import MagicSettings
 from taas_magic.kernel.magic.status import help_text
 from taas_magic.kernel.runs.session import Session
+from taas_magic.launch import engines
 
 Handler = Callable[..., object]  # (session, settings[, argument]) -> the line's value
 
@@ -70,38 +73,39 @@ class LineCommand:
 # ---------------------------------------------------------------- the handlers
 
 
-def _help(session: Session, settings: MagicSettings) -> None:
+def show_help(session: Session, settings: MagicSettings) -> None:
     print(HELP)
 
 
-def _repository(session: Session, settings: MagicSettings, path: str) -> None:
-    linecommands._set_repository(session, path)
+def repository(session: Session, settings: MagicSettings, path: str) -> None:
+    linecommands.set_repository(session, path)
 
 
-def _isolation(session: Session, settings: MagicSettings, mode: str) -> None:
-    linecommands._set_isolation(session, mode)
+def isolation(session: Session, settings: MagicSettings, mode: str) -> None:
+    linecommands.set_isolation(session, mode)
 
 
-def _cluster(session: Session, settings: MagicSettings, given: str = "") -> None:
-    linecommands._cluster(session, given)
+def cluster(session: Session, settings: MagicSettings, given: str = "") -> None:
+    linecommands.cluster(session, given)
 
 
-def _slurm(session: Session, settings: MagicSettings, options: str = "") -> None:
-    linecommands._cluster(session, f"slurm {options}")  # _cluster reads its argument as the line writes it
+def cluster_engine(word: str, session: Session, settings: MagicSettings, options: str = "") -> None:
+    """``%taas cluster WORD [OPTIONS]``: the engine launch/engines.py names ``word``, given the options."""
+    linecommands.cluster(session, options, word)
 
 
-def _runs(session: Session, settings: MagicSettings) -> None:
+def runs(session: Session, settings: MagicSettings) -> None:
     runcommands.list_runs(session.runs, session.kept)
 
 
-def _release(session: Session, settings: MagicSettings) -> None:
+def release(session: Session, settings: MagicSettings) -> None:
     try:
         print(session.release_kept())
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _attach(session: Session, settings: MagicSettings, run: str | None = None) -> None:
+def attach(session: Session, settings: MagicSettings, run: str | None = None) -> None:
     runcommands.attach(session.runs, run, settings.viewing)
 
 
@@ -110,18 +114,18 @@ def wait(session: Session, settings: MagicSettings, run: str | None = None) -> o
     return runcommands.wait(session.runs, run, settings.take)
 
 
-def _stop(session: Session, settings: MagicSettings, run: str | None = None) -> None:
+def stop(session: Session, settings: MagicSettings, run: str | None = None) -> None:
     runcommands.stop(session.runs, run)
 
 
-def _export(session: Session, settings: MagicSettings, argument: str) -> None:
+def export(session: Session, settings: MagicSettings, argument: str) -> None:
     from IPython import get_ipython
 
     exporting.export(get_ipython(), settings.defaults, argument)
 
 
-def _debug(session: Session, settings: MagicSettings, run: str | None = None) -> None:
-    debug.taas_debug(session.runs, run)
+def debug(session: Session, settings: MagicSettings, run: str | None = None) -> None:
+    taas_debug(session.runs, run)
 
 
 def trials(session: Session, settings: MagicSettings) -> object:
@@ -137,33 +141,32 @@ def study(session: Session, settings: MagicSettings) -> object:
 # ---------------------------------------------------------------- the table
 
 COMMANDS = (
-    LineCommand(("status",), "the last run, the devices seen, the defaults, the write rule", linecommands._status),
+    LineCommand(("status",), "the last run, the devices seen, the defaults, the write rule", linecommands.status),
     LineCommand(("config", "repo"), "set the repository (default: $TAAS_REPO, the git work tree, the cwd)",
-                _repository, "PATH", rest=True),
+                repository, "PATH", rest=True),
     LineCommand(("config", "isolation"), "how other ranks' writes are diverted (auto: overlay where possible)",
-                _isolation, "auto|overlay|python", rest=True),
-    LineCommand(("cluster",), "run ranks on a Ray cluster (ray.init address), or back to this host",
-                _cluster, "ADDRESS|local", rest=True),
-    LineCommand(("cluster", "slurm"), "hold a Slurm allocation (salloc options; none: the job this kernel runs in)",
-                _slurm, "OPTIONS", optional=True, rest=True),
-    LineCommand(("cluster",), "what is attached: its nodes, GPUs, time left; off releases it", _cluster),
+                isolation, "auto|overlay|python", rest=True),
+    LineCommand(("cluster",), engines.ADDRESSES.help, cluster, engines.ADDRESSES.argument, rest=True),
+    *(LineCommand(("cluster", word), engine.help, functools.partial(cluster_engine, word), engine.argument,
+                  optional=True, rest=True) for word, engine in engines.CLUSTER_WORDS.items()),
+    LineCommand(("cluster",), "what is attached: its nodes, GPUs, time left; off releases it", cluster),
     LineCommand(("warm",), "warm spare ranks (torch imported) for the next cell; auto: as many as the last --gpus",
-                linecommands._set_warm, "off|auto|N"),
-    LineCommand(("runs",), "this kernel's runs: state, ranks, start time, last line", _runs),
-    LineCommand(("release",), "end the kept ranks (--keep): their processes, globals, memory and GPUs", _release),
+                linecommands.set_warm, "off|auto|N"),
+    LineCommand(("runs",), "this kernel's runs: state, ranks, start time, last line", runs),
+    LineCommand(("release",), "end the kept ranks (--keep): their processes, globals, memory and GPUs", release),
     LineCommand(("attach",), "show a run's live view here: what it showed so far, then live until it ends",
-                _attach, "RUN", optional=True),
+                attach, "RUN", optional=True),
     LineCommand(("wait",), "wait for a (detached) run, then bind rank 0's names and return its value",
                 wait, "RUN", optional=True),
-    LineCommand(("stop",), "stop a run: every rank, with the autopsy of where they were", _stop, "RUN", optional=True),
+    LineCommand(("stop",), "stop a run: every rank, with the autopsy of where they were", stop, "RUN", optional=True),
     LineCommand(("debug",), "the failing rank's traceback with each frame's locals (%debug too; %pdb on: a live prompt)",
-                _debug, "RUN", optional=True),
+                debug, "RUN", optional=True),
     LineCommand(("trials",), "the last search's trials (a pandas DataFrame when pandas is installed); taas.trials()",
                 trials),
     LineCommand(("study",), "the last search's Optuna study; taas.study()", study),
     LineCommand(("export",), "write the last taas cell (or In[N]) as a job: PATH for python or torchrun, its .sbatch "
-                "and _ray.py; taas.load_job(PATH) brings rank 0's names back", _export, "PATH [In[N]]", rest=True),
-    LineCommand(("help",), "this text", _help),
+                "and _ray.py; taas.load_job(PATH) brings rank 0's names back", export, "PATH [In[N]]", rest=True),
+    LineCommand(("help",), "this text", show_help),
 )
 
 HELP = help_text([(command.usage, command.help) for command in COMMANDS])

@@ -1,5 +1,5 @@
 """What the ``%taas`` line commands do to the session: ``status``, ``config repo PATH``, ``config
-isolation auto|overlay|python``, ``warm off|auto|N``, ``cluster [ADDRESS|slurm [OPTIONS]|off]``;
+isolation auto|overlay|python``, ``warm off|auto|N``, ``cluster [ADDRESS|WORD [OPTIONS]|off]``;
 ``trials`` and ``study``, the last search's. The runs' are runcommands.py's; which line calls
 which is the table of kernel/magic/commands.py.
 
@@ -62,7 +62,7 @@ def _last_search(session: Session) -> SearchRun:
     return searches[-1]
 
 
-def _set_repository(session: Session, given: str) -> None:
+def set_repository(session: Session, given: str) -> None:
     """``%taas config repo PATH``."""
     path = os.path.realpath(os.path.expanduser(given))
     if not os.path.isdir(path):
@@ -71,7 +71,7 @@ def _set_repository(session: Session, given: str) -> None:
     print(f"taas: repository {path}")
 
 
-def _set_isolation(session: Session, mode: str) -> None:
+def set_isolation(session: Session, mode: str) -> None:
     """``%taas config isolation auto|overlay|python``: overlay refused where this host has none."""
     if mode not in MODES:
         raise UsageError(f"taas: isolation must be one of {', '.join(MODES)}, got {mode!r}")
@@ -83,7 +83,7 @@ def _set_isolation(session: Session, mode: str) -> None:
     print(f"taas: isolation {mode}")
 
 
-def _set_warm(session: Session, settings: MagicSettings, text: str) -> None:
+def set_warm(session: Session, settings: MagicSettings, text: str) -> None:
     """``%taas warm off|auto|N``."""
     try:
         warm = Warm.parse(text)
@@ -100,18 +100,21 @@ def _set_warm(session: Session, settings: MagicSettings, text: str) -> None:
         print("taas: after each cell, keeping as many warm spares as its --gpus")
 
 
-def _cluster(session: Session, given: str) -> None:
-    """``%taas cluster`` (what is attached) | ``ADDRESS`` (Ray) | ``slurm [OPTIONS]`` | ``off`` (or ``local``)."""
-    if not given:
+def cluster(session: Session, given: str, word: str | None = None) -> None:
+    """``%taas cluster`` (what is attached) | ``ADDRESS`` | ``WORD [OPTIONS]`` (the engine ``word``, launch/engines.py)
+    | ``off`` (or ``local``)."""
+    if not given and word is None:
+        engines_said = [f"%taas cluster {engines.ADDRESSES.argument}: {engines.ADDRESSES.help}",
+                        *(f"%taas cluster {word} [{engine.argument}]: {engine.help}"
+                          for word, engine in engines.CLUSTER_WORDS.items())]
         print("\n".join(session.cluster.status_lines()) if session.cluster is not None
-              else "cluster: none (local processes); %taas cluster ADDRESS attaches a Ray cluster, "
-                   "%taas cluster slurm [OPTIONS] a Slurm allocation")
+              else "\n  ".join(["cluster: none (local processes); attach one with", *engines_said]))
         return
     if session.kept is not None:  # kept ranks belong to where they started
         print(session.release_kept())
     previous = session.cluster
     try:
-        attached = engines.attach(given, _shown_line())  # the current one stays until this one holds
+        attached = engines.attach(given, _shown_line(), word)  # the current one stays until this one holds
     except ClusterError:
         if previous is not None and not previous.attached:
             session.cluster = None  # its engine let go of it before failing (ray.init): the local mode now
@@ -148,7 +151,7 @@ def _shown_line() -> Callable[[str], None]:
     return show
 
 
-def _status(session: Session, settings: MagicSettings) -> None:
+def status(session: Session, settings: MagicSettings) -> None:
     """``%taas status``: the last run, the devices, the defaults, the spares, the write rule, the cluster."""
     rule = session.write_rule()
     defaults = shown_defaults(settings.defaults)
