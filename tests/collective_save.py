@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from tests.kernel_client import Execution, Kernel
 
@@ -118,12 +119,14 @@ print("resumed at", step)
 """
 
 
-def assert_resume_fails_where_the_repository_is_not(kernel: Kernel, options: str, away: int) -> None:
+def assert_resume_fails_where_the_repository_is_not(kernel: Kernel, options: str, away: int,
+                                                    placed: Callable[[], None] = lambda: None) -> None:
     """Rank 0, which sees the repository, saves in one cell; the next cell resumes: rank ``away``, on a host that
     does not see it, finds the file's name (the same branch as rank 0's) and fails reading it, with one line that
-    says why, at once: no hang line, no timeout."""
+    says why, at once: no hang line, no timeout. ``placed()`` waits until the ranks will be placed as before."""
     saved = kernel.execute(RESUME_SAVE.replace("OPTIONS", options), timeout=300)
     assert saved.reply["status"] == "ok", saved.error_text() + saved.stream()
+    placed()  # fresh ranks on Ray: placed as the first cell's were
     resumed = kernel.execute(RESUME_LOAD.replace("OPTIONS", options), timeout=300)
     error = resumed.error_text()
     assert resumed.error is not None and resumed.error["ename"] == "RankFailed", error + resumed.stream()

@@ -212,6 +212,7 @@ def test_a_resume_in_a_later_cell_on_a_host_that_does_not_see_the_repository_fai
     use_repository(kernel, root / "local-B" / f"repo-later-{keep}")
     _until_every_gpu_is_free(kernel)  # rank 0 on A, rank 1 on B
     try:
-        assert_resume_fails_where_the_repository_is_not(kernel, "--per-host 1" + (" --keep" if keep else ""), away=1)
+        assert_resume_fails_where_the_repository_is_not(kernel, "--per-host 1" + (" --keep" if keep else ""), away=1,
+                                                        placed=(lambda: None) if keep else lambda: _until_every_gpu_is_free(kernel))
     finally:
         kernel.execute("%taas release")
