@@ -104,7 +104,7 @@ class RunSpec:
     shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (absolute; writes/savers.py)
     compile_cache: str = ""  # the session's compile cache folder (compilecache/): rank K's artifacts there; empty: off
     seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k
-    keep: bool = False  # --keep: after the cell the rank says CellDone and waits for the next (kernel/runs/kept.py)
+    keep: bool = False  # --keep: after the cell the rank says CellDone and waits for the next (kernel/runs/rankset.py)
     lazy_bytes: int = 0  # kept cells: rank 0's bound names this large stay on the ranks until touched (returns.py); 0: off
     repository_names: tuple[tuple[str, int], ...] = ()  # a cluster run's repository files (path, size) as the cell starts,
     # for ranks on hosts that do not see it: each one they lack is named there, not readable (writes/unseen.py)

@@ -44,7 +44,7 @@ class PragmaOptions:
     place_timeout: float | None = None  # None: the session default
     restarts: int | None = None  # None: the session default (0)
     detach: bool = False  # --detach: the cell returns at once, the run goes on (kernel/runs/background.py)
-    keep: bool | None = None  # --keep: the ranks stay for the next cell (kernel/runs/kept.py); None: the session default
+    keep: bool | None = None  # --keep: the ranks stay for the next cell (kernel/runs/rankset.py); None: the session default
     trials: int | None = None  # --trials K: a search of K trials (kernel/trials/searchrun.py); None: one run
     parallel: int | None = None  # trials at a time (None: as the GPUs allow; one on a host without GPUs)
     objective: str = "loss"  # the metric rank 0 reports that judges a trial
@@ -73,7 +73,7 @@ class RunSettings:
     place_timeout: float
     output: str
     detach: bool = False
-    keep: bool = False  # --keep: the ranks stay for the next cell (kernel/runs/kept.py)
+    keep: bool = False  # --keep: the ranks stay for the next cell (kernel/runs/rankset.py)
     hang: float = HANG_SECONDS  # the hang line after this long in one collective (autopsy/hangline.py); 0: never
     trials: int | None = None
     parallel: int | None = None

@@ -40,6 +40,7 @@ from taas_magic.wire import LOOPBACK, reserve_port
 
 RESULTS = "results.pt"
 VALUES = "values.pt"
+_UNBOUND = object()  # a name the script did not hold before the cell
 
 
 def job_folder(script: str) -> str:
@@ -55,7 +56,7 @@ class Job:
     script: str
     rank: int
     world: int
-    before: dict[str, int] = field(default_factory=dict)
+    before: dict[str, object] = field(default_factory=dict)  # the script's globals before the cell
 
     def values(self, *names: str) -> Any:
         """The notebook values the cell reads, saved beside the script, in the order named (a tuple, one or more)."""
@@ -70,7 +71,7 @@ class Job:
 
     def begin_cell(self, namespace: dict) -> None:
         """What the script's globals hold before the cell: :meth:`finish` saves only what the cell bound."""
-        self.before = {name: id(value) for name, value in namespace.items()}
+        self.before = dict(namespace)  # the objects, held: an id alone can be reused by what the cell binds
 
     def finish(self, namespace: dict) -> None:
         """Rank 0: the names the cell bound, saved for ``taas.load_job`` (each on its own: one that cannot be saved,
@@ -83,7 +84,7 @@ class Job:
 
         results, left = {}, []
         for name, value in namespace.items():
-            if name.startswith("_") or self.before.get(name) == id(value) or isinstance(value, types.ModuleType):
+            if name.startswith("_") or self.before.get(name, _UNBOUND) is value or isinstance(value, types.ModuleType):
                 continue
             buffer = io.BytesIO()
             try:

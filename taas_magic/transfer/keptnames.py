@@ -1,6 +1,6 @@
 """Rank 0's large names from kept cells: bound in the notebook as :class:`OnTheRanks`, copied when first touched.
 
-Runs in the kernel, on the cell's thread: proxies are bound as a kept cell's results are (kernel/runs/kept.py),
+Runs in the kernel, on the cell's thread: proxies are bound as a kept cell's results are (kernel/runs/rankset.py),
 and fetched by whatever notebook code touches one, or by the magic before the kept ranks end.
 
 A kept cell's rank 0 leaves each name it bound whose tensors and arrays hold ``TaasMagics.lazy_bytes`` or more
@@ -9,7 +9,7 @@ on the ranks (transfer/returns.py: unless a name that does come back reaches it)
 (an attribute, a call, an index, arithmetic, ``len``, ``iter``, pickling it: a plain cell's closure, say) copies
 it: :func:`fetch` runs one kept cell on the same ranks whose last line is that name (so it comes back as any final
 value does, DDP and compiled wrappers as their module, CUDA tensors by CUDA IPC), binds the copy to the name
-(where the name still holds the proxy) and notes that the ranks have it (kernel/runs/kept.py's tokens), so the
+(where the name still holds the proxy) and notes that the ranks have it (kernel/runs/rankset.py's tokens), so the
 next kept cell does not send it back. A kept cell that reads the name never copies it: the ranks have their own.
 
 Before the kept ranks end on purpose (``%taas release``, a ``--keep`` cell of another shape, another cluster),
@@ -30,7 +30,7 @@ _NEVER_FETCHED = ("_repr_", "_ipython_", "_jupyter_")  # IPython's display and i
 
 
 class KeptRanks(Protocol):
-    """What a stand-in asks of the kept ranks that hold its value (kernel/runs/kept.py's, which bind it)."""
+    """What a stand-in asks of the kept ranks that hold its value (kernel/runs/rankset.py's, which bind it)."""
 
     shape: Any  # kept.Shape: ranks, device, per_host
     ranks: Any  # their KeptGroup: the process group they run as, and why they ended

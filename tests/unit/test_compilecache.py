@@ -13,6 +13,7 @@ from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import PragmaOptions, settle
 from taas_magic.compilecache import artifacts
 from taas_magic.compilecache.folder import PREFIX, CompileCache, rank_variables, torch_default_folder
+from taas_magic.kernel.runs.rankset import ONE_CELL, RankSet, Shape
 from taas_magic.kernel.runs.run import Held, Run
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch.local.backend import LocalBackend
@@ -33,13 +34,15 @@ def _rank_envs(tmp_path, compile_cache: str) -> list[dict[str, str]]:
     """The environments a 2-rank run's ranks are started with, the run's spec naming ``compile_cache``."""
     settings = settle(PragmaOptions(gpus=2, device="cpu"), SESSION, ranks=2)
     releases = ExitStack()
-    backend = releases.enter_context(LocalBackend(2, None, None, device="cpu"))
+    backend = LocalBackend(2, None, None, device="cpu")
+    rank_set = RankSet(Shape(2, "cpu", ""), backend, ONE_CELL, "compile00001")
+    releases.callback(rank_set.release)
     held = Held(settings, serialise_closure({}), [], None, backend)
     spec = RunSpec(run_id="compile00001", sys_path=(), source="x", display_source="x", filename="<taas In[1]>",
                    device="cpu", output="rank0", suppress_final=False, kernel_pid=os.getpid(), result_file_bytes=1 << 20,
                    compile_cache=compile_cache)
     record = LastRun(settings, backend.devices, spec.run_id, ())
-    with Run(held, releases, spec, choose_rule(str(tmp_path), "python"), record) as run:
+    with Run(held, releases, spec, choose_rule(str(tmp_path), "python"), record, rank_set) as run:
         return run.launch_plan("HOST PORT KEY", attempt=0).envs
 
 

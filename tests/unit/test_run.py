@@ -1,5 +1,6 @@
 """One object owns a run (kernel/runs/run.py): every part it takes is released on leaving it, whatever
-happened, and the ranks receive run data in the spec, not in their environment."""
+happened (a rank set of one cell with it: kernel/runs/rankset.py), and the ranks receive run data in the
+spec, not in their environment."""
 
 import os
 from contextlib import ExitStack
@@ -10,6 +11,7 @@ from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import PragmaOptions, settle
+from taas_magic.kernel.runs.rankset import ONE_CELL, RankSet, Shape
 from taas_magic.kernel.runs.run import Held, Run
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch.local.backend import LocalBackend
@@ -20,12 +22,15 @@ SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "hang": 30.0, "restart
 RUN_DATA = ("TAAS_STACKS_FILE", "TAAS_CHECKPOINTS", "TAAS_KEEP_CHECKPOINTS", "TAAS_SEED")
 
 
-def _held(ranks: int) -> tuple[Held, ExitStack, LocalBackend]:
-    """What the plan step holds before the run is made: the backend entered on its release stack."""
+def _held(ranks: int) -> tuple[Held, ExitStack, LocalBackend, RankSet]:
+    """What the plan step holds before the run is made: the run's rank set of one cell (its backend entered) on its
+    release stack."""
     settings = settle(PragmaOptions(gpus=ranks, device="cpu"), SESSION, ranks=ranks)
     releases = ExitStack()
-    backend = releases.enter_context(LocalBackend(ranks, None, None, device="cpu"))
-    return Held(settings, serialise_closure({"x": 1}), [], None, backend), releases, backend
+    backend = LocalBackend(ranks, None, None, device="cpu")
+    rank_set = RankSet(Shape(ranks, "cpu", ""), backend, ONE_CELL, "testrun00001")
+    releases.callback(rank_set.release)
+    return Held(settings, serialise_closure({"x": 1}), [], None, backend), releases, backend, rank_set
 
 
 def _spec(tmp_path) -> RunSpec:
@@ -35,10 +40,10 @@ def _spec(tmp_path) -> RunSpec:
 
 
 def _open_run(tmp_path) -> tuple[Run, LocalBackend]:
-    held, releases, backend = _held(2)
+    held, releases, backend, rank_set = _held(2)
     spec = _spec(tmp_path)
     record = LastRun(held.settings, backend.devices, spec.run_id, ("x",))
-    return Run(held, releases, spec, choose_rule(str(tmp_path), "python"), record), backend
+    return Run(held, releases, spec, choose_rule(str(tmp_path), "python"), record, rank_set), backend
 
 
 def test_leaving_a_failed_run_releases_every_part_and_records_how_it_ended(tmp_path):
@@ -55,24 +60,38 @@ def test_leaving_a_failed_run_releases_every_part_and_records_how_it_ended(tmp_p
 
 
 def test_a_run_that_cannot_take_a_part_releases_what_it_and_the_plan_took_and_raises_that_error(tmp_path, monkeypatch):
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("no room for the closure")
+
+    monkeypatch.setattr("taas_magic.kernel.runs.run.ClosureHandoff", refuse)
+    held, releases, backend, rank_set = _held(1)
+    spec = _spec(tmp_path)
+    with pytest.raises(OSError, match="no room for the closure"):
+        Run(held, releases, spec, choose_rule(str(tmp_path), "python"), LastRun(held.settings, backend.devices, spec.run_id, ()),
+            rank_set)
+    assert backend._port.fileno() == -1  # the plan's rank set, released: its backend's port given back
+    assert not os.path.exists(rank_set.stacks_dir) and not os.path.exists(rank_set.layers.root)
+    assert rank_set.server.listener.fileno() == -1
+
+
+def test_a_rank_set_that_cannot_take_a_part_releases_what_it_took_and_raises_that_error(monkeypatch):
     made: list[str] = []
     real_make_dir = stacks.make_dir
 
-    def make_dir(run_id: str) -> str:
-        made.append(real_make_dir(run_id))
+    def make_dir(name: str) -> str:
+        made.append(real_make_dir(name))
         return made[-1]
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise OSError("no port for the rank server")
 
     monkeypatch.setattr(stacks, "make_dir", make_dir)
-    monkeypatch.setattr("taas_magic.kernel.runs.run.PeerServer", refuse)
-    held, releases, backend = _held(1)
-    spec = _spec(tmp_path)
+    monkeypatch.setattr("taas_magic.kernel.runs.rankset.PeerServer", refuse)
+    backend = LocalBackend(1, None, None, device="cpu")
     with pytest.raises(OSError, match="no port for the rank server"):
-        Run(held, releases, spec, choose_rule(str(tmp_path), "python"), LastRun(held.settings, backend.devices, spec.run_id, ()))
-    assert backend._port.fileno() == -1  # the plan's backend, released
-    assert made and not os.path.exists(made[0])  # the stacks folder the run made before the server, removed
+        RankSet(Shape(1, "cpu", ""), backend, ONE_CELL, "testrun00002")
+    assert backend._port.fileno() == -1  # entered, then released
+    assert made == [made[0]] and not os.path.exists(made[0])  # the stacks folder made before the server, removed
 
 
 def test_the_ranks_get_run_data_in_the_spec_and_only_torchruns_variables_and_the_owner_in_the_environment(tmp_path):

@@ -40,7 +40,7 @@ from taas_magic.kernel.magic.settings import VALIDATED, option_trait, refuse
 from taas_magic.kernel.runs.background import BackgroundRun, RunThread, give_back_memory
 from taas_magic.kernel.runs.foreground import STOP, open_console, wait_async, wait_blocking
 from taas_magic.kernel.runs.frontend import Frontend
-from taas_magic.kernel.runs.kept import KeptRanks
+from taas_magic.kernel.runs.rankset import RankSet
 from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.runs.views import Started, Viewing, show_run, start_shown
@@ -207,7 +207,7 @@ class TaasMagics(Magics):
         self.warm = text  # validated as %config's is
 
 
-def fetch_name(magic: TaasMagics, kept: KeptRanks, name: str) -> object:
+def fetch_name(magic: TaasMagics, kept: RankSet, name: str) -> object:
     """``name`` copied from rank 0 of ``kept`` (transfer/keptnames.py): one kept cell, its last line the name."""
     value: object = magic.taas_cell("", keptnames.fetch_cell(kept, name))
     if value is None:

@@ -23,14 +23,14 @@ from taas_magic.kernel.magic.status import runs_table
 from taas_magic.kernel.runs import views
 from taas_magic.kernel.runs.background import Runs, RunThread
 from taas_magic.kernel.runs.foreground import LEAVE, POLL_SECONDS, consoling, serve_prompts, wait_blocking
-from taas_magic.kernel.runs.kept import KeptRanks
+from taas_magic.kernel.runs.rankset import RankSet
 from taas_magic.output.runlog import OUT, SAY
 
 Viewing = Callable[[RunThread], views.Viewing]  # how a view is chosen for a run in this cell
 Take = Callable[[RunThread], object]  # bind a finished run's names in the notebook (magics.py)
 
 
-def list_runs(runs: Runs, kept: KeptRanks | None = None) -> None:
+def list_runs(runs: Runs, kept: RankSet | None = None) -> None:
     print(runs_table([run.summary() for run in runs.all()]))
     if kept is not None:
         print("\n".join(kept.status_lines()))

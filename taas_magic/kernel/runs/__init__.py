@@ -11,7 +11,7 @@
 - ``views.py``: which view a run gets in a cell (the live view or the text stream), and putting it there.
 - ``session.py``: what the line commands set and every cell reads: repository, spares, cluster, runs,
   kept ranks.
-- ``kept.py``: kept ranks (``--keep``): what outlives their cells (server, layers, backend), and which
-  notebook values they already have.
+- ``rankset.py``: a rank set: what a run's ranks hold (backend, server, layers, stacks folder, owner tag, the kept
+  group) and their lifetime (one cell, or the session: ``--keep``), and which notebook values they already have.
 - ``summary.py``: the run in a few words: ``RunSummary``, ``LastRun``, the header line.
 """

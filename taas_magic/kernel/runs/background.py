@@ -205,8 +205,8 @@ class BackgroundRun(RunThread):
         run, execution = self.run, self.execution
         if run is None or execution is None or run.data is not None:
             return
-        if run.on_kept and run.kept is not None and run.kept.running:
-            run.kept.ranks.greet(run.bodies, run.peers.ranks)
+        if run.on_kept and run.ranks.running:
+            run.ranks.ranks.greet(run.bodies, run.peers.ranks)
         execution.board.start()
 
     def _work(self) -> RunOutcome:

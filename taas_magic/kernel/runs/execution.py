@@ -31,6 +31,7 @@ from taas_magic import wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.hangline import HangWatch
 from taas_magic.errors import LaunchError
+from taas_magic.kernel.runs.rankset import SESSION
 from taas_magic.kernel.runs.run import Run
 from taas_magic.kernel.supervision.dataplane import DataPlane
 from taas_magic.kernel.supervision.keptcell import run_kept_cell
@@ -124,17 +125,16 @@ def execute(execution: Execution) -> RunOutcome:
     run = execution.run
     attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
     try:
-        if run.kept is not None:  # the kept ranks: started by the first cell, given each later one
-            if run.on_kept and not run.kept.running:  # its closure has only what those ranks lacked
+        if run.ranks.lifetime is SESSION:  # the kept ranks: started by the first cell, given each later one
+            if run.on_kept and not run.ranks.running:  # its closure has only what those ranks lacked
                 raise LaunchError("taas: the kept ranks ended after this cell was planned (a rank died): run the cell "
                                   "again, and new ranks start")
-            return run_kept_cell(execution.parts(), run.kept.ranks, execution.start_ranks,
+            return run_kept_cell(execution.parts(), run.ranks.ranks, execution.start_ranks,
                                  execution.start_data if run.data is not None else None)
         return run_ranks(execution.parts(), execution.start_ranks,
                          execution.start_data if run.data is not None else None, attempts)
     finally:
-        if run.kept is not None:
-            run.kept.health = health_by_rank(execution.board)
+        run.ranks.health = health_by_rank(execution.board)  # %taas status says it of kept ranks
         if run.trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)
             run.trial.metrics = execution.board.metrics()
         else:

@@ -38,24 +38,21 @@ from types import TracebackType
 from typing import Callable, Mapping
 
 from taas_magic import protocol, wire
-from taas_magic.autopsy import stacks
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.compilecache.folder import point_ranks
-from taas_magic.kernel.runs.kept import KeptRanks
+from taas_magic.kernel.runs.rankset import RankSet
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.kernel.supervision.dataplane import DataRun
 from taas_magic.kernel.supervision.prompts import PromptDesk
-from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.launch.contract import Backend, LaunchPlan
 from taas_magic.launch.rankenv import rank_environments
 from taas_magic.output.runlog import RunLog
 from taas_magic.peers import PeerIds
-from taas_magic.procs import OWNER_VARIABLE, kill_tagged
+from taas_magic.procs import OWNER_VARIABLE
 from taas_magic.protocol import CheckpointSaved, FilePart, Result
 from taas_magic.runspec import RunSpec
 from taas_magic.search.link import TrialLink
-from taas_magic.tempdirs import remove_tree
 from taas_magic.transfer import memfile
 from taas_magic.transfer.handoff import ClosureHandoff
 from taas_magic.transfer.pack import Packing
@@ -63,7 +60,7 @@ from taas_magic.transfer.results import apply_results
 from taas_magic.writes.away import Marker
 from taas_magic.writes.completeness import Ledger
 from taas_magic.writes.landing import Landing
-from taas_magic.writes.rule import ScratchLayers, WriteRule
+from taas_magic.writes.rule import WriteRule
 
 OK, FAILED, STOPPED = "ok", "failed", "stopped"
 
@@ -104,15 +101,15 @@ class Run:
     """One cell's run: its settings, the closure as shipped, and each part it holds, whole once made."""
 
     def __init__(self, held: Held, releases: ExitStack, spec: RunSpec, rule: WriteRule, record: LastRun,
-                 kept: KeptRanks | None = None) -> None:
-        """Take over ``held`` and its ``releases`` (the plan step's stack), then the log, the folders, the
-        scratch layers, the server and the closure handoff, in that order; a part that cannot be taken
-        releases every one before it, ``held``'s too, and raises. A cell on ``kept`` ranks borrows their
-        backend, stacks folder, layers and server (kernel/runs/kept.py): they outlive the run."""
+                 ranks: RankSet) -> None:
+        """Take over ``held`` and its ``releases`` (the plan step's stack, which releases a rank set of one cell),
+        then the log, the ranks borrowed, the marker and the closure handoff, in that order; a part that cannot be
+        taken releases every one before it, ``held``'s too, and raises. The run borrows ``ranks``' backend, stacks
+        folder, layers and server (kernel/runs/rankset.py): what their lifetime does with them is theirs."""
         self.settings, self.packing, self.registered, self.sent = held.settings, held.packing, held.registered, held.sent
         self.data, self.backend, self.trial = held.data, held.backend, held.trial
-        self.kept, self.spec = kept, spec
-        self.on_kept = kept is not None and kept.running  # planned for ranks already running: its closure is partial
+        self.ranks, self.spec = ranks, spec
+        self.on_kept = ranks.running  # planned for ranks already running (kept ones): its closure is partial
         self.rule, self.record = rule, record  # record: for %taas status, the header printed
         self.on_ranks_gone: list[Callable[[], None]] = []  # called as its ranks are gone (a search's slot; did they compile)
         self.saves = Ledger()  # the collective checkpoints its ranks named (writes/savers.py), checked at the end
@@ -122,28 +119,18 @@ class Run:
         self.log = RunLog(spec.run_id)  # its file stays, the record of the run; its last entry closes it
         try:
             self.prompts = PromptDesk(self.log.say, self.log.debugger)  # the ranks' pdb prompts (kernel/supervision/prompts.py)
-            if kept is None:
-                stacks_dir = stacks.make_dir(spec.run_id)
-                self._stack.callback(remove_tree, stacks_dir)
-                self.peers = PeerIds(len(self.backend.slots), self.data.workers if self.data is not None else 0)
-                self.layers = ScratchLayers(self.peers.ranks, self.peers.workers)
-            else:
-                stacks_dir, self.layers = kept.stacks_dir, kept.layers
-                self.peers = PeerIds(kept.peers.ranks, self.data.workers if self.data is not None else 0)
-                self.layers.use_workers(self.peers.workers)  # this cell's data workers' own layers
-                kept.busy_with = spec.run_id
-                self._stack.callback(kept.cell_over)
-            self.spec = dataclasses.replace(spec, stacks_dir=stacks_dir)
+            self.layers = ranks.layers
+            self.peers = PeerIds(ranks.peers.ranks, self.data.workers if self.data is not None else 0)
+            self.layers.use_workers(self.peers.workers)  # this cell's data workers' own layers
+            ranks.busy_with = spec.run_id
+            self._stack.callback(ranks.cell_over)
+            self.spec = dataclasses.replace(spec, stacks_dir=ranks.stacks_dir)
             self._stack.callback(self._remove_layers)
             self.landing = Landing(rule.repository)  # files from hosts that do not see the repository, written into it
             self.marker = None if self.backend.loopback_only else Marker(rule.repository)  # does each host see it
             if self.marker is not None:
                 self._stack.callback(self.marker.remove)
-            if kept is None:
-                self.server = PeerServer(wire.new_key(), len(self.peers), self.backend.listen_host)
-                self._stack.callback(self.server.close)
-            else:
-                self.server = kept.server
+            self.server = ranks.server
             self.handoff = ClosureHandoff(self.packing, spec.run_id, spec.result_file_bytes, cuda_ipc=spec.cuda_ipc)
             self._stack.callback(self.handoff.remove)
             self.bodies = [protocol.encode(protocol.Spec(self.spec)), self.handoff.body]
@@ -155,8 +142,8 @@ class Run:
     # -- what the ranks are started with -------------------------------------------------------
     @property
     def owner(self) -> str:
-        """The ``TAAS_OWNER`` tag of the ranks (and of what they start), for the sweeps; kept ranks have their own."""
-        return self.kept.owner if self.kept is not None else f"{os.getpid()}-{self.spec.run_id}-ranks"
+        """The ``TAAS_OWNER`` tag of the ranks (and of what they start), for the sweeps: the rank set's."""
+        return self.ranks.owner
 
     def launch_plan(self, handshake: str, attempt: int) -> LaunchPlan:
         """Attempt ``attempt``'s ranks: torchrun's variables (restarts too), the owner tag and the session's compile
@@ -220,17 +207,13 @@ class Run:
         """After the run, its parts released: rank 0's results bound in the notebook, their files removed."""
         try:
             final = apply_results(namespace, result, self.packing, self.registered)
-            if self.kept is not None:
-                self.kept.cell_bound(self.sent, result, namespace)
+            self.ranks.cell_bound(self.sent, result, namespace)
             return final
         finally:  # its one file (an earlier attempt's went between attempts: execution.py), without listing folders
             memfile.remove(result.data.path) if result is not None else memfile.remove_run(os.getpid(), self.spec.run_id)
 
     def _ranks_gone(self) -> None:
-        if self.kept is None or self.data is not None:  # kept ranks tag what they start as theirs, not the cell's
-            kill_tagged(f"{os.getpid()}-{self.spec.run_id}-")  # what the ranks and workers started and left
-        if self.kept is None:  # kept ranks hold their backend until they are released
-            self.backend.release()  # no rank is left: the spares start warming now, not after the clean-up
+        self.ranks.cell_gone(self.spec.run_id, self.peers.workers)  # what the ranks and workers started and left
         for callback in self.on_ranks_gone:
             callback()
 
@@ -239,12 +222,9 @@ class Run:
             self.log.say(line, "stderr")
         for line in self.saves.report(self.rule.repository, self.peers.ranks):
             self.log.say(line, "stderr")
-        fate = "diverted and discarded" if self.kept is None else "diverted, kept in its layer until %taas release"
-        lines = self.layers.report(self.rule.repository, tuple(self.saves.folders), fate)
-        for line in lines if self.kept is None else self.kept.new_lines(lines):
+        lines = self.layers.report(self.rule.repository, tuple(self.saves.folders), self.ranks.lifetime.fate)
+        for line in self.ranks.new_lines(lines):  # the layers go with the rank set
             self.log.say(line, "stderr")
-        if self.kept is None:  # kept ranks' layers stay with them
-            self.layers.remove()
 
     def _drop_results_on_failure(self, kind: type[BaseException] | None, *_: object) -> bool:
         if kind is not None:  # rank 0 may have written its results before the run failed

@@ -27,7 +27,7 @@ from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.errors import LaunchError
 from taas_magic.feed import registry
-from taas_magic.kernel.runs.kept import KeptRanks, NameTokens, Shape
+from taas_magic.kernel.runs.rankset import ONE_CELL, NameTokens, RankSet, Shape
 from taas_magic.kernel.runs.run import Held, Run
 from taas_magic.kernel.runs.session import Session
 from taas_magic.kernel.runs.summary import LastRun, closure_size, gpus_held_text, header_line
@@ -78,8 +78,14 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         data = DataRun({index: registered[index] for index in used}, context.shell.user_ns, settings) if used else None
         if data is not None:
             releases.callback(data.close)
-        # placement held from here (kept ranks hold theirs until they are released)
-        backend = kept.backend if kept is not None else releases.enter_context(context.backend(settings))
+        run_id = secrets.token_hex(6)
+        if kept is None:  # placement held from here: the run's own ranks, released as it ends
+            ranks = RankSet(Shape(settings.gpus, settings.device, ""), context.backend(settings), ONE_CELL, run_id,
+                            data.workers if data is not None else 0)
+            releases.callback(ranks.release)
+        else:  # kept ranks hold theirs until they are released
+            ranks = kept
+        backend = ranks.backend
         held = Held(settings, packing, registered, data, backend, trial, sent=closure)
         on_local_gpus = backend.devices.device == "cuda" and backend.loopback_only
         # a search's trials hold their own slices of the GPUs (the search itself is the holder)
@@ -94,7 +100,7 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
             shared = resolve_shared(settings.shared, rule.repository, os.getcwd())
         except ValueError as exc:
             raise LaunchError(f"taas: {exc}") from None
-        spec = _spec(held, code, rule, context, shared)
+        spec = _spec(run_id, held, code, rule, context, shared)
         tensor_bytes = memfile.layout([blob.nbytes for blob in packing.blobs])[1]
         route = closure_route(packing, spec.cuda_ipc, spec.result_file_bytes)
         closure_text = closure_size(len(packing.skeleton) + tensor_bytes, route)
@@ -103,7 +109,7 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
                  in_place if shared else None,
                  backend.layout(), data.header() if data is not None else None]
         session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
-        run = Run(held, releases.pop_all(), spec, rule, session.last_run, kept)  # whole: it releases all of it from now on
+        run = Run(held, releases.pop_all(), spec, rule, session.last_run, ranks)  # whole: it releases all of it from now on
         if spec.compile_cache and kept is None:  # fresh ranks on this host: did they compile?
             run.on_ranks_gone.append(session.ranks_gone)
     try:
@@ -114,8 +120,8 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
     return run
 
 
-def _kept(settings: RunSettings, context: PlanContext) -> tuple[KeptRanks, list[str]]:
-    """The kept ranks a ``--keep`` cell runs in, and the header's lines about them (kernel/runs/kept.py)."""
+def _kept(settings: RunSettings, context: PlanContext) -> tuple[RankSet, list[str]]:
+    """The kept ranks a ``--keep`` cell runs in, and the header's lines about them (kernel/runs/rankset.py)."""
     if settings.restarts:
         raise LaunchError("taas: --keep with --restarts: a restart starts new ranks, which would lose what the kept "
                           "ones hold (a kept cell that fails keeps its ranks where it can): leave out one of them")
@@ -133,9 +139,9 @@ def _kept(settings: RunSettings, context: PlanContext) -> tuple[KeptRanks, list[
     return kept, [line for line in (ended, f"--keep: new ranks, kept after this cell{lost}; %taas release ends them") if line]
 
 
-def _spec(held: Held, code: CellCode, rule: WriteRule, context: PlanContext, shared: tuple[str, ...]) -> RunSpec:
+def _spec(run_id: str, held: Held, code: CellCode, rule: WriteRule, context: PlanContext,
+          shared: tuple[str, ...]) -> RunSpec:
     """What every rank receives: the cell, where it runs, and the run's data (checkpoints, seed, the gather's limit)."""
-    run_id = secrets.token_hex(6)
     backend, data, trial = held.backend, held.data, held.trial
     root = context.checkpoint_dir or os.path.join(rule.repository, ".taas", "checkpoints")
     limit, why = gather_limit()

@@ -14,6 +14,7 @@ are not here: they are the magic's traitlets, so ``%config TaasMagics.x`` sets t
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +22,7 @@ from typing import Callable
 from taas_magic.compilecache.folder import CompileCache
 from taas_magic.errors import ClusterError, LaunchError
 from taas_magic.kernel.runs.background import Runs
-from taas_magic.kernel.runs.kept import KeptRanks, Shape
+from taas_magic.kernel.runs.rankset import SESSION, RankSet, Shape
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch import engines
 from taas_magic.launch.contract import Attachment, Backend, Spares
@@ -39,9 +40,9 @@ class Session:
     cluster: Attachment | None = None  # %taas cluster ADDRESS|slurm, or $TAAS_CLUSTER at load
     last_run: LastRun | None = None
     runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/runs/background.py)
-    kept: KeptRanks | None = None  # --keep's ranks, between and during their cells (kernel/runs/kept.py)
+    kept: RankSet | None = None  # --keep's ranks, between and during their cells (kernel/runs/rankset.py)
     compile_cache: CompileCache = field(default_factory=CompileCache)  # its folder made by the first cell that uses it
-    fetch_kept: Callable[[KeptRanks, str], object] | None = None  # the magic's: a name copied from rank 0 (keptnames.py)
+    fetch_kept: Callable[[RankSet, str], object] | None = None  # the magic's: a name copied from rank 0 (keptnames.py)
     namespace: dict | None = None  # the notebook's: its names still on the kept ranks are copied before they end
 
     @classmethod
@@ -60,7 +61,7 @@ class Session:
             session.spares.prepare()  # the first cell's ranks are forks, not fresh interpreters
         return session
 
-    def kept_for(self, shape: Shape, backend: Callable[[], Backend]) -> tuple[KeptRanks, str | None]:
+    def kept_for(self, shape: Shape, backend: Callable[[], Backend]) -> tuple[RankSet, str | None]:
         """The kept ranks for a ``--keep`` cell of ``shape``: those kept now if they have that shape, else new
         ones on ``backend()`` (the kept ones of another shape ended first); and the line that says so, if any.
 
@@ -75,7 +76,7 @@ class Session:
             line = f"the kept ranks ({kept.shape}) ended: this cell wants {shape}, so new ranks start"
             self.release_kept()
         if self.kept is None:
-            self.kept = KeptRanks(shape, backend())
+            self.kept = RankSet(shape, backend(), SESSION, secrets.token_hex(4))
             self.kept.fetch = self.fetch_kept
         return self.kept, line
 

@@ -3,7 +3,7 @@
 Runs in the kernel, on the run's own thread (kernel/runs/background.py), with the supervisor.
 
 Kept ranks are a :class:`KeptGroup`: their processes and the selector that watches their pipes, channels
-and exits (mux.py), kept from cell to cell by the session (kernel/runs/kept.py). A cell on them:
+and exits (mux.py), kept from cell to cell by the session (kernel/runs/rankset.py). A cell on them:
 
 - the first starts them as a run starts its ranks; each later one sends every rank its spec and closure
   over the channel it already has, and the mux goes on watching them where the last cell left off;

@@ -1,16 +1,19 @@
-"""Kept ranks (``--keep``): what the session holds between cells so the next cell runs in the same ranks.
+"""A rank set: the ranks a run runs in, what they hold, and how long they live (one cell, or the session's ``--keep``).
 
-Runs in the kernel: made and looked up on the cell's thread (the plan step, kernel/runs/runplan.py), used
-by each kept cell's run on its thread (kernel/supervision/keptcell.py), released on the cell's thread
-(``%taas release``, a ``--keep`` cell of another shape, unloading the extension).
+Runs in the kernel: made on the cell's thread (the plan step, kernel/runs/runplan.py: a run's own, or the session's
+kept ones, kernel/runs/session.py), borrowed by each run on its thread (kernel/runs/run.py; kept ranks' cells are
+supervised by kernel/supervision/keptcell.py), released on the cell's thread (the run's end for one cell's ranks;
+``%taas release``, a ``--keep`` cell of another shape, unloading the extension for the session's).
 
-A plain run makes its rank server, its write-rule layers and its stacks folder, and gives them back when
-its ranks are gone. :class:`KeptRanks` holds those for as long as the ranks are kept, with the backend (a
-reserved port; the GPUs it placed the ranks on) and :class:`KeptGroup` (the processes, and the selector
-watching them). A kept cell's run borrows them and releases only its own parts (its log, its closure's
-files, its checkpoints' check). The ranks' owner tag is the kept ranks', so a cell's end sweeps nothing of
-theirs; releasing them ends the ranks (their channels closed: they leave on their own; the stop ladder for
-the rest), then sweeps what they started, then gives the port and the GPUs back.
+A :class:`RankSet` holds the backend (a reserved port; the GPUs or the cluster's places it put the ranks on), the
+rank server, the write rule's layers, the stacks folder, the owner tag, :class:`KeptGroup` (the processes and the
+selector watching them, kept ones) and the names sent to them (:class:`NameTokens`). A run borrows one and releases
+only its own parts (its log, its closure's files, its checkpoints' check); what happens when a cell's ranks are gone
+is the set's :class:`Lifetime`: :data:`ONE_CELL` gives everything back at once (fresh ranks: the run's end releases
+the set), :data:`SESSION` keeps it (kept ranks: their owner tag is theirs, so a cell's end sweeps nothing of theirs;
+their layers stay, and the write rule's report says only what is new). Releasing a set ends its ranks (their
+channels closed: kept ones leave on their own; the stop ladder for the rest), then sweeps what they started, then
+gives the port and the GPUs back.
 
 Names travel only when needed (:class:`NameTokens`): the ranks have every notebook value a cell that
 succeeded sent them, and rank 0's values that came back are the ranks' own. A name the cell reads is sent
@@ -24,7 +27,6 @@ list, a dict) is held by the tokens until its name is rebound or the ranks are r
 from __future__ import annotations
 
 import os
-import secrets
 import time
 import weakref
 from contextlib import ExitStack
@@ -100,31 +102,89 @@ def _reference(value: object) -> Callable[[], object]:
         return lambda: value
 
 
-class KeptRanks:
-    """Ranks kept for the cells of one shape (see the module docstring); whole once made, released once."""
+class Lifetime:
+    """How long a rank set lives, as a policy: what it does when a cell's run on it ends. The two are
+    :data:`ONE_CELL` (fresh ranks) and :data:`SESSION` (``--keep``); only they ask which one a set has."""
 
-    def __init__(self, shape: Shape, backend: Backend):
+    name = ""
+    fate = ""  # what became of a rank's diverted writes, in the write rule's report
+
+    def peers_beyond_ranks(self, workers: int) -> int:
+        """How many data workers its rank server admits besides the ranks."""
+        raise NotImplementedError
+
+    def cell_gone(self, ranks: "RankSet", run_id: str, workers: int) -> None:
+        """A cell's ranks (and its ``workers``) are gone, its run not yet released."""
+        raise NotImplementedError
+
+    def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
+        """Of the write rule's report after a cell, the lines to say."""
+        raise NotImplementedError
+
+
+class _OneCell(Lifetime):
+    name, fate = "one cell", "diverted and discarded"
+
+    def peers_beyond_ranks(self, workers: int) -> int:
+        return workers
+
+    def cell_gone(self, ranks: "RankSet", run_id: str, workers: int) -> None:
+        ranks.give_back()  # no rank is left: the spares start warming now, not after the clean-up
+
+    def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
+        return lines
+
+
+class _Session(Lifetime):
+    name, fate = "the session", "diverted, kept in its layer until %taas release"
+
+    def peers_beyond_ranks(self, workers: int) -> int:
+        return MAX_CPUS  # each cell's data workers after the ranks (peers.py numbers them so)
+
+    def cell_gone(self, ranks: "RankSet", run_id: str, workers: int) -> None:
+        if workers:  # the ranks tag what they start as theirs, not the cell's: only its data workers' go
+            kill_tagged(f"{os.getpid()}-{run_id}-")
+
+    def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
+        fresh = [line for line in lines if line not in ranks.reported]
+        ranks.reported.update(fresh)
+        return fresh
+
+
+ONE_CELL: Lifetime = _OneCell()
+SESSION: Lifetime = _Session()
+
+
+class RankSet:
+    """The ranks one run, or the session's ``--keep`` cells, run in (see the module docstring): what they hold, and
+    for how long (:class:`Lifetime`); whole once made, released once. A run always borrows one."""
+
+    def __init__(self, shape: Shape, backend: Backend, lifetime: Lifetime, name: str, workers: int = 0):
         """Enter ``backend`` and take the ranks' server, layers and stacks folder; the ranks start with the
-        first cell. A part that cannot be taken releases the ones before it and raises."""
-        self.shape, self.id = shape, secrets.token_hex(4)
+        first cell. ``name``: the run's id for :data:`ONE_CELL` (its owner tag and stacks folder are the run's),
+        a new one for :data:`SESSION`; ``workers``: the one cell's data workers. A part that cannot be taken
+        releases the ones before it and raises."""
+        self.shape, self.lifetime, self.id = shape, lifetime, name
+        self.tag = name if lifetime is ONE_CELL else f"keep{name}"  # names its owner tag and its stacks folder
         self.names = NameTokens()
         self.cells = 0  # cells run on them since they started
         self.started = time.time()
         self.busy_with: str | None = None  # the id of the run using them now
-        self.fetch: Callable[[KeptRanks, str], object] | None = None  # copies a name from rank 0 (the magic's)
+        self.fetch: Callable[[RankSet, str], object] | None = None  # copies a name from rank 0 (the magic's)
         self.health: dict[int, dict] = {}  # each rank's figures (rss, gpu_memory) at the end of its last cell
-        self._reported: set[str] = set()  # the write rule's lines already said
+        self.reported: set[str] = set()  # the write rule's lines already said (kept ranks)
+        self._given_back = False
         self._stack = ExitStack()
         try:
             self.backend = self._stack.enter_context(backend)
-            self._stack.callback(self._gone)
+            self._stack.callback(self.give_back)
             self.peers = PeerIds(len(self.backend.slots))
-            self.stacks_dir = stacks.make_dir(f"keep{self.id}")
+            self.stacks_dir = stacks.make_dir(self.tag)
             self._stack.callback(remove_tree, self.stacks_dir)
             self.layers = ScratchLayers(self.peers.ranks)
             self._stack.callback(self.layers.remove)
-            # the ranks, and each cell's data workers after them (peers.py numbers them so)
-            self.server = PeerServer(wire.new_key(), len(self.peers) + MAX_CPUS, self.backend.listen_host)
+            self.server = PeerServer(wire.new_key(), len(self.peers) + lifetime.peers_beyond_ranks(workers),
+                                     self.backend.listen_host)
             self._stack.callback(self.server.close)
             self.ranks = KeptGroup()
             self._stack.callback(self.ranks.close)
@@ -134,8 +194,8 @@ class KeptRanks:
 
     @property
     def owner(self) -> str:
-        """The ``TAAS_OWNER`` tag of the kept ranks and of what they start (never a cell's: a cell sweeps its own)."""
-        return f"{os.getpid()}-keep{self.id}-ranks"
+        """The ``TAAS_OWNER`` tag of the ranks and of what they start (kept ranks': never a cell's, which sweeps its own)."""
+        return f"{os.getpid()}-{self.tag}-ranks"
 
     @property
     def running(self) -> bool:
@@ -159,10 +219,12 @@ class KeptRanks:
         self.cells += 1
 
     def new_lines(self, lines: list[str]) -> list[str]:
-        """Of the write rule's report after a cell, the lines not said after an earlier cell."""
-        fresh = [line for line in lines if line not in self._reported]
-        self._reported.update(fresh)
-        return fresh
+        """Of the write rule's report after a cell, the lines to say (kept ranks: those not said after an earlier cell)."""
+        return self.lifetime.new_lines(self, lines)
+
+    def cell_gone(self, run_id: str, workers: int) -> None:
+        """Run ``run_id``'s ranks (and its ``workers``) are gone: what their lifetime does then."""
+        self.lifetime.cell_gone(self, run_id, workers)
 
     def status_lines(self) -> list[str]:
         """What ``%taas status`` says of them: shape, cells, and each rank's memory at the end of its last cell."""
@@ -186,6 +248,10 @@ class KeptRanks:
         """End the ranks and give back everything they held; a second call does nothing."""
         self._stack.close()
 
-    def _gone(self) -> None:
-        kill_tagged(f"{os.getpid()}-keep{self.id}-")  # what the ranks started and left
-        self.backend.release()  # the spares start warming now
+    def give_back(self) -> None:
+        """What the ranks started and left swept, and the backend's placement given back (the spares start warming
+        now); once."""
+        if not self._given_back:
+            self._given_back = True
+            kill_tagged(f"{os.getpid()}-{self.tag}-")
+            self.backend.release()

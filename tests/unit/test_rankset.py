@@ -1,0 +1,105 @@
+"""A rank set's bookkeeping without rank processes: its lifetime's policies over a real local backend (its reserved
+port, its layers, its stacks folder, its server), which notebook values kept ranks already have, their shape, and
+the verdict's rule that a kept rank's exit is a failure."""
+
+import os
+
+import torch
+
+from taas_magic.kernel.runs.rankset import ONE_CELL, SESSION, NameTokens, RankSet, Shape
+from taas_magic.launch.local.backend import LocalBackend
+from taas_magic.kernel.supervision.mux import FrameArrived, PeerExited
+from taas_magic.kernel.supervision.verdict import Verdict
+from taas_magic.peers import RANK, Peer
+from taas_magic.protocol import CellDone
+
+
+def test_a_name_is_sent_again_only_once_the_notebook_binds_another_object_to_it():
+    tokens = NameTokens()
+    model, config, lr = torch.nn.Linear(2, 2), {"lr": 0.1}, 0.1
+    assert tokens.unsent({"model": model, "config": config, "lr": lr}) == {"model": model, "config": config, "lr": lr}
+    tokens.remember({"model": model, "config": config, "lr": lr})
+    assert tokens.unsent({"model": model, "config": config, "lr": lr}) == {}
+    config["lr"] = 0.5  # changed in place: not a rebinding, not sent (documented)
+    assert tokens.unsent({"config": config}) == {}
+    rebound = torch.nn.Linear(2, 2)
+    assert tokens.unsent({"model": rebound, "lr": 0.5}) == {"model": rebound, "lr": 0.5}
+
+
+def test_a_weakly_held_value_that_is_gone_counts_as_not_sent():
+    tokens = NameTokens()
+    tokens.remember({"model": torch.nn.Linear(2, 2)})  # nothing else holds it: collected
+    again = torch.nn.Linear(2, 2)
+    assert tokens.unsent({"model": again}) == {"model": again}
+
+
+def test_shapes_compare_their_ranks_device_placement_and_attachment_not_their_words():
+    assert Shape(2, "cpu", "this host") == Shape(2, "cpu", "this host, said otherwise")
+    assert Shape(2, "cpu", "this host") != Shape(3, "cpu", "this host")
+    assert Shape(4, "auto", "Ray at a:1", cluster=7) != Shape(4, "auto", "Ray at a:1", cluster=8)
+    assert Shape(4, "auto", "Slurm job 3", cluster=7, per_host=2) != Shape(4, "auto", "Slurm job 3", cluster=7)
+    assert str(Shape(2, "cpu", "this host")) == "2 rank(s) on cpu, this host"
+
+
+def test_a_kept_rank_ends_its_cell_with_cell_done_and_its_exit_even_with_0_is_a_failure():
+    verdict = Verdict(2, lambda peer: "localhost", kept=True)
+    verdict.saw(FrameArrived(Peer(RANK, 0), CellDone(raised=False)))
+    assert not verdict.ranks_exited() and verdict.running() == (1,)
+    verdict.saw(FrameArrived(Peer(RANK, 1), CellDone(raised=False)))
+    assert verdict.ranks_exited() and verdict.failure is None
+    dying = Verdict(2, lambda peer: "localhost", kept=True)
+    dying.saw(PeerExited(Peer(RANK, 1), 0))
+    assert dying.failure is not None and "exited in a kept cell (code 0)" in str(dying.failure)
+    plain = Verdict(2, lambda peer: "localhost")
+    plain.saw(PeerExited(Peer(RANK, 1), 0))
+    assert plain.failure is None
+
+
+def _rank_set(lifetime, name: str, workers: int = 0) -> tuple[RankSet, LocalBackend]:
+    backend = LocalBackend(2, None, None, device="cpu")
+    return RankSet(Shape(2, "cpu", "this host"), backend, lifetime, name, workers), backend
+
+
+def test_one_cells_ranks_give_everything_back_as_the_cells_ranks_are_gone_and_once():
+    ranks, backend = _rank_set(ONE_CELL, "runid0000001", workers=1)
+    try:
+        assert ranks.owner == f"{os.getpid()}-runid0000001-ranks"  # the run's tag: the run's sweep is theirs
+        assert os.path.basename(ranks.stacks_dir).startswith(f"taas-stacks-{os.getpid()}-runid0000001-")
+        assert ranks.server.listener.fileno() != -1 and backend._port.fileno() != -1
+        ranks.cell_gone("runid0000001", workers=1)
+        assert backend._port.fileno() == -1  # given back as the ranks are gone: the spares warm now
+        ranks.give_back()  # a second time: nothing (the release calls it again)
+    finally:
+        ranks.release()
+    assert not os.path.exists(ranks.stacks_dir) and not os.path.exists(ranks.layers.root)
+    assert ranks.server.listener.fileno() == -1
+    assert ranks.lifetime.fate == "diverted and discarded"
+    assert ranks.new_lines(["rank 1: 1 change"]) == ranks.new_lines(["rank 1: 1 change"]) == ["rank 1: 1 change"]
+
+
+def test_the_sessions_ranks_keep_everything_past_a_cell_and_say_each_layer_line_once():
+    ranks, backend = _rank_set(SESSION, "abcd1234")
+    try:
+        assert ranks.owner == f"{os.getpid()}-keepabcd1234-ranks"  # never a cell's tag: a cell's sweep spares them
+        ranks.cell_gone("runid0000002", workers=0)
+        assert backend._port.fileno() != -1 and os.path.isdir(ranks.layers.root)  # kept for the next cell
+        assert ranks.lifetime.fate == "diverted, kept in its layer until %taas release"
+        assert ranks.new_lines(["rank 1: 1 change"]) == ["rank 1: 1 change"]
+        assert ranks.new_lines(["rank 1: 1 change", "rank 1: 2 changes"]) == ["rank 1: 2 changes"]
+    finally:
+        ranks.release()
+    assert backend._port.fileno() == -1 and not os.path.exists(ranks.layers.root)
+    ranks.release()  # released once: a second call does nothing
+
+
+def test_a_sessions_rank_server_admits_each_cells_data_workers_a_cells_only_its_own():
+    one, _ = _rank_set(ONE_CELL, "runid0000003", workers=2)
+    kept, _ = _rank_set(SESSION, "abcd5678")
+    try:
+        from taas_magic.cell.options import MAX_CPUS
+
+        assert (len(one.peers), one.lifetime.peers_beyond_ranks(2)) == (2, 2)
+        assert kept.lifetime.peers_beyond_ranks(0) == MAX_CPUS
+    finally:
+        one.release()
+        kept.release()
