@@ -108,7 +108,20 @@ class OnTheRanks:
         setattr(self._taas_value(), attribute, value)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return self._taas_value().__reduce_ex__(protocol)
+        # the value itself, pickled inside: its own reduce would be checked against this class and refused
+        return (_itself, (self._taas_value(),))
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self._taas_value() == other)
+
+    def __ne__(self, other: object) -> bool:
+        return bool(self._taas_value() != other)
+
+    def __hash__(self) -> int:
+        return hash(self._taas_value())
+
+    def __format__(self, spec: str) -> str:
+        return format(self._taas_value(), spec) if spec else str(self)  # f"{w}" is its repr, as str(w): no copy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._taas_value()(*args, **kwargs)
@@ -130,6 +143,11 @@ class OnTheRanks:
 
     def __bool__(self) -> bool:
         return bool(self._taas_value())
+
+
+def _itself(value: Any) -> Any:
+    """A proxy unpickled: the value it was copied as."""
+    return value
 
 
 def _delegate(operation: Callable[..., Any], reflected: bool = False) -> Callable[..., Any]:
