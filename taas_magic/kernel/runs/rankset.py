@@ -106,8 +106,11 @@ class Lifetime:
     """How long a rank set lives, as a policy: what it does when a cell's run on it ends. The two are
     :data:`ONE_CELL` (fresh ranks) and :data:`SESSION` (``--keep``); only they ask which one a set has."""
 
-    name = ""
     fate = ""  # what became of a rank's diverted writes, in the write rule's report
+
+    def tag(self, name: str) -> str:
+        """What names the set's owner tag and stacks folder, from its ``name``."""
+        raise NotImplementedError
 
     def peers_beyond_ranks(self, workers: int) -> int:
         """How many data workers its rank server admits besides the ranks."""
@@ -123,7 +126,10 @@ class Lifetime:
 
 
 class _OneCell(Lifetime):
-    name, fate = "one cell", "diverted and discarded"
+    fate = "diverted and discarded"
+
+    def tag(self, name: str) -> str:
+        return name  # the run's id: the run's sweep is its ranks'
 
     def peers_beyond_ranks(self, workers: int) -> int:
         return workers
@@ -136,7 +142,10 @@ class _OneCell(Lifetime):
 
 
 class _Session(Lifetime):
-    name, fate = "the session", "diverted, kept in its layer until %taas release"
+    fate = "diverted, kept in its layer until %taas release"
+
+    def tag(self, name: str) -> str:
+        return f"keep{name}"  # never a cell's: a cell's sweep spares them
 
     def peers_beyond_ranks(self, workers: int) -> int:
         return MAX_CPUS  # each cell's data workers after the ranks (peers.py numbers them so)
@@ -165,7 +174,7 @@ class RankSet:
         a new one for :data:`SESSION`; ``workers``: the one cell's data workers. A part that cannot be taken
         releases the ones before it and raises."""
         self.shape, self.lifetime, self.id = shape, lifetime, name
-        self.tag = name if lifetime is ONE_CELL else f"keep{name}"  # names its owner tag and its stacks folder
+        self.tag = lifetime.tag(name)  # names its owner tag and its stacks folder
         self.names = NameTokens()
         self.cells = 0  # cells run on them since they started
         self.started = time.time()
