@@ -106,7 +106,7 @@ class _RankText:
         self.partial = {"stdout": "", "stderr": ""}
         self.marker_hold = ""
         self.end_hold = {"stdout": "", "stderr": ""}  # the first part of a cell's end, not yet whole
-        self.ended: set[str] = set()  # the streams that said this cell is over (kept ranks)
+        self.ended: set[str] = set()  # the streams its cell ended on: closed, or (a kept rank) said so
         self.tail: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self.tail_partial = ""
 
@@ -204,6 +204,7 @@ class OutputRelay:
         """The process closed this pipe: emit its undecoded bytes and unfinished line."""
         self.feed(peer, stream, b"", final=True)
         state = self.texts[peer]
+        state.ended.add(stream)  # nothing more of the cell can come on it
         if self.mode == "all" and state.partial[stream]:
             self.pending[stream].append(f"[{peer}] {state.partial[stream]}\n")
             state.partial[stream] = ""
@@ -218,7 +219,8 @@ class OutputRelay:
         return self.texts[peer].last_lines()
 
     def cell_ended(self, peer: Peer) -> bool:
-        """Whether a kept rank's both streams said its cell is over (all it printed in the cell is here)."""
+        """Whether all the rank printed in the cell is here: each of its streams closed, or (a kept rank's) said its
+        cell is over."""
         return self.texts[peer].ended == {"stdout", "stderr"}
 
     def has_pending(self) -> bool:

@@ -1,13 +1,14 @@
-"""The restart loop (kernel/supervision/attempts.py) over a stand-in :class:`Supervised` that records
-each call: the real policy (verdict.py, restarts.py) decides, the real relay shows the restart line,
-and a process group that records ``stop`` and ``close`` stands where the ranks would be."""
+"""The one supervision loop (kernel/supervision/attempts.py) with the restart-on-failure policy (restarts.py's
+:class:`Restarting`) over a stand-in :class:`Supervised` that records each call: the real rule (verdict.py,
+restarts.py) decides, the real relay shows the restart line, and a process group that records ``stop`` and
+``close`` stands where the ranks would be. The keep-on-failure policy's: test_keeping.py."""
 
 import pytest
 
 from taas_magic.errors import RankFailed, RunTimeout
 from taas_magic.kernel.supervision import attempts as attempt_loop
 from taas_magic.kernel.supervision.mux import FrameArrived, PeerExited
-from taas_magic.kernel.supervision.restarts import Attempts
+from taas_magic.kernel.supervision.restarts import Attempts, Restarting
 from taas_magic.kernel.supervision.verdict import TimedOut, Verdict
 from taas_magic.output.relay import OutputRelay
 from taas_magic.peers import RANK, Peer, PeerIds
@@ -42,6 +43,15 @@ class _Supervised:
         self.relay = OutputRelay("rank0", PeerIds(2), {"stdout": WrittenText(), "stderr": self.stderr})
         self.verdict = Verdict(2, host=lambda peer: "host-a")
 
+    def show_start(self) -> None:
+        self.log.append(("show_start",))
+
+    def explain_stop(self, autopsy: bool = True) -> None:
+        self.log.append(("explain_stop", autopsy))
+
+    def pump(self, seconds: float) -> None:
+        raise AssertionError("the restart policy waits for nothing")
+
     def attach(self, group, running) -> None:
         self.log.append(("attach", group.attempt))
         running()  # every rank connected
@@ -60,7 +70,7 @@ class _Supervised:
         self.log.append(("last_words", notes))
         return self.verdict.failure.with_output(("its last line",), notes)
 
-    def stop_everything(self, group) -> None:
+    def stop_everything(self, group, graceful: bool = True) -> None:
         self.log.append(("stop_everything", group.attempt))
 
     def detach(self) -> None:
@@ -80,7 +90,7 @@ def _run(plays: list, restarts: int):
     attempts = Attempts(restarts, between=lambda attempt: log.append(("between", attempt)),
                         running=lambda may_restart: log.append(("running", may_restart)))
     try:
-        outcome = attempt_loop.run(supervised, start, attempts)
+        outcome = attempt_loop.run(supervised, Restarting(start, attempts))
     except BaseException as exc:  # noqa: BLE001 - the test reads what the loop raised
         outcome = exc
     return outcome, log, "".join(supervised.stderr.written).splitlines()
@@ -97,7 +107,7 @@ def _raised(line: int) -> FrameArrived:
 def test_a_first_attempt_that_succeeds_is_the_outcome_and_its_group_is_closed():
     outcome, log, lines = _run([DONE], restarts=0)
     assert outcome == DONE
-    assert log == [("start", 0), ("attach", 0), ("running", False), ("watch",), ("detach",), ("close", 0)]
+    assert log == [("show_start",), ("start", 0), ("attach", 0), ("running", False), ("watch",), ("detach",), ("close", 0)]
     assert lines == []
 
 
@@ -105,7 +115,7 @@ def test_a_failure_with_restarts_left_stops_the_group_at_once_and_starts_the_nex
     outcome, log, lines = _run([_exited(), DONE], restarts=1)
     assert outcome == DONE
     assert log == [
-        ("start", 0), ("attach", 0), ("running", True), ("watch",),
+        ("show_start",), ("start", 0), ("attach", 0), ("running", True), ("watch",),
         ("last_words", ()), ("stop", 0, False), ("detach",), ("close", 0),  # no graceful stop: no finally runs
         ("between", 0),
         ("start", 1), ("attach", 1), ("running", False), ("watch",), ("detach",), ("close", 1),
@@ -117,7 +127,7 @@ def test_a_failure_with_no_restarts_stops_everything_and_raises_the_last_words()
     outcome, log, lines = _run([_exited(), DONE], restarts=0)
     assert isinstance(outcome, RankFailed) and outcome.rank == 1
     assert outcome.last_lines == ("its last line",) and outcome.notes == ()  # --restarts 0: nothing to add
-    assert log == [("start", 0), ("attach", 0), ("running", False), ("watch",),
+    assert log == [("show_start",), ("start", 0), ("attach", 0), ("running", False), ("watch",),
                    ("last_words", ()), ("stop_everything", 0), ("detach",), ("close", 0)]
     assert lines == []
 
@@ -150,20 +160,21 @@ def test_a_timed_out_attempt_says_where_its_ranks_were_before_the_restart_line()
 def test_an_interrupt_is_never_retried_and_the_group_is_still_detached_and_closed():
     outcome, log, lines = _run([KeyboardInterrupt(), DONE], restarts=2)
     assert isinstance(outcome, KeyboardInterrupt)
-    assert log == [("start", 0), ("attach", 0), ("running", True), ("watch",), ("detach",), ("close", 0)]
+    assert log == [("show_start",), ("start", 0), ("attach", 0), ("running", True), ("watch",), ("explain_stop", True),
+                   ("detach",), ("close", 0)]  # where the ranks were (the autopsy), then they are stopped
     assert lines == []
 
 
 def test_a_failure_while_stopping_everything_still_detaches_and_closes():
     class Failing(_Supervised):
-        def stop_everything(self, group) -> None:
+        def stop_everything(self, group, graceful: bool = True) -> None:
             super().stop_everything(group)
             raise OSError("the stop failed")
 
     log: list = []
     supervised = Failing([TimedOut(1.0, (0, 1))], log)
     with pytest.raises(OSError, match="the stop failed"):
-        attempt_loop.run(supervised, lambda attempt: _Group(attempt, log), Attempts(0))
+        attempt_loop.run(supervised, Restarting(lambda attempt: _Group(attempt, log), Attempts(0)))
     assert log[-3:] == [("stop_everything", 0), ("detach",), ("close", 0)]
 
 

@@ -1,8 +1,7 @@
 """Kept ranks as supervision sees them (kernel/supervision/keptcell.py's :class:`KeptGroup`) over real child
 processes: why they ended (each dead rank in :func:`describe_exit`'s words, or why they were stopped), whether they
 run (polled at most once per :data:`ALIVE_RECHECK_SECONDS`, on a clock the test moves), closing them (their
-channels, then their group, once), greeting every rank with a cell's frames through a mux that records what it
-sends, and the line a cell says when their state is lost.
+channels, then their group, once), and the line a cell says when their state is lost.
 
 The ranks are ``python -c 'time.sleep(30)'`` processes in a small group exposing what :class:`ProcessGroup` gives
 supervision here (``children`` with ``index`` and ``poll()``, and ``close()``); every one is killed and reaped when
@@ -17,7 +16,7 @@ import pytest
 
 from taas_magic.kernel.supervision import keptcell
 from taas_magic.kernel.supervision.keptcell import ALIVE_RECHECK_SECONDS, KeptGroup, lost_line
-from taas_magic.peers import RANK, Peer
+from taas_magic.peers import Peer
 
 SLEEP = "import time; time.sleep(30)"
 
@@ -185,18 +184,6 @@ def test_close_of_ranks_never_started_does_nothing():
     ranks = KeptGroup(lost="every rank was stopped")
     ranks.close()
     assert ranks.group is None and ranks.mux is None and ranks.lost == "every rank was stopped"
-
-
-def test_greet_sends_every_body_to_every_rank_in_order_and_says_so(start):
-    group, log = start(2)
-    mux = _Mux(log)
-    ranks = KeptGroup(group=group, mux=mux)
-    assert not ranks.greeted
-    ranks.greet([b"spec", b"closure"], 3)
-    assert mux.sent == [(Peer(RANK, 0), b"spec"), (Peer(RANK, 0), b"closure"),
-                        (Peer(RANK, 1), b"spec"), (Peer(RANK, 1), b"closure"),
-                        (Peer(RANK, 2), b"spec"), (Peer(RANK, 2), b"closure")]
-    assert ranks.greeted and log == []
 
 
 def test_the_lost_line_says_why_and_that_the_next_kept_cell_starts_new_ranks():

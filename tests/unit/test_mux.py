@@ -65,8 +65,9 @@ def test_a_peer_gets_its_greeting_then_what_waited_and_its_exit_comes_after_its_
         assert [event for event in events if isinstance(event, Output)] == [Output(RANK_0, "stdout", b"last words\n")]
         mux.deliver(RANK_0, protocol.encode(Elements(0, 0, [])))  # it exited: nothing is queued for it
         assert not mux.channels.queued
+        assert mux.exited_connected(RANK_0)  # exited, its channel not yet closed: frames may still come
         channel.close()
-        _until(mux, lambda events: not mux.rank_streams_open())  # its channel's end is read too
+        _until(mux, lambda events: not mux.exited_connected(RANK_0))  # its channel's end is read too
     finally:
         thread.join(60)
         mux.close()

@@ -3,13 +3,16 @@ port, its layers, its stacks folder, its server), which notebook values kept ran
 the verdict's rule that a kept rank's exit is a failure."""
 
 import os
+import types
 
 import torch
 
-from taas_magic.kernel.runs.rankset import ONE_CELL, SESSION, NameTokens, RankSet, Shape
-from taas_magic.launch.local.backend import LocalBackend
+from taas_magic.kernel.runs.rankset import ONE_CELL, SESSION, NameTokens, RankSet, RankState, Shape
+from taas_magic.kernel.supervision import keptcell
+from taas_magic.kernel.supervision.keptcell import Keeping
 from taas_magic.kernel.supervision.mux import FrameArrived, PeerExited
 from taas_magic.kernel.supervision.verdict import Verdict
+from taas_magic.launch.local.backend import LocalBackend
 from taas_magic.peers import RANK, Peer
 from taas_magic.protocol import CellDone
 
@@ -42,12 +45,12 @@ def test_shapes_compare_their_ranks_device_placement_and_attachment_not_their_wo
 
 
 def test_a_kept_rank_ends_its_cell_with_cell_done_and_its_exit_even_with_0_is_a_failure():
-    verdict = Verdict(2, lambda peer: "localhost", kept=True)
+    verdict = Verdict(2, lambda peer: "localhost", clean_exit=Keeping.clean_exit)
     verdict.saw(FrameArrived(Peer(RANK, 0), CellDone(raised=False)))
     assert not verdict.ranks_exited() and verdict.running() == (1,)
     verdict.saw(FrameArrived(Peer(RANK, 1), CellDone(raised=False)))
     assert verdict.ranks_exited() and verdict.failure is None
-    dying = Verdict(2, lambda peer: "localhost", kept=True)
+    dying = Verdict(2, lambda peer: "localhost", clean_exit=Keeping.clean_exit)
     dying.saw(PeerExited(Peer(RANK, 1), 0))
     assert dying.failure is not None and "exited in a kept cell (code 0)" in str(dying.failure)
     plain = Verdict(2, lambda peer: "localhost")
@@ -103,3 +106,36 @@ def test_a_sessions_rank_server_admits_each_cells_data_workers_a_cells_only_its_
     finally:
         one.release()
         kept.release()
+
+
+class _Alive:
+    """A rank's process as the set polls it: running until the test says it died."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.code = index, None
+
+    def poll(self):
+        return self.code
+
+
+def test_a_sets_state_follows_its_life_new_busy_idle_lost_and_released(monkeypatch):
+    ranks, _ = _rank_set(SESSION, "state123")
+    try:
+        assert ranks.state is RankState.NEW and "new, none running" in ranks.status_lines()[0]
+        ranks.busy_with = "runid0000004"  # a cell borrows it (kernel/runs/run.py); its ranks start
+        assert ranks.state is RankState.BUSY
+        children = [_Alive(0), _Alive(1)]
+        ranks.ranks.group = types.SimpleNamespace(children=children, close=lambda: None)
+        ranks.cell_over()
+        assert ranks.state is RankState.IDLE and ranks.running
+        monkeypatch.setattr(keptcell, "ALIVE_RECHECK_SECONDS", 0.0)  # polled again at once
+        children[1].code = -9  # a rank dies between cells
+        assert ranks.state is RankState.LOST
+        assert ranks.status_lines() == ["kept ranks: lost, none running (2 rank(s) on cpu, this host; "
+                                        "rank 1 was killed by SIGKILL)"]
+        ranks.ranks.close()
+        ranks.ranks.lost = "every rank was stopped"
+        assert ranks.state is RankState.LOST
+    finally:
+        ranks.release()
+    assert ranks.state is RankState.RELEASED

@@ -16,9 +16,10 @@ from taas_magic import protocol, wire
 from taas_magic.cell.pragma import PragmaOptions, settle
 from taas_magic.errors import RankFailed, RunTimeout, TrialPruned, WorkerFailed
 from taas_magic.kernel.supervision.dataplane import DataRun
-from taas_magic.kernel.supervision.restarts import Attempts
+from taas_magic.kernel.supervision.attempts import run_ranks
+from taas_magic.kernel.supervision.restarts import Attempts, Restarting
 from taas_magic.kernel.supervision.server import PeerServer
-from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts, run_ranks
+from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts
 from taas_magic.output.board import Board
 from taas_magic.output.relay import OutputRelay
 from taas_magic.peers import PeerIds
@@ -207,7 +208,7 @@ def test_a_ranks_lines_reach_the_cell_in_order_and_clean_exits_are_the_outcome(s
     group.children[1].print("rank 1 is not shown with --output rank0\n")
     for child in group.children:
         child.exit(0)
-    outcome = run_ranks(_parts(server, cell), _starts(group))
+    outcome = run_ranks(_parts(server, cell), Restarting(_starts(group)))
     assert outcome == RunOutcome(None, {0: 0, 1: 0})
     assert cell.streams["stdout"].text == "".join(lines) + "a bar 50%\r"  # \r kept
     assert cell.streams["stderr"].text == ""
@@ -224,7 +225,7 @@ def test_with_output_all_each_ranks_lines_are_whole_and_named(server):
     group.children[1].print("no newline at the end")
     for child in group.children:
         child.exit(0)
-    run_ranks(_parts(server, cell), _starts(group))
+    run_ranks(_parts(server, cell), Restarting(_starts(group)))
     assert sorted(cell.streams["stdout"].text.splitlines()) == [
         "[rank 0] zero whole", "[rank 1] no newline at the end", "[rank 1] one"]
     assert cell.streams["stderr"].text == "[rank 1] warning\n"
@@ -240,7 +241,7 @@ def test_rank_0s_result_and_reports_arrive_over_the_channel_and_running_is_said_
     together = threading.Barrier(2)
     threads = [_talking_rank(server, group.children[0], [report, _result()], errors, together),
                _talking_rank(server, group.children[1], [Report(0.0, [(1, {"loss": 0.75})], None)], errors, together)]
-    outcome = run_ranks(_parts(server, cell, board=board), _starts(group), attempts=Attempts(running=running.append))
+    outcome = run_ranks(_parts(server, cell, board=board), Restarting(_starts(group), Attempts(running=running.append)))
     for thread in threads:
         thread.join(WAIT)
     assert errors == []
@@ -258,7 +259,7 @@ def test_a_rank_that_exits_1_fails_the_run_naming_it_with_its_last_output_and_ev
     group.children[1].print("about to fail\n", "stderr")
     group.children[1].exit(1)  # rank 0 still runs
     with pytest.raises(RankFailed) as failed:
-        run_ranks(_parts(server, cell), _starts(group))
+        run_ranks(_parts(server, cell), Restarting(_starts(group)))
     error = failed.value
     assert error.rank == 1 and str(error) == "rank 1 on host-a exited with code 1 without reporting an error"
     assert error.last_lines == ("loading", "about to fail")
@@ -279,7 +280,7 @@ def test_a_stop_asked_is_an_interrupt_that_says_where_the_ranks_were_and_closes_
     asked = iter([False, False, True])
     parts = _parts(server, cell, explain=explain, stop_asked=lambda: next(asked, True))
     with pytest.raises(KeyboardInterrupt):
-        run_ranks(parts, _starts(group), attempts=Attempts(restarts=2))
+        run_ranks(parts, Restarting(_starts(group), Attempts(restarts=2)))
     assert explained == [({0: "stack of rank 0", 1: "stack of rank 1"}, (0, 1))]
     assert cell.streams["stdout"].text == "training\n"
     assert cell.streams["stderr"].text == "rank 0 was in train()\nrank 1 was in train()\n"
@@ -293,7 +294,7 @@ def test_the_timeout_fails_the_run_naming_the_ranks_still_running_and_where_they
     group.children[0].exit(0)
     parts = _parts(server, cell, timeout=0.2, explain=lambda stacks, running: [f"{stacks[rank]}: in recv" for rank in running])
     with pytest.raises(RunTimeout) as timed_out:
-        run_ranks(parts, _starts(group))
+        run_ranks(parts, Restarting(_starts(group)))
     error = timed_out.value
     assert error.running == (1, 2) and "ranks still running: 1, 2" in str(error)
     assert error.notes == ("stack of rank 1: in recv", "stack of rank 2: in recv")
@@ -304,7 +305,7 @@ def test_a_timeout_without_an_autopsy_names_the_ranks_only(server):
     cell = _Cell(PeerIds(1), "rank0")
     group = _Group(1)
     with pytest.raises(RunTimeout) as timed_out:
-        run_ranks(_parts(server, cell, timeout=0.05), _starts(group))
+        run_ranks(_parts(server, cell, timeout=0.05), Restarting(_starts(group)))
     assert timed_out.value.running == (0,) and timed_out.value.notes == ()
 
 
@@ -314,7 +315,7 @@ def test_the_pruner_stops_every_rank_at_once(server):
     pruned = iter([False, True])
     parts = _parts(server, cell, prune_asked=lambda: next(pruned, True), explain=_never_explained)
     with pytest.raises(TrialPruned):
-        run_ranks(parts, _starts(group), attempts=Attempts(restarts=1))
+        run_ranks(parts, Restarting(_starts(group), Attempts(restarts=1)))
     assert group.calls == [("stop", False), "close"]  # TERM then KILL, no autopsy, no restart
 
 
@@ -334,7 +335,7 @@ def test_a_failed_attempt_is_stopped_at_once_and_its_ranks_may_connect_again_in_
 
     # the first attempt's rank 0 is connected when rank 1 is killed
     threads.append(_talking_rank(server, first.children[0], [], errors, meanwhile=lambda: first.children[1].exit(-9)))
-    outcome = run_ranks(_parts(server, cell), start, attempts=Attempts(restarts=1, between=between))
+    outcome = run_ranks(_parts(server, cell), Restarting(start, Attempts(restarts=1, between=between)))
     for thread in threads:
         thread.join(WAIT)
     assert errors == [] and start.asked == [0, 1]
@@ -364,7 +365,7 @@ def test_the_data_workers_outlive_the_ranks_and_are_closed_with_the_run(server, 
         child.exit(0)
     data.prepare("run1", "handshake", cell.ids, {}, _rule(tmp_path))
     try:
-        outcome = run_ranks(_parts(server, cell), _starts(ranks), lambda: data.start(workers, None, cell.publish))
+        outcome = run_ranks(_parts(server, cell), Restarting(_starts(ranks)), lambda: data.start(workers, None, cell.publish))
     finally:
         data.close()
     assert outcome.exit_codes == {0: 0, 1: 0}
@@ -383,8 +384,8 @@ def test_a_data_workers_exit_before_done_fails_the_run_and_stops_the_workers_too
     data.prepare("run2", "handshake", cell.ids, {}, _rule(tmp_path))
     try:
         with pytest.raises(WorkerFailed) as failed:
-            run_ranks(_parts(server, cell), _starts(ranks), lambda: data.start(workers, None, cell.publish),
-                      Attempts(restarts=3))
+            run_ranks(_parts(server, cell), Restarting(_starts(ranks), Attempts(restarts=3)),
+                      lambda: data.start(workers, None, cell.publish))
     finally:
         data.close()
     assert str(failed.value) == "data worker 0 on host-a exited before preparing its share of the elements"
@@ -400,7 +401,7 @@ def _rule(tmp_path):
 
 def test_the_boards_two_displays_go_out_once_whichever_thread_starts_it_first():
     """The cell's thread starts the board under the header (kernel/runs/background.py's begin); the run's thread
-    then starts it again (supervisor.py's show_start), which adds nothing."""
+    then starts it again (supervisor.py's show_start, from the policy's start), which adds nothing."""
     shown: list = []
     board = Board(2, shown.append)
     board.start()

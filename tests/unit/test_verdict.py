@@ -3,6 +3,7 @@ no process is started, no socket opened, no clock read."""
 
 from taas_magic.errors import RankFailed, RunTimeout, WorkerFailed
 from taas_magic.kernel.supervision.mux import FrameArrived, FrameRefused, Output, PeerConnected, PeerExited
+from taas_magic.kernel.supervision.restarts import refusal
 from taas_magic.kernel.supervision.verdict import SETTLE_SECONDS, TimedOut, Verdict
 from taas_magic.peers import RANK, WORKER, Peer
 from taas_magic.protocol import Done, RankError, Report, WorkerFailure
@@ -107,12 +108,12 @@ def test_what_to_retry_the_same_error_twice_is_not_and_workers_are_remembered_ac
     verdict = _verdict()
     verdict.saw(FrameArrived(WORKER_0, Done(0)))
     verdict.saw(_raised(RANK_1))
-    assert verdict.refusal(0, 3, None) is None  # restart
+    assert refusal(0, 3, verdict.failure, None) is None  # restart
     first = verdict.failure
     verdict.next_attempt()
     assert verdict.failure is None and verdict.running() == (0, 1)
     verdict.saw(_raised(RANK_0))
-    assert verdict.refusal(1, 3, first).startswith("the error repeated: the same ValueError at line 4")
+    assert refusal(1, 3, verdict.failure, first).startswith("the error repeated: the same ValueError at line 4")
     verdict.saw(PeerExited(WORKER_0, 0))  # its Done came in the first attempt: a clean end
     assert verdict.cause == RANK_0
 

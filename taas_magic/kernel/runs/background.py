@@ -198,15 +198,13 @@ class BackgroundRun(RunThread):
 
     def begin(self) -> None:
         """On the cell's thread, before :meth:`start`, for a run without data workers (their line goes above the
-        board, so those runs leave all of it to their thread): a cell on running kept ranks sends them its frames
-        now, so they begin it before the run's thread is up (supervision/keptcell.py); and the live board's two
-        displays go into the log now, under the header, so the cell shows the three at once instead of each
-        as the run's thread writes it (each a wake-up of the cell's thread)."""
+        board, so those runs leave all of it to their thread): the live board's two displays go into the log now,
+        under the header, so the cell shows the three at once instead of each as the run's thread writes it (each
+        a wake-up of the cell's thread). The cell's frames go to its ranks from the run's thread only
+        (kernel/supervision/attempts.py)."""
         run, execution = self.run, self.execution
         if run is None or execution is None or run.data is not None:
             return
-        if run.on_kept and run.ranks.running:
-            run.ranks.ranks.greet(run.bodies, run.peers.ranks)
         execution.board.start()
 
     def _work(self) -> RunOutcome:

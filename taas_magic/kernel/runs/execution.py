@@ -31,12 +31,11 @@ from taas_magic import wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.hangline import HangWatch
 from taas_magic.errors import LaunchError
-from taas_magic.kernel.runs.rankset import SESSION
 from taas_magic.kernel.runs.run import Run
+from taas_magic.kernel.supervision.attempts import run_ranks
 from taas_magic.kernel.supervision.dataplane import DataPlane
-from taas_magic.kernel.supervision.keptcell import run_kept_cell
 from taas_magic.kernel.supervision.restarts import Attempts
-from taas_magic.kernel.supervision.supervisor import MarkerHook, RunOutcome, RunParts, never, not_a_search, run_ranks
+from taas_magic.kernel.supervision.supervisor import MarkerHook, RunOutcome, RunParts, never, not_a_search
 from taas_magic.launch.contract import ProcessGroup
 from taas_magic.output.board import Board, health_by_rank
 from taas_magic.output.relay import OutputRelay, TextOut
@@ -123,16 +122,13 @@ class Execution:
 def execute(execution: Execution) -> RunOutcome:
     """The ranks (and data workers) of the execution's run, supervised until they end or a stop is asked."""
     run = execution.run
-    attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
     try:
-        if run.ranks.lifetime is SESSION:  # the kept ranks: started by the first cell, given each later one
-            if run.on_kept and not run.ranks.running:  # its closure has only what those ranks lacked
-                raise LaunchError("taas: the kept ranks ended after this cell was planned (a rank died): run the cell "
-                                  "again, and new ranks start")
-            return run_kept_cell(execution.parts(), run.ranks.ranks, execution.start_ranks,
-                                 execution.start_data if run.data is not None else None)
-        return run_ranks(execution.parts(), execution.start_ranks,
-                         execution.start_data if run.data is not None else None, attempts)
+        if run.on_kept and not run.ranks.running:  # its closure has only what those ranks lacked
+            raise LaunchError("taas: the kept ranks ended after this cell was planned (a rank died): run the cell "
+                              "again, and new ranks start")
+        attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
+        policy = run.ranks.lifetime.policy(run.ranks, execution.start_ranks, attempts)
+        return run_ranks(execution.parts(), policy, execution.start_data if run.data is not None else None)
     finally:
         run.ranks.health = health_by_rank(execution.board)  # %taas status says it of kept ranks
         if run.trial is not None:  # a search's trial: the search says whose reports taas.metrics() gives (the best's)

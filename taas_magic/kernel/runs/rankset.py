@@ -26,6 +26,7 @@ list, a dict) is held by the tokens until its name is rebound or the ranks are r
 
 from __future__ import annotations
 
+import enum
 import os
 import time
 import weakref
@@ -36,9 +37,11 @@ from typing import Callable, Iterable, Mapping
 from taas_magic import wire
 from taas_magic.autopsy import stacks
 from taas_magic.cell.options import MAX_CPUS
-from taas_magic.kernel.supervision.keptcell import KeptGroup
+from taas_magic.kernel.supervision.attempts import Policy
+from taas_magic.kernel.supervision.keptcell import Keeping, KeptGroup
+from taas_magic.kernel.supervision.restarts import Attempts, Restarting
 from taas_magic.kernel.supervision.server import PeerServer
-from taas_magic.launch.contract import Backend
+from taas_magic.launch.contract import Backend, ProcessGroup
 from taas_magic.peers import PeerIds
 from taas_magic.procs import kill_tagged
 from taas_magic.protocol import Result
@@ -124,6 +127,10 @@ class Lifetime:
         """Of the write rule's report after a cell, the lines to say."""
         raise NotImplementedError
 
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
+        """What a failure costs a cell's ranks (kernel/supervision/attempts.py), each attempt's ranks from ``start``."""
+        raise NotImplementedError
+
 
 class _OneCell(Lifetime):
     fate = "diverted and discarded"
@@ -139,6 +146,9 @@ class _OneCell(Lifetime):
 
     def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
         return lines
+
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
+        return Restarting(start, attempts)  # --restarts: new ranks for each attempt
 
 
 class _Session(Lifetime):
@@ -159,14 +169,34 @@ class _Session(Lifetime):
         ranks.reported.update(fresh)
         return fresh
 
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
+        return Keeping(ranks.ranks, start)  # the ranks outlive the cell (--restarts with --keep is refused)
+
 
 ONE_CELL: Lifetime = _OneCell()
 SESSION: Lifetime = _Session()
 
 
+class RankState(enum.Enum):
+    """Where a rank set is in its life (as torch elastic's ``WorkerState`` is a worker group's)::
+
+        NEW --a cell borrows it--> BUSY --the cell ends, the ranks live--> IDLE --a cell--> BUSY ...
+                                   BUSY --a failure stopped them, or a rank died--> LOST --a cell: new ranks--> BUSY
+        any --released--> RELEASED
+
+    One cell's ranks go NEW, BUSY, RELEASED (their run releases the set as it ends)."""
+
+    NEW = "new"  # made; no rank started yet
+    BUSY = "busy"  # a cell runs on it
+    IDLE = "idle"  # its ranks run, between cells (kept ranks)
+    LOST = "lost"  # its ranks were stopped or died, their state with them; the next cell starts new ones
+    RELEASED = "released"  # given back: nothing of it is left
+
+
 class RankSet:
     """The ranks one run, or the session's ``--keep`` cells, run in (see the module docstring): what they hold, and
-    for how long (:class:`Lifetime`); whole once made, released once. A run always borrows one."""
+    for how long (:class:`Lifetime`), and where they are in their life (:attr:`state`); whole once made, released
+    once. A run always borrows one."""
 
     def __init__(self, shape: Shape, backend: Backend, lifetime: Lifetime, name: str, workers: int = 0):
         """Enter ``backend`` and take the ranks' server, layers and stacks folder; the ranks start with the
@@ -182,7 +212,7 @@ class RankSet:
         self.fetch: Callable[[RankSet, str], object] | None = None  # copies a name from rank 0 (the magic's)
         self.health: dict[int, dict] = {}  # each rank's figures (rss, gpu_memory) at the end of its last cell
         self.reported: set[str] = set()  # the write rule's lines already said (kept ranks)
-        self._given_back = False
+        self._given_back = self._released = False
         self._stack = ExitStack()
         try:
             self.backend = self._stack.enter_context(backend)
@@ -207,7 +237,19 @@ class RankSet:
         return f"{os.getpid()}-{self.tag}-ranks"
 
     @property
+    def state(self) -> RankState:
+        """Where the set is in its life (:class:`RankState`); a rank that died between cells is seen here."""
+        if self._released:
+            return RankState.RELEASED
+        if self.busy_with is not None:
+            return RankState.BUSY
+        if self.ranks.running:
+            return RankState.IDLE
+        return RankState.NEW if self.ranks.group is None and self.ranks.lost is None else RankState.LOST
+
+    @property
     def running(self) -> bool:
+        """Its ranks run (a cell on them, or between cells)."""
         return self.ranks.running
 
     @property
@@ -238,8 +280,9 @@ class RankSet:
     def status_lines(self) -> list[str]:
         """What ``%taas status`` says of them: shape, cells, and each rank's memory at the end of its last cell."""
         if not self.running:
-            return [f"kept ranks: none running ({self.shape}; {self.ranks.ended_why() or 'not started'})"]
-        idle = "busy with run " + self.busy_with if self.busy_with else "idle"
+            why = self.ranks.ended_why() or "not started"
+            return [f"kept ranks: {self.state.value}, none running ({self.shape}; {why})"]
+        idle = f"busy with run {self.busy_with}" if self.state is RankState.BUSY else "idle"
         since = time.strftime("%H:%M:%S", time.localtime(self.started))
         lines = [f"kept ranks: {self.shape}, {self.cells} cell(s) since {since}, {idle} (%taas release ends them)"]
         assert self.ranks.group is not None
@@ -256,6 +299,7 @@ class RankSet:
     def release(self) -> None:
         """End the ranks and give back everything they held; a second call does nothing."""
         self._stack.close()
+        self._released = True
 
     def give_back(self) -> None:
         """What the ranks started and left swept, and the backend's placement given back (the spares start warming

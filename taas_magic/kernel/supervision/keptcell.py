@@ -1,9 +1,11 @@
-"""One cell on kept ranks (``--keep``): started once, then given each cell, and never lost to a bad one.
+"""Keep-on-failure, the policy of kept ranks (``--keep``): started once, then given each cell, and never lost to a
+bad one.
 
-Runs in the kernel, on the run's own thread (kernel/runs/background.py), with the supervisor.
+Runs in the kernel, on the run's own thread (kernel/runs/background.py), as a :class:`Policy` of the one loop
+(attempts.py); that thread alone sends a cell's frames to the ranks.
 
 Kept ranks are a :class:`KeptGroup`: their processes and the selector that watches their pipes, channels
-and exits (mux.py), kept from cell to cell by the session (kernel/runs/rankset.py). A cell on them:
+and exits (mux.py), kept from cell to cell by their rank set (kernel/runs/rankset.py). A cell on them:
 
 - the first starts them as a run starts its ranks; each later one sends every rank its spec and closure
   over the channel it already has, and the mux goes on watching them where the last cell left off;
@@ -35,9 +37,9 @@ from typing import Callable
 
 from taas_magic import protocol
 from taas_magic.errors import PeerFailed, RunError, RunTimeout, describe_exit
-from taas_magic.kernel.supervision.dataplane import DataPlane
+from taas_magic.kernel.supervision.attempts import Judged, Supervised
 from taas_magic.kernel.supervision.mux import Mux
-from taas_magic.kernel.supervision.supervisor import AttemptWatch, RunOutcome, RunParts, Supervisor, show_start
+from taas_magic.kernel.supervision.supervisor import RunParts
 from taas_magic.launch.contract import ProcessGroup
 from taas_magic.peers import RANK, Peer
 
@@ -60,20 +62,7 @@ class KeptGroup:
     group: ProcessGroup | None = None
     mux: Mux | None = None
     lost: str | None = None  # why they are gone (their state with them), once they are
-    greeted: bool = False  # the next cell's frames were sent already (:meth:`greet`)
     seen_alive_at: float = float("-inf")  # when every rank was last seen alive (:attr:`running`)
-
-    def greet(self, bodies: list[bytes], ranks: int) -> None:
-        """Send a cell's frames (its spec and closure) to every rank now, from the cell's thread as its run starts:
-        the ranks begin the cell about a millisecond sooner than when its run's thread is up and sends them, which
-        then only supervises it (:func:`run_kept_cell`). Only for running ranks, and a cell without data workers
-        (those start first): the caller has just seen them running. What the ranks answer waits in their channels
-        until the run's thread reads it."""
-        assert self.mux is not None
-        for rank in range(ranks):
-            for body in bodies:
-                self.mux.send(Peer(RANK, rank), body)
-        self.greeted = True
 
     def ended_why(self) -> str | None:
         """Why ranks that were started no longer run (a cell stopped them, a rank died), or None."""
@@ -107,93 +96,109 @@ class KeptGroup:
             group.close()
 
 
-def run_kept_cell(parts: RunParts, ranks: KeptGroup, start: Callable[[int], ProcessGroup],
-                  data: Callable[[], DataPlane] | None = None) -> RunOutcome:
-    """The cell on ``ranks`` (started now by ``start(0)`` if they are not running) and its data workers
-    (``data()``, started first), supervised until every rank ended it; see the module docstring for what is
-    kept when it fails or is interrupted."""
-    fresh, greeted, ranks.greeted = not ranks.running, ranks.greeted, False
-    if fresh:
-        ranks.close()  # a group whose rank died between cells: what is left of it
-        ranks.lost = None
-        parts.server.readmit(range(parts.ids.ranks))  # the new ranks prove the same key on the same listener
-    else:
-        assert ranks.mux is not None
-        ranks.mux.channels.ids, ranks.mux.channels.greeting = parts.ids, parts.greeting  # this cell's peers and frames
-    parts.server.readmit(range(parts.ids.ranks, len(parts.ids)))  # this cell's data workers, as the last cell's
-    plane = data() if data is not None else None
-    supervisor = Supervisor(parts, plane, kept=True, mux=None if fresh else ranks.mux)
-    kept = False
-    try:
-        if fresh:
-            show_start(parts, plane)
-            ranks.group = start(0)
-            ranks.mux = supervisor.mux
-            supervisor.attach(ranks.group, lambda: None)
-        else:  # the cell first, then its displays: the ranks' output is read only after them, so it comes below them
-            assert ranks.group is not None
-            supervisor.attach(ranks.group, lambda: None, watched=True)
-            for rank in range(parts.ids.ranks) if not greeted else ():  # (the cell's thread may have sent them)
-                for body in parts.greeting(Peer(RANK, rank)):
-                    supervisor.mux.send(Peer(RANK, rank), body)
-            show_start(parts, plane)
-        try:
-            outcome = supervisor.watch()
-        except KeyboardInterrupt:
-            kept = _interrupted(supervisor)
-            raise
-        if outcome is not None:
-            kept = True
-            return outcome
-        # the others end their cell (they all raised), or are interrupted: a rank in Python code then ends it too
-        kept = (not isinstance(supervisor.verdict.failure, RunTimeout) and _wait_for_every_cell(supervisor, KEEP_WAIT_SECONDS)
-                or _interrupt_every_rank(supervisor))
-        failure: RunError = supervisor.last_words(
-            (KEPT_LINE,) if kept else (lost_line("not every rank ended its cell after the failure, even interrupted"),))
-        raise failure.on_kept_ranks() if kept and isinstance(failure, (PeerFailed, RunTimeout)) else failure
-    finally:
-        supervisor.mux.channels.greeting = _no_greeting  # the mux outlives the cell: not its frames
-        if not kept:
-            ranks.lost = ranks.lost or "every rank was stopped"
-            if ranks.group is not None:  # TERM, then KILL: they had their SIGINT, or their time to end the cell
-                supervisor.stop_everything(ranks.group, graceful=False)
-        supervisor.close(keep_mux=kept)
-        if kept:
-            supervisor.mux.forget_workers()  # stopped with the cell
+class Keeping:
+    """The policy of kept ranks (attempts.py's :class:`Policy`; see the module docstring): one attempt, on ``ranks``
+    (started now by ``start(0)`` if they are not running)."""
+
+    clean_exit: str | None = "exited in a kept cell (code 0) instead of ending it"  # a kept rank that exits has failed
+
+    def __init__(self, ranks: KeptGroup, start: Callable[[int], ProcessGroup]):
+        self.ranks, self._start = ranks, start
+        self.fresh = not ranks.running
+        self.kept = False  # whether the ranks outlive the cell (its attempt said so)
+
+    def mux(self, parts: RunParts) -> Mux:
+        """The kept ranks' selector, its peers and frames this cell's, and the cell sent to each rank now, the
+        run's first step (they begin it while its supervision is made); new ranks' new selector."""
+        ranks = self.ranks
+        if self.fresh:
+            ranks.close()  # a group whose rank died between cells: what is left of it
+            ranks.lost = None
+            parts.server.readmit(range(parts.ids.ranks))  # the new ranks prove the same key on the same listener
+            ranks.mux = Mux(parts.server, parts.ids, parts.greeting)
         else:
-            ranks.mux = None  # closed with the supervisor
-            ranks.close()
+            assert ranks.mux is not None and ranks.group is not None
+            ranks.mux.channels.ids, ranks.mux.channels.greeting = parts.ids, parts.greeting
+            for rank in range(len(ranks.group.children)):
+                for body in parts.greeting(Peer(RANK, rank)):
+                    ranks.mux.send(Peer(RANK, rank), body)
+        parts.server.readmit(range(parts.ids.ranks, len(parts.ids)))  # this cell's data workers, as the last cell's
+        return ranks.mux
+
+    def start(self, supervisor: Supervised, attempt: int) -> ProcessGroup:
+        """New ranks after their displays; running ones had the cell (:meth:`mux`), then its displays go out: their
+        output is read only after them, so it comes below them."""
+        assert not attempt, "a kept cell has one attempt"
+        supervisor.show_start()
+        if self.fresh:
+            self.ranks.group = self._start(0)
+        assert self.ranks.group is not None
+        return self.ranks.group
+
+    def running(self, attempt: int) -> Callable[[], None]:
+        return _nothing
+
+    def interrupted(self, supervisor: Supervised) -> bool:
+        """Every rank interrupted; where those that did not stop are (the autopsy: in C code or a collective)."""
+        kept = self._interrupt_every_rank(supervisor, INTERRUPT_WAIT_SECONDS)
+        if not kept:
+            supervisor.explain_stop()
+        supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
+        return kept
+
+    def failed(self, supervisor: Supervised, group: ProcessGroup, attempt: int, previous: RunError | None) -> Judged:
+        """Said at once, as a fact (the others' time takes seconds); then the others end their cell (they all raised),
+        or are interrupted: a rank in Python code then ends it too, and the ranks are kept."""
+        verdict = supervisor.verdict
+        assert verdict.failure is not None, "only a failed attempt is judged"
+        supervisor.relay.notice(f"taas: {str(verdict.failure).splitlines()[0]}")
+        kept = (not isinstance(verdict.failure, RunTimeout) and _wait_for_every_cell(supervisor, self.ranks, KEEP_WAIT_SECONDS)
+                or self._interrupt_every_rank(supervisor))
+        failure = supervisor.last_words(
+            (KEPT_LINE,) if kept else (lost_line("not every rank ended its cell after the failure, even interrupted"),))
+        return Judged(failure.on_kept_ranks() if kept and isinstance(failure, (PeerFailed, RunTimeout)) else failure,
+                      outlived=kept)
+
+    def attempt_over(self, supervisor: Supervised, group: ProcessGroup, outlived: bool) -> None:
+        """Ranks that do not outlive the cell: TERM, then KILL (they had their SIGINT, or their time to end it)."""
+        self.kept = outlived
+        if not outlived:
+            supervisor.stop_everything(group, graceful=False)
+
+    def close(self) -> None:
+        """The cell's data workers forgotten (stopped with it), the ranks watched on; or, lost, closed."""
+        mux = self.ranks.mux
+        if mux is not None:
+            mux.channels.greeting = _no_greeting  # the mux outlives the cell: not its frames
+        if self.kept and mux is not None:
+            mux.forget_workers()
+        else:
+            self.ranks.lost = self.ranks.lost or "every rank was stopped"
+            self.ranks.close()
+
+    def _interrupt_every_rank(self, supervisor: Supervised, seconds: float = FAILURE_INTERRUPT_SECONDS) -> bool:
+        """SIGINT in every rank still in its cell (an ``Interrupt`` frame); whether each ended it within ``seconds``."""
+        assert self.ranks.mux is not None
+        for rank in supervisor.verdict.running():
+            self.ranks.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt()))
+        return _wait_for_every_cell(supervisor, self.ranks, seconds)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _no_greeting(peer: Peer) -> list[bytes]:
     return []
 
 
-def _interrupted(supervisor: Supervisor) -> bool:
-    """The person's interrupt: every rank interrupted; where those that did not stop are (the autopsy: in C
-    code or a collective), and the cell says what was kept."""
-    kept = _interrupt_every_rank(supervisor, INTERRUPT_WAIT_SECONDS)
-    if not kept:
-        AttemptWatch(supervisor).explain_stop()
-    supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
-    return kept
-
-
-def _interrupt_every_rank(supervisor: Supervisor, seconds: float = FAILURE_INTERRUPT_SECONDS) -> bool:
-    """SIGINT in every rank still in its cell (an ``Interrupt`` frame); whether each ended it within ``seconds``."""
-    for rank in supervisor.verdict.running():
-        supervisor.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt()))
-    return _wait_for_every_cell(supervisor, seconds)
-
-
-def _wait_for_every_cell(supervisor: Supervisor, seconds: float) -> bool:
+def _wait_for_every_cell(supervisor: Supervised, ranks: KeptGroup, seconds: float) -> bool:
     """Whether every rank ended its cell (said CellDone) within ``seconds``, and is alive."""
     deadline = time.monotonic() + seconds
     verdict = supervisor.verdict
     while not verdict.ranks_exited() and time.monotonic() < deadline:
-        supervisor.handle_all(supervisor.mux.events(STEP_SECONDS))
-        supervisor.handle_all(supervisor.mux.exits())
-    return verdict.ranks_exited() and supervisor.group is not None and _alive(supervisor.group)
+        supervisor.pump(STEP_SECONDS)
+    return verdict.ranks_exited() and ranks.group is not None and _alive(ranks.group)
 
 
 def _alive(group: ProcessGroup) -> bool:

@@ -194,6 +194,9 @@ class Mux:
             pass  # already woken (the pipe is full), or closed: the run is over
 
     def watch(self, peer: Peer, process: ChildProcess) -> None:
+        """Watch ``process`` as ``peer``: its pipes and exit, once (kept ranks are attached to each of their cells)."""
+        if self.processes.get(peer) is process:
+            return
         self.processes[peer] = process
         for name, fd in (("stdout", process.stdout_fd), ("stderr", process.stderr_fd)):
             os.set_blocking(fd, False)
@@ -261,9 +264,6 @@ class Mux:
                         break
                     yield from self._read_pipe(fd)
 
-    def drain_channel(self, peer: Peer) -> Iterator[Event]:
-        return self.channels.drain(peer)
-
     def send(self, peer: Peer, body: bytes) -> bool:
         return self.channels.send(peer, body)
 
@@ -275,9 +275,9 @@ class Mux:
     def connected_ranks(self) -> int:
         return sum(peer.is_rank for peer in self.channels.connections)
 
-    def rank_streams_open(self) -> bool:
-        """Whether a rank's pipe or channel is still open."""
-        return any(peer.is_rank for peer, _ in self.pipes.values()) or self.connected_ranks() > 0
+    def exited_connected(self, peer: Peer) -> bool:
+        """Whether ``peer`` exited and its channel is still open (its last frames may still be on their way)."""
+        return peer in self.exited and peer in self.channels.connections
 
     def forget_ranks(self) -> Iterator[Event]:
         """After an attempt's ranks were stopped: what they printed last and the end of their output;

@@ -13,10 +13,10 @@ from its processes, and ``errors/__init__.py`` names the first failure the root 
 - the root cause: the first failure, except that a rank which died without a word (a
   signal, the OOM killer) is the cause of the errors its peers' collectives raise at the
   same moment, whichever the kernel read first: the silent-death rule;
-- a kept rank's ``CellDone`` (``--keep``): its cell is over, as an exit is, though the rank lives on;
+- a kept rank's ``CellDone`` (``--keep``): its cell is over, as an exit is, though the rank lives on; and what
+  a rank's exit with code 0 is, given as data by the ranks' policy: the end of its cell, or (kept ranks) a failure;
 - settling: after a failure, how long a silent death may still claim to be the cause
   (:data:`SETTLE_SECONDS`, unless the cause is already silent or every rank has exited);
-- what to retry: :meth:`Verdict.refusal` (kernel/supervision/restarts.py's rule on the root cause).
 
 The error it holds is built whole from what it was fed; what the failing process printed
 last is added by the supervisor, which builds the error the cell shows anew
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from taas_magic.errors import Failure, PeerFailed, RunError, RunTimeout, describe_exit
-from taas_magic.kernel.supervision import restarts
 from taas_magic.kernel.supervision.mux import Event, FrameArrived, FrameRefused, PeerExited
 from taas_magic.peers import RANK, Peer
 from taas_magic.protocol import CellDone, Done, RankError, WorkerFailure
@@ -61,8 +60,9 @@ class Verdict:
     silent: bool = False  # the cause died without reporting an error
     exits: dict[Peer, int] = field(default_factory=dict)
     reported: set[Peer] = field(default_factory=set)  # ranks that sent an error report
+    # what a rank's exit with code 0 is: None, the end of its cell; else the failure (kept ranks outlive their cells)
+    clean_exit: str | None = None
     workers_done: set[int] = field(default_factory=set)
-    kept: bool = False  # kept ranks (keptcell.py): a rank that exits at all, even with 0, failed
 
     def saw(self, event: Event | TimedOut) -> None:
         match event:
@@ -85,8 +85,8 @@ class Verdict:
 
     def _exited(self, peer: Peer, code: int) -> None:
         self.exits[peer] = code
-        if code == 0 and peer.is_rank and self.kept:
-            self._fail(self._failed(peer, "exited in a kept cell (code 0) instead of ending it"), peer, silent=True)
+        if code == 0 and peer.is_rank and self.clean_exit is not None:
+            self._fail(self._failed(peer, self.clean_exit), peer, silent=True)
         elif code != 0:
             if peer not in self.reported:
                 self._fail(self._failed(peer, describe_exit(code) + " without reporting an error"), peer, silent=True)
@@ -117,11 +117,6 @@ class Verdict:
     def exit_codes(self) -> dict[int, int]:
         """Each rank's exit code, by RANK (what the run's outcome reports)."""
         return {peer.index: code for peer, code in self.exits.items() if peer.is_rank}
-
-    def refusal(self, attempt: int, restarts_allowed: int, previous: RunError | None) -> str | None:
-        """Why this failed attempt is not followed by another (kernel/supervision/restarts.py), or None: restart."""
-        assert self.failure is not None, "only a failed attempt is judged"
-        return restarts.refusal(attempt, restarts_allowed, self.failure, previous)
 
     def next_attempt(self) -> None:
         """The attempt's ranks are gone: forget them (the data workers and what they said stay)."""
