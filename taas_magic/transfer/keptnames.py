@@ -7,10 +7,11 @@ A kept cell's rank 0 leaves each name it bound whose tensors and arrays hold ``T
 on the ranks (transfer/returns.py: unless a name that does come back reaches it), and the notebook binds an
 :class:`OnTheRanks` in its place: its repr says what and where it is, and copies nothing. The first touch
 (an attribute, a call, an index, arithmetic, ``len``, ``iter``, pickling it: a plain cell's closure, say) copies
-it: :func:`fetch` runs one kept cell on the same ranks whose last line is that name (so it comes back as any final
-value does, DDP and compiled wrappers as their module, CUDA tensors by CUDA IPC), binds the copy to the name
-(where the name still holds the proxy) and notes that the ranks have it (kernel/runs/rankset.py's tokens), so the
-next kept cell does not send it back. A kept cell that reads the name never copies it: the ranks have their own.
+it: the ranks that hold it (:class:`KeptRanks`, kernel/runs/rankset.py's rank set) fetch it, by one kept cell on
+the same ranks whose last line is that name (so it comes back as any final value does, DDP and compiled wrappers as
+their module, CUDA tensors by CUDA IPC); the stand-in binds the copy to the name (where the name still holds the
+proxy) and the ranks note that they have it, so the next kept cell does not send it back. A kept cell that reads
+the name never copies it: the ranks have their own.
 
 Before the kept ranks end on purpose (``%taas release``, a ``--keep`` cell of another shape, another cluster),
 every proxy the notebook still holds is fetched first: nothing the person kept a name to is lost. When they
@@ -30,14 +31,24 @@ _NEVER_FETCHED = ("_repr_", "_ipython_", "_jupyter_")  # IPython's display and i
 
 
 class KeptRanks(Protocol):
-    """What a stand-in asks of the kept ranks that hold its value (kernel/runs/rankset.py's, which bind it)."""
-
-    shape: Any  # kept.Shape: ranks, device, per_host
-    ranks: Any  # their KeptGroup: the process group they run as, and why they ended
-    names: Any  # NameTokens: remember(...)
+    """What a stand-in asks of the kept ranks that hold its value (kernel/runs/rankset.py's rank set, which binds it)."""
 
     @property
-    def running(self) -> bool: ...
+    def running(self) -> bool:
+        """Their processes run."""
+
+    @property
+    def incarnation(self) -> object:
+        """Which processes they are: new ranks (a rank died, a failure stopped them) are another."""
+
+    def ended_why(self) -> str:
+        """Why they ended, once they did."""
+
+    def fetch(self, name: str) -> object:
+        """``name``'s value on rank 0, copied here."""
+
+    def noted(self, name: str, value: object) -> None:
+        """The ranks have ``value`` as ``name`` (the next kept cell need not send it)."""
 
 
 class KeptNameLost(LaunchError):
@@ -51,18 +62,16 @@ def _size(nbytes: int) -> str:
 class OnTheRanks:
     """A name rank 0 of the kept ranks holds, not yet copied here (see the module docstring)."""
 
-    def __init__(self, name: str, type_name: str, nbytes: int, kept: KeptRanks,
-                 namespace: MutableMapping[str, Any], fetch: Callable[[Any, str], Any]):
+    def __init__(self, name: str, type_name: str, nbytes: int, kept: KeptRanks, namespace: MutableMapping[str, Any]):
         # object.__setattr__ throughout: a proxy's own attributes are never the value's
         for key, value in (("_taas_name", name), ("_taas_type", type_name), ("_taas_nbytes", nbytes),
-                           ("_taas_kept", kept), ("_taas_group", kept.ranks.group), ("_taas_namespace", namespace),
-                           ("_taas_fetch", fetch)):
+                           ("_taas_kept", kept), ("_taas_incarnation", kept.incarnation), ("_taas_namespace", namespace)):
             object.__setattr__(self, key, value)
 
     def _taas_here(self) -> bool:
         """Whether the ranks that hold it are the ones running now (not ended, not restarted since)."""
         kept = self._taas_kept
-        return kept.running and kept.ranks.group is self._taas_group
+        return kept.running and kept.incarnation is self._taas_incarnation
 
     def taas_fetch(self) -> Any:
         """The value, copied from rank 0 now and bound to the name in place of this proxy (once)."""
@@ -74,16 +83,16 @@ class OnTheRanks:
         if "_taas_copy" in self.__dict__:  # fetched already (a closure taken before that holds this proxy)
             return self.__dict__["_taas_copy"]
         if not self._taas_here():
-            why = self._taas_kept.ranks.ended_why() or "released"
+            why = self._taas_kept.ended_why()
             raise KeptNameLost(f"taas: {name} ({self._taas_type}, {_size(self._taas_nbytes)}) stayed on rank 0 of the "
                                f"kept ranks, which ended ({why}) before it was touched: it did not come back. Run the "
                                "cell that made it again (TaasMagics.lazy_bytes = 0 brings every name back at once)")
-        value = self._taas_fetch(self._taas_kept, name)
+        value = self._taas_kept.fetch(name)
         object.__setattr__(self, "_taas_copy", value)
         namespace = self._taas_namespace
         if namespace.get(name) is self:
             namespace[name] = value
-        self._taas_kept.names.remember({name: value})
+        self._taas_kept.noted(name, value)
         return value
 
     def taas_held_by(self, kept: KeptRanks) -> bool:
@@ -164,11 +173,10 @@ for _name in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge"):
     setattr(OnTheRanks, f"__{_name}__", _delegate(getattr(operator, _name)))
 
 
-def bind(namespace: MutableMapping[str, Any], kept_back: Iterable[tuple[str, str, int]], kept: KeptRanks,
-         fetch: Callable[[Any, str], Any]) -> None:
+def bind(namespace: MutableMapping[str, Any], kept_back: Iterable[tuple[str, str, int]], kept: KeptRanks) -> None:
     """Rank 0's names a kept cell left on the ranks, bound in the notebook as proxies."""
     for name, type_name, nbytes in kept_back:
-        namespace[name] = OnTheRanks(name, type_name, nbytes, kept, namespace, fetch)
+        namespace[name] = OnTheRanks(name, type_name, nbytes, kept, namespace)
 
 
 def waiting(namespace: MutableMapping[str, Any], kept: KeptRanks) -> list[str]:
@@ -184,11 +192,3 @@ def fetch_waiting(namespace: MutableMapping[str, Any], kept: KeptRanks | None) -
         value = namespace[name]
         if isinstance(value, OnTheRanks):
             value.taas_fetch()
-
-
-def fetch_cell(kept: KeptRanks, name: str) -> str:
-    """The kept cell that copies ``name`` from rank 0: run on ``kept``'s ranks (their shape), its last line the name."""
-    shape = kept.shape
-    per_host = f" --per-host {shape.per_host}" if shape.per_host else ""
-    return (f"#pragma taas --keep --gpus {shape.ranks} --device {shape.device}{per_host}\n"
-            f"globals().get({name!r})\n")

@@ -1,10 +1,11 @@
 """The notebook's stand-in for a kept cell's large name left on rank 0 (transfer/keptnames.py): what its repr says
 without copying anything, that IPython's display probes never copy it, that the first real touch copies it exactly
 once and binds the copy where the name still holds the stand-in (noting it in the real :class:`NameTokens`), what a
-stand-in whose ranks ended says, and the module's helpers (``bind``, ``waiting``, ``fetch_waiting``, ``fetch_cell``).
+stand-in whose ranks ended says, and the module's helpers (``bind``, ``waiting``, ``fetch_waiting``).
 
-The kept ranks are a small explicit stand-in satisfying :class:`KeptRanks` (their shape, a group object, why they
-ended, whether they run), and the fetch is a callable that records each call and returns the value rank 0 holds."""
+The kept ranks are a small explicit stand-in satisfying :class:`KeptRanks` (their processes' identity, why they
+ended, whether they run, what they have noted), whose fetch records each call and returns the value rank 0 holds.
+(The real rank set's fetch, through the magic's cell: tests/unit/test_rankset.py and tests/kernel/test_keep_lazy.py.)"""
 
 import operator
 import pickle
@@ -15,12 +16,11 @@ from IPython.core.formatters import DisplayFormatter
 from IPython.lib.pretty import pretty
 
 from taas_magic.errors import LaunchError
-from taas_magic.kernel.runs.rankset import NameTokens, Shape
+from taas_magic.kernel.runs.rankset import NameTokens
 from taas_magic.transfer import keptnames, pickler
-from taas_magic.transfer.keptnames import KeptNameLost, OnTheRanks, bind, fetch_cell, fetch_waiting, waiting
+from taas_magic.transfer.keptnames import KeptNameLost, OnTheRanks, bind, fetch_waiting, waiting
 
 BIG = 256 * 2**20  # 268.4 MB
-ON_THIS_HOST = Shape(2, "cpu", "this host")
 WHERE = "on rank 0 of the kept ranks, not copied here: touching it copies it"
 
 
@@ -36,17 +36,37 @@ class _Processes:
 
 
 class _Kept:
-    """Kept ranks (:class:`keptnames.KeptRanks`): a shape, their processes, the names they have, whether they run."""
+    """Kept ranks (:class:`keptnames.KeptRanks`): their processes, the names they have, whether they run, and how
+    rank 0's copy of a name comes (``fetcher``: a :class:`_Fetch`)."""
 
-    def __init__(self, shape: Shape = ON_THIS_HOST) -> None:
-        self.shape = shape
+    def __init__(self) -> None:
         self.ranks = _Processes()
         self.names = NameTokens()
         self.alive = True
+        self.fetcher: "_Fetch | None" = None
 
     @property
     def running(self) -> bool:
         return self.alive
+
+    @property
+    def incarnation(self) -> object:
+        return self.ranks.group
+
+    def ended_why(self) -> str:
+        return self.ranks.ended_why() or "released"
+
+    def fetch(self, name: str) -> object:
+        assert self.fetcher is not None
+        return self.fetcher(self, name)
+
+    def noted(self, name: str, value: object) -> None:
+        self.names.remember({name: value})
+
+
+def _fetching(kept: _Kept, fetch: "_Fetch") -> _Kept:
+    kept.fetcher = fetch
+    return kept
 
 
 class _Fetch:
@@ -76,7 +96,7 @@ def _proxy(value: object, name: str = "w", type_name: str = "Tensor", nbytes: in
     kept = kept or _Kept()
     fetch = _Fetch(**{name: value})
     namespace: dict = {}
-    namespace[name] = OnTheRanks(name, type_name, nbytes, kept, namespace, fetch)
+    namespace[name] = OnTheRanks(name, type_name, nbytes, _fetching(kept, fetch), namespace)
     return namespace[name], namespace, kept, fetch
 
 
@@ -271,7 +291,7 @@ def test_bind_binds_a_stand_in_for_each_name_left_on_the_ranks_and_copies_nothin
     kept = _Kept()
     fetch = _Fetch(model=_Box(["m"]), grads=_Box(["g"]))
     namespace: dict = {"lr": 0.1, "model": "the notebook's old model"}
-    bind(namespace, [("model", "DistributedDataParallel", BIG), ("grads", "dict", 3 * 10**9)], kept, fetch)
+    bind(namespace, [("model", "DistributedDataParallel", BIG), ("grads", "dict", 3 * 10**9)], _fetching(kept, fetch))
     assert namespace["lr"] == 0.1
     assert repr(namespace["model"]) == f"<model: DistributedDataParallel, 268.4 MB, {WHERE}>"
     assert repr(namespace["grads"]) == f"<grads: dict, 3.0 GB, {WHERE}>"
@@ -285,8 +305,8 @@ def test_waiting_lists_the_names_still_bound_to_a_stand_in_of_these_running_rank
     kept, other = _Kept(), _Kept()
     fetch = _Fetch(a=_Box([1]), b=_Box([2]), c=_Box([3]))
     namespace: dict = {"plain": 1}
-    bind(namespace, [("a", "Tensor", BIG), ("b", "Tensor", BIG)], kept, fetch)
-    bind(namespace, [("c", "Tensor", BIG)], other, fetch)
+    bind(namespace, [("a", "Tensor", BIG), ("b", "Tensor", BIG)], _fetching(kept, fetch))
+    bind(namespace, [("c", "Tensor", BIG)], _fetching(other, fetch))
     namespace["alias"] = namespace["a"]
     assert waiting(namespace, kept) == ["a", "b", "alias"]
     assert waiting(namespace, other) == ["c"]
@@ -301,8 +321,8 @@ def test_fetch_waiting_copies_every_stand_in_of_these_ranks_once_and_leaves_the_
     kept, other = _Kept(), _Kept()
     fetch = _Fetch(a=_Box([1]), b=_Box([2]), c=_Box([3]))
     namespace: dict = {"plain": 1}
-    bind(namespace, [("a", "Tensor", BIG), ("b", "Tensor", BIG)], kept, fetch)
-    bind(namespace, [("c", "Tensor", BIG)], other, fetch)
+    bind(namespace, [("a", "Tensor", BIG), ("b", "Tensor", BIG)], _fetching(kept, fetch))
+    bind(namespace, [("c", "Tensor", BIG)], _fetching(other, fetch))
     stand_in_a = namespace["a"]
     namespace["alias"] = stand_in_a
     fetch_waiting(namespace, kept)
@@ -318,14 +338,6 @@ def test_fetch_waiting_without_kept_ranks_does_nothing():
     proxy, namespace, kept, fetch = _proxy(_Box([1]))
     fetch_waiting(namespace, None)
     assert fetch.calls == [] and namespace["w"] is proxy
-
-
-def test_the_fetch_cell_runs_on_the_kept_ranks_shape_and_ends_with_the_name():
-    on_this_host = _Kept(Shape(2, "cpu", "this host"))
-    assert fetch_cell(on_this_host, "model") == "#pragma taas --keep --gpus 2 --device cpu\nglobals().get('model')\n"
-    on_a_cluster = _Kept(Shape(8, "cuda", "Slurm job 3", cluster=4, per_host=4))
-    assert fetch_cell(on_a_cluster, "w") == (
-        "#pragma taas --keep --gpus 8 --device cuda --per-host 4\nglobals().get('w')\n")
 
 
 def test_the_default_lazy_size_is_64_mib():

@@ -5,9 +5,10 @@ the verdict's rule that a kept rank's exit is a failure."""
 import os
 import types
 
+import pytest
 import torch
 
-from taas_magic.kernel.runs.rankset import ONE_CELL, SESSION, NameTokens, RankSet, RankState, Shape
+from taas_magic.kernel.runs.rankset import ONE_CELL, SESSION, NameTokens, RankSet, RankState, Shape, fetch_cell
 from taas_magic.kernel.supervision import keptcell
 from taas_magic.kernel.supervision.keptcell import Keeping
 from taas_magic.kernel.supervision.mux import FrameArrived, PeerExited
@@ -15,6 +16,7 @@ from taas_magic.kernel.supervision.verdict import Verdict
 from taas_magic.launch.local.backend import LocalBackend
 from taas_magic.peers import RANK, Peer
 from taas_magic.protocol import CellDone
+from taas_magic.transfer.keptnames import KeptNameLost
 
 
 def test_a_name_is_sent_again_only_once_the_notebook_binds_another_object_to_it():
@@ -139,3 +141,39 @@ def test_a_sets_state_follows_its_life_new_busy_idle_lost_and_released(monkeypat
     finally:
         ranks.release()
     assert ranks.state is RankState.RELEASED
+
+
+class _Runner:
+    """The magic as a rank set sees it (:class:`CellRunner`): each cell it is given run, rank 0's final value given."""
+
+    def __init__(self, value: object) -> None:
+        self.value, self.cells = value, []
+
+    def run_cell(self, cell: str) -> object:
+        self.cells.append(cell)
+        return self.value
+
+
+def test_the_fetch_cell_runs_on_the_kept_ranks_shape_and_ends_with_the_name():
+    assert fetch_cell(Shape(2, "cpu", "this host"), "model") == (
+        "#pragma taas --keep --gpus 2 --device cpu\nglobals().get('model')\n")
+    assert fetch_cell(Shape(8, "cuda", "Slurm job 3", cluster=4, per_host=4), "w") == (
+        "#pragma taas --keep --gpus 8 --device cuda --per-host 4\nglobals().get('w')\n")
+
+
+def test_a_sets_fetch_runs_that_cell_through_its_runner_and_a_name_rank_0_lost_is_said():
+    ranks, _ = _rank_set(SESSION, "fetch123")
+    try:
+        with pytest.raises(KeptNameLost, match="nothing here runs cells"):
+            ranks.fetch("w")
+        ranks.runner = _Runner(value=[1, 2])
+        assert ranks.fetch("w") == [1, 2]
+        assert ranks.runner.cells == ["#pragma taas --keep --gpus 2 --device cpu\nglobals().get('w')\n"]
+        ranks.runner = _Runner(value=None)  # rank 0 no longer has it (the person deleted it in a kept cell)
+        with pytest.raises(KeptNameLost, match="rank 0 of the kept ranks no longer has w"):
+            ranks.fetch("w")
+        value = [3]
+        ranks.noted("w", value)
+        assert ranks.names.has("w", value) and ranks.ended_why() == "released" and ranks.incarnation is None
+    finally:
+        ranks.release()

@@ -40,7 +40,6 @@ from taas_magic.kernel.magic.settings import VALIDATED, option_trait, refuse
 from taas_magic.kernel.runs.background import BackgroundRun, RunThread, give_back_memory
 from taas_magic.kernel.runs.foreground import STOP, open_console, wait_async, wait_blocking
 from taas_magic.kernel.runs.frontend import Frontend
-from taas_magic.kernel.runs.rankset import RankSet
 from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.runs.views import Started, Viewing, show_run, start_shown
@@ -85,7 +84,7 @@ class TaasMagics(Magics):
     def __init__(self, shell: InteractiveShell | None = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
         self.session = Session.start(self._warm)  # what %taas commands set and cells read (kernel/runs/session.py)
-        self.session.fetch_kept, self.session.namespace = functools.partial(fetch_name, self), getattr(shell, "user_ns", None)
+        self.session.runner, self.session.namespace = self, getattr(shell, "user_ns", None)  # the magic runs cells
         self.frontend = Frontend(shell)  # whether a page that restores widgets shows this kernel
 
     def close(self) -> None:
@@ -126,6 +125,11 @@ class TaasMagics(Magics):
             return None
         await wait_async(started.run, started.shown, STOP, started.console)
         return self._take(started.run)
+
+    def run_cell(self, cell: str) -> object:
+        """A ``%%taas`` cell run as the notebook's own (kernel/runs/rankset.py's ``CellRunner``: kept ranks fetch a
+        name left on rank 0 so); its final value."""
+        return self.taas_cell("", cell)
 
     def _take(self, run: RunThread) -> object:
         try:
@@ -205,11 +209,3 @@ class TaasMagics(Magics):
 
     def _set_warm(self, text: str) -> None:
         self.warm = text  # validated as %config's is
-
-
-def fetch_name(magic: TaasMagics, kept: RankSet, name: str) -> object:
-    """``name`` copied from rank 0 of ``kept`` (transfer/keptnames.py): one kept cell, its last line the name."""
-    value: object = magic.taas_cell("", keptnames.fetch_cell(kept, name))
-    if value is None:
-        raise keptnames.KeptNameLost(f"taas: rank 0 of the kept ranks no longer has {name}")
-    return value

@@ -32,7 +32,7 @@ import time
 import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Protocol
 
 from taas_magic import wire
 from taas_magic.autopsy import stacks
@@ -177,6 +177,19 @@ ONE_CELL: Lifetime = _OneCell()
 SESSION: Lifetime = _Session()
 
 
+class CellRunner(Protocol):
+    """Runs a ``%%taas`` cell as the notebook's own would run, and gives its final value (the magic,
+    kernel/magic/magics.py): how a rank set fetches a name left on rank 0 (:meth:`RankSet.fetch`)."""
+
+    def run_cell(self, cell: str) -> object: ...
+
+
+def fetch_cell(shape: Shape, name: str) -> str:
+    """The kept cell that copies ``name`` from rank 0: run on kept ranks of ``shape``, its last line the name."""
+    per_host = f" --per-host {shape.per_host}" if shape.per_host else ""
+    return f"#pragma taas --keep --gpus {shape.ranks} --device {shape.device}{per_host}\nglobals().get({name!r})\n"
+
+
 class RankState(enum.Enum):
     """Where a rank set is in its life (as torch elastic's ``WorkerState`` is a worker group's)::
 
@@ -209,7 +222,7 @@ class RankSet:
         self.cells = 0  # cells run on them since they started
         self.started = time.time()
         self.busy_with: str | None = None  # the id of the run using them now
-        self.fetch: Callable[[RankSet, str], object] | None = None  # copies a name from rank 0 (the magic's)
+        self.runner: CellRunner | None = None  # runs the cell that fetches a name left on rank 0 (the magic)
         self.health: dict[int, dict] = {}  # each rank's figures (rss, gpu_memory) at the end of its last cell
         self.reported: set[str] = set()  # the write rule's lines already said (kept ranks)
         self._given_back = self._released = False
@@ -252,6 +265,27 @@ class RankSet:
         """Its ranks run (a cell on them, or between cells)."""
         return self.ranks.running
 
+    # -- a name rank 0 kept (transfer/keptnames.py's KeptRanks) -------------------------------------------------
+    @property
+    def incarnation(self) -> object:
+        """Which processes its ranks are (new ranks are another group)."""
+        return self.ranks.group
+
+    def ended_why(self) -> str:
+        return self.ranks.ended_why() or "released"
+
+    def fetch(self, name: str) -> object:
+        """``name`` copied from rank 0: one kept cell on these ranks, its last line the name."""
+        if self.runner is None:
+            raise keptnames.KeptNameLost(f"taas: {name} stayed on rank 0 of the kept ranks, and nothing here runs cells")
+        value = self.runner.run_cell(fetch_cell(self.shape, name))
+        if value is None:
+            raise keptnames.KeptNameLost(f"taas: rank 0 of the kept ranks no longer has {name}")
+        return value
+
+    def noted(self, name: str, value: object) -> None:
+        self.names.remember({name: value})
+
     @property
     def holds_local_gpus(self) -> bool:
         """Running on this host's GPUs (which a plain cell must not be placed on meanwhile)."""
@@ -260,8 +294,8 @@ class RankSet:
     def cell_bound(self, sent: Mapping[str, object], result: Result | None, namespace: dict) -> None:
         """A cell on them succeeded, its results bound: the names rank 0 left on the ranks bound as proxies
         (transfer/keptnames.py), and what the ranks have now noted."""
-        if result is not None and result.kept_back and self.fetch is not None:
-            keptnames.bind(namespace, result.kept_back, self, self.fetch)
+        if result is not None and result.kept_back:
+            keptnames.bind(namespace, result.kept_back, self)
         self.names.cell_ran(sent, result, namespace)
 
     def cell_over(self) -> None:

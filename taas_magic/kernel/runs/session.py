@@ -22,7 +22,7 @@ from typing import Callable
 from taas_magic.compilecache.folder import CompileCache
 from taas_magic.errors import ClusterError, LaunchError
 from taas_magic.kernel.runs.background import Runs
-from taas_magic.kernel.runs.rankset import SESSION, RankSet, Shape
+from taas_magic.kernel.runs.rankset import SESSION, CellRunner, RankSet, Shape
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch import engines
 from taas_magic.launch.contract import Attachment, Backend, Spares
@@ -42,7 +42,7 @@ class Session:
     runs: Runs = field(default_factory=Runs)  # this kernel's runs, running and done (kernel/runs/background.py)
     kept: RankSet | None = None  # --keep's ranks, between and during their cells (kernel/runs/rankset.py)
     compile_cache: CompileCache = field(default_factory=CompileCache)  # its folder made by the first cell that uses it
-    fetch_kept: Callable[[RankSet, str], object] | None = None  # the magic's: a name copied from rank 0 (keptnames.py)
+    runner: CellRunner | None = None  # the magic: kept ranks run the cell that copies a name from rank 0
     namespace: dict | None = None  # the notebook's: its names still on the kept ranks are copied before they end
 
     @classmethod
@@ -77,7 +77,7 @@ class Session:
             self.release_kept()
         if self.kept is None:
             self.kept = RankSet(shape, backend(), SESSION, secrets.token_hex(4))
-            self.kept.fetch = self.fetch_kept
+            self.kept.runner = self.runner
         return self.kept, line
 
     def release_kept(self, stopped: bool = False) -> str:
