@@ -10,8 +10,8 @@ default. The plan step (kernel/runs/runplan.py) builds the run object (kernel/ru
 every part of the run and releases all of them, in reverse order, however the cell ends; the
 run step (kernel/runs/execution.py) starts and supervises its ranks on the run's own thread
 (kernel/runs/background.py) while the cell shows its log and waits (kernel/runs/foreground.py), or
-returns at once (``--detach``). ``_backend`` is the one place that chooses a backend
-(local processes or the attached cluster).
+returns at once (``--detach``). The session's ``backend`` (kernel/runs/session.py) is the one place that
+chooses a backend (local processes or the attached cluster).
 
 The session's state (kernel/runs/session.py: repository, isolation, warm spares, cluster, last
 run) is the magic's ``session``; ``%taas`` line commands (kernel/magic/commands.py's table) change it and
@@ -44,8 +44,7 @@ from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.runs.views import Started, Viewing, show_run, start_shown
 from taas_magic.kernel.trials.searchplan import plan_search
-from taas_magic.launch import engines
-from taas_magic.launch.contract import Backend, GpuSlice, Spares
+from taas_magic.launch.contract import Spares
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from taas_magic.transfer import keptnames
@@ -160,7 +159,7 @@ class TaasMagics(Magics):
 
     def _context(self, slot: int | None = None, slots: int = 1) -> PlanContext:
         """What planning a run reads; a search's trial on ``slot`` of ``slots`` is placed there."""
-        backend = functools.partial(self._backend, slot=slot, slots=slots)
+        backend = functools.partial(self.session.backend, warm=self._warm, slot=slot, slots=slots)
         return PlanContext(self.session, self._shell, backend, self.checkpoint_dir, self.keep_checkpoints,
                            self.closure_file_bytes, self.session.compile_cache.folder() if self.compile_cache else "",
                            self.lazy_bytes)
@@ -187,16 +186,6 @@ class TaasMagics(Magics):
     def _session(self) -> dict[str, object]:
         """This session's value of every setting that is an option's default."""
         return {name: getattr(self, name) for name in SETTINGS}
-
-    def _backend(self, settings: RunSettings, slot: int | None = None, slots: int = 1) -> Backend:
-        """Where a run's ranks go; a search's trial on ``slot`` of ``slots`` on GPUs gets its own slice of them."""
-        cluster = self.session.cluster
-        if cluster is not None:
-            return cluster.place(settings.gpus, settings.per_host, settings.place_timeout)
-        side_by_side = slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count() > 0
-        spares = None if self._warm.off else self.spares
-        return engines.local_backend(settings.gpus, spares, lambda: self._warm.after(settings.gpus * slots),
-                                     settings.device, GpuSlice(slot, slots) if side_by_side and slot is not None else None)
 
     @line_magic("taas")  # type: ignore[arg-type]  # IPython's decorator types are too narrow
     def taas_line(self, line: str) -> object:

@@ -19,13 +19,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from taas_magic.cell.pragma import RunSettings
 from taas_magic.compilecache.folder import CompileCache
 from taas_magic.errors import ClusterError, LaunchError
 from taas_magic.kernel.runs.background import Runs
 from taas_magic.kernel.runs.rankset import SESSION, CellRunner, RankSet, Shape
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.launch import engines
-from taas_magic.launch.contract import Attachment, Backend, Spares
+from taas_magic.launch.contract import Attachment, Backend, GpuSlice, Spares
+from taas_magic.launch.rankenv import visible_gpu_count
 from taas_magic.transfer import keptnames
 from taas_magic.writes.rule import WriteRule, choose_rule, find_repository, probe_overlay_soon
 
@@ -60,6 +62,16 @@ class Session:
         if warm.count is None and not warm.off and session.cluster is None:
             session.spares.prepare()  # the first cell's ranks are forks, not fresh interpreters
         return session
+
+    def backend(self, settings: RunSettings, warm: Warm, slot: int | None = None, slots: int = 1) -> Backend:
+        """Where a run's ranks go: the attached cluster, or this host (``warm``'s spares); a search's trial on ``slot``
+        of ``slots`` on GPUs gets its own slice of them. The one place that chooses a backend."""
+        if self.cluster is not None:
+            return self.cluster.place(settings.gpus, settings.per_host, settings.place_timeout)
+        side_by_side = slot is not None and slots > 1 and settings.device != "cpu" and visible_gpu_count() > 0
+        return engines.local_backend(settings.gpus, None if warm.off else self.spares,
+                                     lambda: warm.after(settings.gpus * slots), settings.device,
+                                     GpuSlice(slot, slots) if side_by_side and slot is not None else None)
 
     def kept_for(self, shape: Shape, backend: Callable[[], Backend]) -> tuple[RankSet, str | None]:
         """The kept ranks for a ``--keep`` cell of ``shape``: those kept now if they have that shape, else new
