@@ -57,7 +57,7 @@ class Private:
     set_in: tuple[str, ...] = ()  # modules (besides the class's own) whose source sets its instance attributes
 
 
-_FRONTEND = "kernel/runs/frontend.py"
+_FRONTEND = "output/frontend.py"
 _KERNEL = "ipykernel.kernelbase.Kernel"
 _STORAGE = "torch.UntypedStorage"
 _CUDA_IPC = "transfer/cudaipc.py"

@@ -8,6 +8,8 @@
 - ``board.py``: the live chart and the health line.
 - ``liveview.py``: a view fed from the log on its own thread; the screen; the text view.
 - ``widget.py``: the live widget a reloaded page restores (its page half: liveview.js).
+- ``frontend.py``: the page the kernel is shown in: does it restore widgets; ``kernel_info`` answered while a
+  cell waits; a cell's messages straight to the IOPub thread.
 - ``reports.py``: ``taas.report``'s batches in the rank; asynchronous CUDA copies.
 - ``trialtable.py``: a search's table and chart, one display.
 """

@@ -77,7 +77,7 @@ def _quickstart() -> dict:
         if QUICKSTART_HYPERPARAMETERS in source:
             cell["source"] = source.replace(QUICKSTART_HYPERPARAMETERS, QUICKSTART_HYPERPARAMETERS.replace("= 2,", f"= {EPOCHS},"))
     # The plain Python kernel: the page connects before `%load_ext taas_magic` runs, so what tells the
-    # extension that this page restores widgets is the probe it sends when it loads (kernel/runs/frontend.py).
+    # extension that this page restores widgets is the probe it sends when it loads (output/frontend.py).
     notebook["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     for extra in (FAILING_CELL, BREAKPOINT_CELL):  # run all stops at the failing one: the breakpoint's is run alone
         notebook["cells"].append(_code(extra))

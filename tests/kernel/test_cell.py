@@ -141,7 +141,7 @@ for i in range(5):
 
 @pytest.mark.parametrize("options", ["", "--keep"])
 def test_text_and_displays_reach_the_cell_in_the_order_rank_0_made_them(kernel, options):
-    """The cell's view sends text and displays straight to ipykernel's IOPub thread (kernel/runs/frontend.py's
+    """The cell's view sends text and displays straight to ipykernel's IOPub thread (output/frontend.py's
     cell_output): each queued there in order, none overtaking another, on fresh and on kept ranks."""
     try:
         ran = kernel.execute(INTERLEAVED.replace("OPTIONS", options), timeout=120)

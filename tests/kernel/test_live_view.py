@@ -21,7 +21,7 @@ import ipykernel
 import pytest
 from ipykernel.ipkernel import IPythonKernel
 
-from taas_magic.kernel.runs.frontend import MID_CELL_IPYKERNEL, answers_mid_cell
+from taas_magic.output.frontend import MID_CELL_IPYKERNEL, answers_mid_cell
 
 pytest.importorskip("anywidget", reason="the live view is an anywidget")
 

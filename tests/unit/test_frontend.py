@@ -1,5 +1,5 @@
 """How the kernel half of the live view knows whether ipykernel answers the page while a cell runs
-(ipykernel >= 7.4: kernel/runs/frontend.py), and the one line a cell says where it does not."""
+(ipykernel >= 7.4: output/frontend.py), and the one line a cell says where it does not."""
 
 import sys
 from types import SimpleNamespace
@@ -8,8 +8,8 @@ import ipykernel
 from ipykernel.ipkernel import IPythonKernel
 from packaging.version import Version
 
-from taas_magic.kernel.runs import frontend
-from taas_magic.kernel.runs.frontend import MID_CELL_IPYKERNEL, answer_kernel_info_while_busy, answers_mid_cell, mid_cell_note
+from taas_magic.output import frontend
+from taas_magic.output.frontend import MID_CELL_IPYKERNEL, answer_kernel_info_while_busy, answers_mid_cell, mid_cell_note
 
 
 class _Kernel74:

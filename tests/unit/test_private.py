@@ -242,7 +242,7 @@ def test_the_probe_opens_the_model_anywidget_itself_would():
     from anywidget import AnyWidget
     from anywidget._util import _ANYWIDGET_ID_KEY, _ESM_KEY
 
-    from taas_magic.kernel.runs.frontend import _probe_state
+    from taas_magic.output.frontend import _probe_state
 
     state = _probe_state()
     assert _ANYWIDGET_ID_KEY in state and _ESM_KEY in state, (_ANYWIDGET_ID_KEY, _ESM_KEY, sorted(state))

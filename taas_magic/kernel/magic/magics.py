@@ -39,7 +39,6 @@ from taas_magic.kernel.magic.linecommands import MagicSettings
 from taas_magic.kernel.magic.settings import VALIDATED, option_trait, refuse
 from taas_magic.kernel.runs.background import BackgroundRun, RunThread, give_back_memory
 from taas_magic.kernel.runs.foreground import STOP, open_console, wait_async, wait_blocking
-from taas_magic.kernel.runs.frontend import Frontend
 from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.runs.views import Started, Viewing, show_run, start_shown
@@ -47,6 +46,7 @@ from taas_magic.kernel.trials.searchplan import plan_search
 from taas_magic.launch.contract import Spares
 from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
+from taas_magic.output.frontend import Frontend
 from taas_magic.transfer import keptnames
 from taas_magic.transfer.handoff import HANDOFF_BYTES
 from taas_magic.writes.checkpoints import DEFAULT_KEEP

@@ -7,7 +7,6 @@
 - ``background.py``: the run's own thread (``RunThread``) and this kernel's list of runs.
 - ``foreground.py``: the cell that waits (as a coroutine or blocking), the interrupt, and the
   console of the ranks' pdb prompts.
-- ``frontend.py``: does the page restore widgets; ``kernel_info`` answered while a cell waits.
 - ``views.py``: which view a run gets in a cell (the live view or the text stream), and putting it there.
 - ``session.py``: what the line commands set and every cell reads: repository, spares, cluster, runs,
   kept ranks.

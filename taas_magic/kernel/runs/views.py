@@ -4,7 +4,7 @@ Runs in the kernel, on the cell's thread: it chooses the view and starts its pum
 (output/liveview.py), whose own thread feeds it from then on, and starts a cell's run once its view
 is in place (:func:`start_shown`).
 
-Three views of one log (output/runlog.py), chosen per cell (kernel/runs/frontend.py says whether
+Three views of one log (output/runlog.py), chosen per cell (output/frontend.py says whether
 the page restores widgets):
 
 - the live widget (output/widget.py), fed by its pump thread: in a foreground cell, in a
@@ -24,10 +24,10 @@ from typing import Any
 
 from taas_magic.import_hooks import import_on_own_stack
 from taas_magic.kernel.runs.background import BackgroundRun, RunThread
-from taas_magic.kernel.runs.frontend import cell_output, cell_publisher, mid_cell_note
 from taas_magic.kernel.supervision.prompts import Console
 from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
+from taas_magic.output.frontend import cell_output, cell_publisher, mid_cell_note
 from taas_magic.output.liveview import LivePump, TextView
 from taas_magic.output.relay import TextOut, publisher
 

@@ -81,7 +81,7 @@ def _probe_state() -> dict[str, object]:
     semver = ".".join(parts) if any(tag in parts[-1] for tag in ("a", "b")) else f"~{parts[0]}.{parts[1]}.*"
     return {"_model_name": "AnyModel", "_model_module": "anywidget", "_model_module_version": semver,
             "_view_name": "AnyView", "_view_module": "anywidget", "_view_module_version": semver,
-            "_esm": _PROBE_MODULE, "_anywidget_id": "taas_magic.kernel.runs.frontend.probe", "_dom_classes": []}
+            "_esm": _PROBE_MODULE, "_anywidget_id": "taas_magic.output.frontend.probe", "_dom_classes": []}
 
 
 def widgets_installed() -> bool:
