@@ -35,8 +35,8 @@ def _rank_envs(tmp_path, compile_cache: str) -> list[dict[str, str]]:
     settings = settle(PragmaOptions(gpus=2, device="cpu"), SESSION, ranks=2)
     releases = ExitStack()
     backend = LocalBackend(2, None, None, device="cpu")
-    rank_set = RankSet(Shape(2, "cpu", ""), backend, ONE_CELL, "compile00001")
-    releases.callback(rank_set.release)
+    rank_set = RankSet(Shape(2, "cpu", ""), ONE_CELL, "compile00001")
+    rank_set.lend(releases, lambda: backend, workers=0)
     held = Held(settings, serialise_closure({}), [], None, backend)
     spec = RunSpec(run_id="compile00001", sys_path=(), source="x", display_source="x", filename="<taas In[1]>",
                    device="cpu", output="rank0", suppress_final=False, kernel_pid=os.getpid(), result_file_bytes=1 << 20,

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from taas_magic.kernel.magic.status import kept_lines
 from taas_magic.kernel.runs.rankset import ONE_CELL, SESSION, NameTokens, RankSet, RankState, Shape, fetch_cell
 from taas_magic.kernel.supervision import keptcell
 from taas_magic.kernel.supervision.keptcell import Keeping
@@ -62,7 +63,9 @@ def test_a_kept_rank_ends_its_cell_with_cell_done_and_its_exit_even_with_0_is_a_
 
 def _rank_set(lifetime, name: str, workers: int = 0) -> tuple[RankSet, LocalBackend]:
     backend = LocalBackend(2, None, None, device="cpu")
-    return RankSet(Shape(2, "cpu", "this host"), backend, lifetime, name, workers), backend
+    ranks = RankSet(Shape(2, "cpu", "this host"), lifetime, name)
+    ranks.hold(backend, workers)
+    return ranks, backend
 
 
 def test_one_cells_ranks_give_everything_back_as_the_cells_ranks_are_gone_and_once():
@@ -123,7 +126,7 @@ class _Alive:
 def test_a_sets_state_follows_its_life_new_busy_idle_lost_and_released(monkeypatch):
     ranks, _ = _rank_set(SESSION, "state123")
     try:
-        assert ranks.state is RankState.NEW and "new, none running" in ranks.status_lines()[0]
+        assert ranks.state is RankState.NEW and "new, none running" in kept_lines(ranks)[0]
         ranks.busy_with = "runid0000004"  # a cell borrows it (kernel/runs/run.py); its ranks start
         assert ranks.state is RankState.BUSY
         children = [_Alive(0), _Alive(1)]
@@ -133,7 +136,7 @@ def test_a_sets_state_follows_its_life_new_busy_idle_lost_and_released(monkeypat
         monkeypatch.setattr(keptcell, "ALIVE_RECHECK_SECONDS", 0.0)  # polled again at once
         children[1].code = -9  # a rank dies between cells
         assert ranks.state is RankState.LOST
-        assert ranks.status_lines() == ["kept ranks: lost, none running (2 rank(s) on cpu, this host; "
+        assert kept_lines(ranks) == ["kept ranks: lost, none running (2 rank(s) on cpu, this host; "
                                         "rank 1 was killed by SIGKILL)"]
         ranks.ranks.close()
         ranks.ranks.lost = "every rank was stopped"

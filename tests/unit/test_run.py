@@ -28,8 +28,8 @@ def _held(ranks: int) -> tuple[Held, ExitStack, LocalBackend, RankSet]:
     settings = settle(PragmaOptions(gpus=ranks, device="cpu"), SESSION, ranks=ranks)
     releases = ExitStack()
     backend = LocalBackend(ranks, None, None, device="cpu")
-    rank_set = RankSet(Shape(ranks, "cpu", ""), backend, ONE_CELL, "testrun00001")
-    releases.callback(rank_set.release)
+    rank_set = RankSet(Shape(ranks, "cpu", ""), ONE_CELL, "testrun00001")
+    rank_set.lend(releases, lambda: backend, workers=0)  # held now, released with the run
     return Held(settings, serialise_closure({"x": 1}), [], None, backend), releases, backend, rank_set
 
 
@@ -89,7 +89,7 @@ def test_a_rank_set_that_cannot_take_a_part_releases_what_it_took_and_raises_tha
     monkeypatch.setattr("taas_magic.kernel.runs.rankset.PeerServer", refuse)
     backend = LocalBackend(1, None, None, device="cpu")
     with pytest.raises(OSError, match="no port for the rank server"):
-        RankSet(Shape(1, "cpu", ""), backend, ONE_CELL, "testrun00002")
+        RankSet(Shape(1, "cpu", ""), ONE_CELL, "testrun00002").hold(backend)
     assert backend._port.fileno() == -1  # entered, then released
     assert made == [made[0]] and not os.path.exists(made[0])  # the stacks folder made before the server, removed
 

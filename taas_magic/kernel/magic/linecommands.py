@@ -24,7 +24,7 @@ from taas_magic.cell.options import shown_defaults
 from taas_magic.errors import ClusterError
 from taas_magic.feed import registry
 from taas_magic.kernel.magic import runcommands
-from taas_magic.kernel.magic.status import status_text
+from taas_magic.kernel.magic.status import kept_lines, status_text
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.supervision.dataplane import describe_registered
 from taas_magic.kernel.trials.searchrun import SearchRun, trials_table
@@ -163,4 +163,4 @@ def status(session: Session, settings: MagicSettings) -> None:
     print(f"runs: {len(running)} running" + (f" ({', '.join(run.id for run in running)}; %taas runs lists them)"
                                              if running else ""))
     print("\n".join(session.cluster.status_lines()) if session.cluster is not None else "cluster: none (local processes)")
-    print("\n".join(session.kept.status_lines()) if session.kept is not None else "kept ranks: none (--keep keeps them)")
+    print("\n".join(kept_lines(session.kept)) if session.kept is not None else "kept ranks: none (--keep keeps them)")

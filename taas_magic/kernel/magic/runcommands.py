@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from taas_magic.kernel.magic.status import runs_table
+from taas_magic.kernel.magic.status import kept_lines, runs_table
 from taas_magic.kernel.runs import views
 from taas_magic.kernel.runs.background import Runs, RunThread
 from taas_magic.kernel.runs.foreground import LEAVE, POLL_SECONDS, consoling, serve_prompts, wait_blocking
@@ -33,7 +33,7 @@ Take = Callable[[RunThread], object]  # bind a finished run's names in the noteb
 def list_runs(runs: Runs, kept: RankSet | None = None) -> None:
     print(runs_table([run.summary() for run in runs.all()]))
     if kept is not None:
-        print("\n".join(kept.status_lines()))
+        print("\n".join(kept_lines(kept)))
 
 
 def attach(runs: Runs, given: str | None, viewing: Viewing) -> None:

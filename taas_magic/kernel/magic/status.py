@@ -5,9 +5,11 @@ Runs in the kernel, on the cell's thread.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from taas_magic.cell.options import OPTIONS
+from taas_magic.kernel.runs.rankset import RankSet, RankState
 from taas_magic.kernel.runs.summary import LastRun, RunSummary, devices_text, started_text
 
 
@@ -79,3 +81,23 @@ def runs_table(summaries: Sequence[RunSummary]) -> str:
     widths = [max(len(row[column]) for row in rows) for column in range(4)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4]
                      for row in rows).rstrip()
+
+
+def kept_lines(kept: RankSet) -> list[str]:
+    """What ``%taas status`` and ``%taas runs`` say of the kept ranks: their state, shape, cells, and each rank's
+    memory at the end of its last cell."""
+    if not kept.running:
+        why = kept.ranks.ended_why() or "not started"
+        return [f"kept ranks: {kept.state.value}, none running ({kept.shape}; {why})"]
+    idle = f"busy with run {kept.busy_with}" if kept.state is RankState.BUSY else "idle"
+    since = time.strftime("%H:%M:%S", time.localtime(kept.started))
+    lines = [f"kept ranks: {kept.shape}, {kept.cells} cell(s) since {since}, {idle} (%taas release ends them)"]
+    assert kept.ranks.group is not None
+    for child in kept.ranks.group.children:
+        figures = kept.health.get(child.index, {})
+        memory = [f"{figures['rss'] / 2**20:.0f} MiB host"] if "rss" in figures else []
+        if "gpu_memory" in figures:
+            memory.append(f"{figures['gpu_memory'] / 2**20:.0f} MiB on GPU {figures.get('gpu', '?')}")
+        process = f"pid {figures['pid']} on {child.host}" if "pid" in figures else f"on {child.host}"
+        lines.append(f"  rank {child.index}, {process} ({kept.shape.device}): {', '.join(memory) or 'memory not reported yet'}")
+    return lines

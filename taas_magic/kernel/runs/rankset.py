@@ -1,19 +1,20 @@
 """A rank set: the ranks a run runs in, what they hold, and how long they live (one cell, or the session's ``--keep``).
 
 Runs in the kernel: made on the cell's thread (the plan step, kernel/runs/runplan.py: a run's own, or the session's
-kept ones, kernel/runs/session.py), borrowed by each run on its thread (kernel/runs/run.py; kept ranks' cells are
-supervised by kernel/supervision/keptcell.py), released on the cell's thread (the run's end for one cell's ranks;
-``%taas release``, a ``--keep`` cell of another shape, unloading the extension for the session's).
+kept ones, kernel/runs/session.py), borrowed by each run on its thread (kernel/runs/run.py; supervised by the one loop
+of kernel/supervision/attempts.py under its lifetime's policy), released on the cell's thread (the run's end for one
+cell's ranks; ``%taas release``, a ``--keep`` cell of another shape, unloading the extension for the session's).
 
-A :class:`RankSet` holds the backend (a reserved port; the GPUs or the cluster's places it put the ranks on), the
-rank server, the write rule's layers, the stacks folder, the owner tag, :class:`KeptGroup` (the processes and the
-selector watching them, kept ones) and the names sent to them (:class:`NameTokens`). A run borrows one and releases
-only its own parts (its log, its closure's files, its checkpoints' check); what happens when a cell's ranks are gone
-is the set's :class:`Lifetime`: :data:`ONE_CELL` gives everything back at once (fresh ranks: the run's end releases
-the set), :data:`SESSION` keeps it (kept ranks: their owner tag is theirs, so a cell's end sweeps nothing of theirs;
-their layers stay, and the write rule's report says only what is new). Releasing a set ends its ranks (their
-channels closed: kept ones leave on their own; the stop ladder for the rest), then sweeps what they started, then
-gives the port and the GPUs back.
+A :class:`RankSet` holds, from :meth:`RankSet.hold` on, the backend (a reserved port; the GPUs or the cluster's places
+it put the ranks on), the rank server, the write rule's layers, the stacks folder; and the owner tag, :class:`KeptGroup`
+(the processes and the selector watching them, kept ones), the names sent to them (:class:`NameTokens`) and where it
+is in its life (:class:`RankState`). A run borrows one (:meth:`RankSet.lend`) and releases only its own parts (its
+log, its closure's files, its checkpoints' check); the differences between one cell's ranks and kept ones are the
+set's :class:`Lifetime`, a policy: :data:`ONE_CELL` gives everything back as the cell's ranks are gone (the run's end
+releases the set) and supervises them by restart-on-failure; :data:`SESSION` keeps it (their owner tag is theirs,
+so a cell's end sweeps nothing of theirs; their layers stay, and the write rule's report says only what is new) and
+supervises them by keep-on-failure. Releasing a set ends its ranks (their channels closed: kept ones leave on their
+own; the stop ladder for the rest), then sweeps what they started, then gives the port and the GPUs back.
 
 Names travel only when needed (:class:`NameTokens`): the ranks have every notebook value a cell that
 succeeded sent them, and rank 0's values that came back are the ranks' own. A name the cell reads is sent
@@ -131,6 +132,10 @@ class Lifetime:
         """What a failure costs a cell's ranks (kernel/supervision/attempts.py), each attempt's ranks from ``start``."""
         raise NotImplementedError
 
+    def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
+        """A run borrows the set: what the run's ``releases`` (its plan step's, then its own) do with it."""
+        raise NotImplementedError
+
 
 class _OneCell(Lifetime):
     fate = "diverted and discarded"
@@ -149,6 +154,9 @@ class _OneCell(Lifetime):
 
     def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
         return Restarting(start, attempts)  # --restarts: new ranks for each attempt
+
+    def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
+        releases.callback(ranks.release)  # the run's own: released with it
 
 
 class _Session(Lifetime):
@@ -171,6 +179,9 @@ class _Session(Lifetime):
 
     def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
         return Keeping(ranks.ranks, start)  # the ranks outlive the cell (--restarts with --keep is refused)
+
+    def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
+        return None  # the session's: released by %taas release, another shape, or unloading
 
 
 ONE_CELL: Lifetime = _OneCell()
@@ -211,11 +222,9 @@ class RankSet:
     for how long (:class:`Lifetime`), and where they are in their life (:attr:`state`); whole once made, released
     once. A run always borrows one."""
 
-    def __init__(self, shape: Shape, backend: Backend, lifetime: Lifetime, name: str, workers: int = 0):
-        """Enter ``backend`` and take the ranks' server, layers and stacks folder; the ranks start with the
-        first cell. ``name``: the run's id for :data:`ONE_CELL` (its owner tag and stacks folder are the run's),
-        a new one for :data:`SESSION`; ``workers``: the one cell's data workers. A part that cannot be taken
-        releases the ones before it and raises."""
+    def __init__(self, shape: Shape, lifetime: Lifetime, name: str):
+        """A set that holds nothing yet (:meth:`hold` takes its parts). ``name``: the run's id for :data:`ONE_CELL`
+        (its owner tag and stacks folder are the run's), a new one for :data:`SESSION`."""
         self.shape, self.lifetime, self.id = shape, lifetime, name
         self.tag = lifetime.tag(name)  # names its owner tag and its stacks folder
         self.names = NameTokens()
@@ -225,24 +234,53 @@ class RankSet:
         self.runner: CellRunner | None = None  # runs the cell that fetches a name left on rank 0 (the magic)
         self.health: dict[int, dict] = {}  # each rank's figures (rss, gpu_memory) at the end of its last cell
         self.reported: set[str] = set()  # the write rule's lines already said (kept ranks)
-        self._given_back = self._released = False
+        self.ranks = KeptGroup()  # their processes and the selector watching them, once started (kept ranks)
+        self.held = self._given_back = self._released = False
         self._stack = ExitStack()
+        self.backend: Backend  # the parts, from :meth:`hold` on
+        self.peers: PeerIds
+        self.stacks_dir: str
+        self.layers: ScratchLayers
+        self.server: PeerServer
+
+    def hold(self, backend: Backend, workers: int = 0) -> None:
+        """Enter ``backend`` and take the ranks' server, layers and stacks folder; the ranks start with the first
+        cell. ``workers``: one cell's data workers. A part that cannot be taken releases the ones before it and
+        raises."""
+        stack = ExitStack()
         try:
-            self.backend = self._stack.enter_context(backend)
-            self._stack.callback(self.give_back)
+            self.backend = stack.enter_context(backend)
+            stack.callback(self.give_back)
             self.peers = PeerIds(len(self.backend.slots))
             self.stacks_dir = stacks.make_dir(self.tag)
-            self._stack.callback(remove_tree, self.stacks_dir)
+            stack.callback(remove_tree, self.stacks_dir)
             self.layers = ScratchLayers(self.peers.ranks)
-            self._stack.callback(self.layers.remove)
-            self.server = PeerServer(wire.new_key(), len(self.peers) + lifetime.peers_beyond_ranks(workers),
+            stack.callback(self.layers.remove)
+            self.server = PeerServer(wire.new_key(), len(self.peers) + self.lifetime.peers_beyond_ranks(workers),
                                      self.backend.listen_host)
-            self._stack.callback(self.server.close)
-            self.ranks = KeptGroup()
-            self._stack.callback(self.ranks.close)
+            stack.callback(self.server.close)
         except BaseException:
-            self._stack.close()
+            stack.close()
             raise
+        self._stack.push(stack.pop_all())
+        self._stack.callback(self.ranks.close)  # released first: the ranks end, then what they held goes
+        self.held = True
+
+    def lend(self, releases: ExitStack, backend: Callable[[], Backend], workers: int) -> None:
+        """Lent to a run (the plan step's ``releases``): its parts taken now if it holds none yet (from ``backend()``,
+        with room for the run's ``workers``), and what the run's end does with it, its lifetime's."""
+        if not self.held:
+            self.hold(backend(), workers)
+        self.lifetime.lent(self, releases)
+
+    def closure_for(self, closure: Mapping[str, object], registered: Iterable[object]) -> dict[str, object]:
+        """Of a cell's ``closure``, what its ranks must be sent: running ranks lack only names the notebook bound
+        since (:class:`NameTokens`; a registered loader is served anew, so it always goes); new ranks, all of it."""
+        if not self.running:
+            self.names = NameTokens()  # new ranks: they have nothing yet
+            return dict(closure)
+        loaders = {name for name, value in closure.items() if any(value is loader for loader in registered)}
+        return {**self.names.unsent(closure), **{name: closure[name] for name in loaders}}
 
     @property
     def owner(self) -> str:
@@ -262,8 +300,13 @@ class RankSet:
 
     @property
     def running(self) -> bool:
-        """Its ranks run (a cell on them, or between cells)."""
+        """Its ranks run (a cell on them, or between cells): polled, at most once in 50 ms (keptcell.py)."""
         return self.ranks.running
+
+    @property
+    def keeps_processes(self) -> bool:
+        """It holds its ranks' processes past their cell: kept ones, started and not lost (not polled)."""
+        return self.ranks.group is not None and self.ranks.lost is None
 
     # -- a name rank 0 kept (transfer/keptnames.py's KeptRanks) -------------------------------------------------
     @property
@@ -310,25 +353,6 @@ class RankSet:
     def cell_gone(self, run_id: str, workers: int) -> None:
         """Run ``run_id``'s ranks (and its ``workers``) are gone: what their lifetime does then."""
         self.lifetime.cell_gone(self, run_id, workers)
-
-    def status_lines(self) -> list[str]:
-        """What ``%taas status`` says of them: shape, cells, and each rank's memory at the end of its last cell."""
-        if not self.running:
-            why = self.ranks.ended_why() or "not started"
-            return [f"kept ranks: {self.state.value}, none running ({self.shape}; {why})"]
-        idle = f"busy with run {self.busy_with}" if self.state is RankState.BUSY else "idle"
-        since = time.strftime("%H:%M:%S", time.localtime(self.started))
-        lines = [f"kept ranks: {self.shape}, {self.cells} cell(s) since {since}, {idle} (%taas release ends them)"]
-        assert self.ranks.group is not None
-        for child in self.ranks.group.children:
-            figures = self.health.get(child.index, {})
-            memory = [f"{figures['rss'] / 2**20:.0f} MiB host"] if "rss" in figures else []
-            if "gpu_memory" in figures:
-                memory.append(f"{figures['gpu_memory'] / 2**20:.0f} MiB on GPU {figures.get('gpu', '?')}")
-            process = f"pid {figures['pid']} on {child.host}" if "pid" in figures else f"on {child.host}"
-            lines.append(f"  rank {child.index}, {process} ({self.shape.device}): "
-                         f"{', '.join(memory) or 'memory not reported yet'}")
-        return lines
 
     def release(self) -> None:
         """End the ranks and give back everything they held; a second call does nothing."""

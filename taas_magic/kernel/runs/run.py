@@ -213,8 +213,10 @@ class Run:
             memfile.remove(result.data.path) if result is not None else memfile.remove_run(os.getpid(), self.spec.run_id)
 
     def _ranks_gone(self) -> None:
-        self.ranks.cell_gone(self.spec.run_id, self.peers.workers)  # what the ranks and workers started and left
-        for callback in self.on_ranks_gone:
+        """The cell's ranks ended it: what they and its workers started and left goes as their lifetime says; and,
+        where they are gone (not kept), what waits for that (a search's slot; did they compile)."""
+        self.ranks.cell_gone(self.spec.run_id, self.peers.workers)
+        for callback in () if self.ranks.keeps_processes else self.on_ranks_gone:
             callback()
 
     def _remove_layers(self) -> None:

@@ -27,7 +27,7 @@ from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.errors import LaunchError
 from taas_magic.feed import registry
-from taas_magic.kernel.runs.rankset import ONE_CELL, NameTokens, RankSet, Shape
+from taas_magic.kernel.runs.rankset import ONE_CELL, RankSet, Shape
 from taas_magic.kernel.runs.run import Held, Run
 from taas_magic.kernel.runs.session import Session
 from taas_magic.kernel.runs.summary import LastRun, closure_size, gpus_held_text, header_line
@@ -64,27 +64,20 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
     A search's ``trial`` is told to its ranks (its number) and answers their suggestions (kernel/trials/searchrun.py)."""
     registered = registry.registered()
     session = context.session
-    kept, kept_lines = _kept(settings, context) if settings.keep else (None, [])
-    if kept is None or not kept.running:  # (a cell on kept ranks skips it, about 1 ms: their first cell swept)
+    run_id = secrets.token_hex(6)
+    # the one place that chooses a lifetime: the session's kept ranks (--keep), or the run's own
+    ranks, ranks_lines = _kept(settings, context) if settings.keep else (
+        RankSet(Shape(settings.gpus, settings.device, ""), ONE_CELL, run_id), [])
+    if not ranks.running:  # (a cell on running kept ranks skips it, about 1 ms: their first cell swept)
         memfile.sweep_all()  # what a killed kernel left in /dev/shm
-    if kept is not None and kept.running:  # the kept ranks have the rest, or their own value of it; a registered
-        loaders = {name for name, value in closure.items() if any(value is loader for loader in registered)}
-        closure = {**kept.names.unsent(closure), **{name: closure[name] for name in loaders}}  # loader: served anew
-    elif kept is not None:
-        kept.names = NameTokens()  # new ranks: they have nothing yet
+    closure = ranks.closure_for(closure, registered)
     packing = serialise_closure(closure, registered)
     with ExitStack() as releases:  # a plan that fails half-way releases what it took
         used = sorted(packing.externals_used)
         data = DataRun({index: registered[index] for index in used}, context.shell.user_ns, settings) if used else None
         if data is not None:
             releases.callback(data.close)
-        run_id = secrets.token_hex(6)
-        if kept is None:  # placement held from here: the run's own ranks, released as it ends
-            ranks = RankSet(Shape(settings.gpus, settings.device, ""), context.backend(settings), ONE_CELL, run_id,
-                            data.workers if data is not None else 0)
-            releases.callback(ranks.release)
-        else:  # kept ranks hold theirs until they are released
-            ranks = kept
+        ranks.lend(releases, lambda: context.backend(settings), data.workers if data is not None else 0)
         backend = ranks.backend
         held = Held(settings, packing, registered, data, backend, trial, sent=closure)
         on_local_gpus = backend.devices.device == "cuda" and backend.loopback_only
@@ -92,7 +85,7 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         holder = session.runs.gpu_holder() if on_local_gpus and trial is None else None
         if holder is not None:
             raise LaunchError(gpus_held_text(holder.summary()))
-        if on_local_gpus and kept is None and session.kept is not None and session.kept.holds_local_gpus:
+        if on_local_gpus and session.kept is not None and session.kept is not ranks and session.kept.holds_local_gpus:
             raise LaunchError(f"taas: the kept ranks ({session.kept.shape}) hold this host's GPUs: %taas release "
                               "ends them, or run this cell with --keep")
         rule = session.write_rule()
@@ -105,12 +98,12 @@ def plan(settings: RunSettings, code: CellCode, closure: dict, why: str | None, 
         route = closure_route(packing, spec.cuda_ipc, spec.result_file_bytes)
         closure_text = closure_size(len(packing.skeleton) + tensor_bytes, route)
         in_place = "written in place by every rank: " + ", ".join(os.path.relpath(f, rule.repository) for f in shared)
-        lines = [header_line(settings, backend.devices, spec.run_id, closure_text, why), *kept_lines, rule.header(),
+        lines = [header_line(settings, backend.devices, spec.run_id, closure_text, why), *ranks_lines, rule.header(),
                  in_place if shared else None,
                  backend.layout(), data.header() if data is not None else None]
         session.last_run = LastRun(settings, backend.devices, spec.run_id, tuple(closure), spec.checkpoints)
         run = Run(held, releases.pop_all(), spec, rule, session.last_run, ranks)  # whole: it releases all of it from now on
-        if spec.compile_cache and kept is None:  # fresh ranks on this host: did they compile?
+        if spec.compile_cache:  # its ranks on this host, once gone: did they compile?
             run.on_ranks_gone.append(session.ranks_gone)
     try:
         run.log.header("\ntaas: ".join(line for line in lines if line))

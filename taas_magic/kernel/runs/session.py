@@ -88,8 +88,9 @@ class Session:
             line = f"the kept ranks ({kept.shape}) ended: this cell wants {shape}, so new ranks start"
             self.release_kept()
         if self.kept is None:
-            self.kept = RankSet(shape, backend(), SESSION, secrets.token_hex(4))
-            self.kept.runner = self.runner
+            kept = RankSet(shape, SESSION, secrets.token_hex(4))
+            kept.hold(backend())
+            self.kept, kept.runner = kept, self.runner
         return self.kept, line
 
     def release_kept(self, stopped: bool = False) -> str:
