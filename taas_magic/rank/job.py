@@ -8,10 +8,10 @@ Runs in the job: the script ``%taas export`` wrote (kernel/magic/jobfiles.py) ca
 - ``torchrun`` (``RANK`` set), or Slurm's ``srun`` (``SLURM_PROCID`` set: the ranks' environment made from Slurm's
   variables, as the Slurm engine does): this process is one rank; :func:`start` sets it up and returns its
   :class:`Job`.
-- ``python SCRIPT``: this process starts the job's ranks itself, each ``python SCRIPT`` with torchrun's
-  environment (loopback rendezvous on a free port), shows rank 0's output (the others' go to the job folder's
-  ``rank-K.log``), restarts them all up to ``restarts`` times when one fails, stops them all after ``timeout``
-  seconds, and exits with the job's status: :func:`start` never returns there.
+- ``python SCRIPT``: this process runs the job's ranks through torch's own elastic launcher (``torchrun``'s:
+  a loopback rendezvous, every rank started again up to ``restarts`` times when one fails), shows rank 0's output
+  (the others' go to the job folder's ``logs/``), stops them all after ``timeout`` seconds, and exits with the
+  job's status: :func:`start` never returns there.
 
 Each rank, as a taas rank: on ``device="cpu"`` it sees no GPU and ``nccl`` is served by gloo; on ``"cuda"`` its GPU is
 ``LOCAL_RANK``'s; ranks other than 0 write under the repository (the git work tree around the working
@@ -30,13 +30,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import types
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from taas_magic.procs import omp_threads, stop_groups
-from taas_magic.wire import LOOPBACK, reserve_port
+from taas_magic.procs import omp_threads
+from taas_magic.wire import LOOPBACK
 
 RESULTS = "results.pt"
 VALUES = "values.pt"
@@ -238,46 +237,41 @@ def _divert_writes(repository: str) -> None:
     isolate_writes(repository, layer, mode, f"rank {os.environ['RANK']}")
 
 
+class _TimedOut(Exception):
+    """``--timeout`` passed (SIGALRM): torch's agent stops every rank as it leaves its run."""
+
+
 def _launch(script: str, ranks: int, restarts: int, timeout: float | None) -> int:
-    """``python SCRIPT``: the job's ranks, attempt after attempt; the job's exit status."""
-    for attempt in range(restarts + 1):
-        code = _attempt(script, ranks, attempt, timeout)
-        if code == 0 or code == 124:
-            return code
-        if attempt < restarts:
-            print(f"taas: the job failed (exit {code}); restart {attempt + 1} of {restarts}", file=sys.stderr)
-    return code
+    """``python SCRIPT``: the job's ranks run by torch's own elastic launcher, as ``torchrun --standalone
+    --nproc-per-node RANKS --max-restarts RESTARTS SCRIPT`` would (a loopback rendezvous on a free port; after a
+    failure every rank starts again, ``TORCHELASTIC_RESTART_COUNT`` the attempt; each rank leads its own process
+    group, stopped whole). taas adds rank 0's output here, the others' in the job folder's ``logs/`` (torch's
+    layout: ``RUN/attempt_N/RANK/stdout.log``), and ``timeout``: then every rank is stopped, and the exit status is
+    124. The job's exit status: 0, or the first failed rank's."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-
-def _attempt(script: str, ranks: int, attempt: int, timeout: float | None) -> int:
-    # held until the attempt ends: no one else is given the port before rank 0's store binds it (SO_REUSEADDR)
-    reservation, folder = reserve_port(), job_folder(script)
-    port, threads = reservation.getsockname()[1], omp_threads(ranks)  # the host's cores among its ranks, as a cell's get
-    children: list[subprocess.Popen] = []
+    os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads(ranks)))  # the host's cores among its ranks, as a cell's
+    logs = DefaultLogsSpecs(log_dir=os.path.join(job_folder(script), "logs"),
+                            redirects={rank: Std.ALL for rank in range(1, ranks)})
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"taas-job-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=restarts,
+                          monitor_interval=0.1, logs_specs=logs)
+    if timeout is not None:
+        signal.signal(signal.SIGALRM, _time_is_up)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        for rank in range(ranks):
-            env = {"OMP_NUM_THREADS": str(threads), **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": LOOPBACK,
-                   "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-            log = None if rank == 0 else open(os.path.join(folder, f"rank-{rank}.log"), "ab")
-            try:
-                children.append(subprocess.Popen([sys.executable, script], env=env, stdout=log, stderr=log,
-                                                 start_new_session=True))
-            finally:
-                if log is not None:
-                    log.close()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            codes = [child.poll() for child in children]
-            failed = [code for code in codes if code not in (None, 0)]
-            if failed or all(code == 0 for code in codes):
-                return failed[0] if failed else 0
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"taas: the job ran past its --timeout {timeout:g} s: stopped", file=sys.stderr)
-                return 124
-            time.sleep(0.05)
-    finally:  # each rank's group (it leads its own), and what it left there: TERM, then KILL; then the port
-        stop_groups(children, ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)))
-        for child in children:
-            child.wait()
-        reservation.close()
+        elastic_launch(config, entrypoint=sys.executable)(script)
+        return 0
+    except ChildFailedError as failed:
+        return failed.get_first_failure()[1].exitcode or 1
+    except _TimedOut:
+        print(f"taas: the job ran past its --timeout {timeout:g} s: stopped", file=sys.stderr)
+        return 124
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _time_is_up(signum: int, frame: object) -> None:
+    raise _TimedOut()

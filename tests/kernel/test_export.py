@@ -180,7 +180,8 @@ def test_a_registered_loader_feeds_each_rank_its_share_of_every_pass_in_the_job(
     done = subprocess.run([sys.executable, "job/feed.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0 len 8 took 256 256" in done.stdout
-    assert "rank 1 len 8 took 256 256" in (tmp_path / "job" / "feed.taas" / "rank-1.log").read_text()
+    rank_1 = next((tmp_path / "job" / "feed.taas" / "logs").glob("*/attempt_0/1/stdout.log"))  # torch's layout
+    assert "rank 1 len 8 took 256 256" in rank_1.read_text()
 
 
 def test_shared_folders_are_written_in_place_by_every_rank_of_the_job(tmp_path):

@@ -1,6 +1,6 @@
-"""An exported job's runtime (taas_magic/rank/job.py) launched as ``python SCRIPT``, in real processes: every rank
-started with torchrun's environment, all of them started again after a failure up to ``restarts`` times, all of
-them stopped at ``timeout``, and nothing left running."""
+"""An exported job's runtime (taas_magic/rank/job.py) launched as ``python SCRIPT``, in real processes, through torch's
+own elastic launcher: every rank started with torchrun's environment, all of them started again after a failure up
+to ``restarts`` times, all of them stopped at ``timeout``, and nothing left running."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def test_a_failed_attempt_starts_every_rank_again_up_to_the_restarts(tmp_path):
             raise SystemExit(3)
         """, restarts=1)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "the job failed (exit 3); restart 1 of 1" in ran.stderr
-    assert "rank 0 of 2 attempt 1" in ran.stdout  # rank 0's output here; rank 1's in the job folder's log
-    assert "rank 1 of 2 attempt 1" in (tmp_path / "job.taas" / "rank-1.log").read_text()
+    assert "failed (exitcode: 3) local_rank: 1" in ran.stderr  # torch's elastic agent says it, and restarts every rank
+    assert "rank 0 of 2 attempt 0" in ran.stdout and "rank 0 of 2 attempt 1" in ran.stdout  # rank 0's output here
+    logs = sorted((tmp_path / "job.taas" / "logs").glob("*/attempt_*/1/stdout.log"))  # rank 1's: torch's layout
+    assert [log.parent.parent.name for log in logs] == ["attempt_0", "attempt_1"]
+    assert "rank 1 of 2 attempt 1" in logs[1].read_text()
 
 
 def test_without_restarts_a_failure_is_the_jobs_exit_status(tmp_path):
