@@ -61,9 +61,19 @@ def template(state: Any) -> Any:
         return TensorShape(tuple(state.shape), str(state.dtype).removeprefix("torch."))
     if isinstance(state, dict):
         return {key: template(item) for key, item in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(template(item) for item in state) if type(state) in (list, tuple) else state
+    if _sequence(state):
+        return _remade(state, [template(item) for item in state])
     return state  # DCP saves it pickled, and loads it back in its place
+
+
+def _sequence(value: Any) -> bool:
+    """A list, a tuple, or a named tuple: what the template looks into (a named tuple's tensors are not kept in it)."""
+    return type(value) in (list, tuple) or (isinstance(value, tuple) and hasattr(type(value), "_fields"))
+
+
+def _remade(value: Any, items: list[Any]) -> Any:
+    """``value``'s kind of sequence holding ``items`` (a named tuple takes them as its fields)."""
+    return type(value)(*items) if hasattr(type(value), "_fields") else type(value)(items)
 
 
 def _empty(shape: Any) -> Any:
@@ -73,15 +83,15 @@ def _empty(shape: Any) -> Any:
         return torch.empty(shape.shape, dtype=getattr(torch, shape.dtype))
     if isinstance(shape, dict):
         return {key: _empty(item) for key, item in shape.items()}
-    if type(shape) in (list, tuple):
-        return type(shape)(_empty(item) for item in shape)
+    if _sequence(shape):
+        return _remade(shape, [_empty(item) for item in shape])
     return shape
 
 
 def _count(shape: Any) -> int:
     if isinstance(shape, TensorShape):
         return 1
-    items = shape.values() if isinstance(shape, dict) else shape if type(shape) in (list, tuple) else ()
+    items = shape.values() if isinstance(shape, dict) else shape if _sequence(shape) else ()
     return sum(_count(item) for item in items)
 
 
@@ -125,6 +135,7 @@ class CheckpointHandle:
     def __repr__(self) -> str:
         from taas_magic.transfer.cudaipc import size_text
 
-        return (f"<taas CheckpointHandle {self.name} ({self.what}, {_count(self._shape)} tensors, "
+        count = _count(self._shape)
+        return (f"<taas CheckpointHandle {self.name} ({self.what}, {count} tensor{'s' if count != 1 else ''}, "
                 f"{size_text(self.nbytes)} whole) at {self.path!r}: .load() reads it whole, "
                 f".load(into=...) into your own module or state dict>")

@@ -75,7 +75,7 @@ class _SkeletonPickler(pickle.Pickler):
         raw = _raw_array(obj)
         if raw is not None:
             nbytes = raw.size
-            return ("n", self._place(raw, nbytes), nbytes, obj.dtype.str, obj.shape, False)
+            return ("n", self._place(raw, nbytes), nbytes, obj.dtype, obj.shape, False)  # the dtype whole: its fields too
         return None
 
 
