@@ -11,32 +11,7 @@ from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
 from taas_magic.output.runlog import RunLog
 from taas_magic.protocol import ClearOutput, Display
-
-
-class Cell:
-    """What the cell received, in order: ("stdout"/"stderr", text) for each write, ("display", message)."""
-
-    def __init__(self):
-        self.got: list[tuple[str, object]] = []
-        self.streams = {name: _Stream(self, name) for name in ("stdout", "stderr")}
-
-    def publish(self, message) -> None:
-        self.got.append(("display", message))
-
-    def text(self, name: str = "stdout") -> str:
-        return "".join(text for kind, text in self.got if kind == name)
-
-
-class _Stream:
-    def __init__(self, cell: Cell, name: str):
-        self.cell, self.name = cell, name
-
-    def write(self, text: str) -> int:
-        self.cell.got.append((self.name, text))
-        return len(text)
-
-    def flush(self) -> None:
-        pass
+from tests.unit.recording import RecordedCell
 
 
 @pytest.fixture
@@ -52,7 +27,7 @@ def _display(display_id: str | None, text: str = "x") -> Display:
 
 
 def test_each_entry_is_shown_once_in_the_order_the_run_showed_it(log):
-    cell = Cell()
+    cell = RecordedCell()
     stream = CellStream(log, cell.streams, cell.publish, budget=None)
     assert stream.show_new() is False  # nothing yet
     mine = _display(None, "a rank's plot")
@@ -77,7 +52,7 @@ def test_each_entry_is_shown_once_in_the_order_the_run_showed_it(log):
 
 
 def test_rank_text_goes_through_the_budget_and_the_end_gives_its_notice_and_last_lines(log, tmp_path):
-    cell = Cell()
+    cell = RecordedCell()
     budget = OutputBudget("run1", head_lines=3, tail_lines=2)
     stream = CellStream(log, cell.streams, cell.publish, budget)
     for i in range(10):
@@ -95,7 +70,7 @@ def test_rank_text_goes_through_the_budget_and_the_end_gives_its_notice_and_last
 
 
 def test_the_last_lines_of_two_streams_are_written_one_run_of_lines_at_a_time(log):
-    cell = Cell()
+    cell = RecordedCell()
     stream = CellStream(log, cell.streams, cell.publish, OutputBudget("run1", head_lines=1, tail_lines=4))
     log.out("stdout", "head\n")
     for text, name in [("a\n", "stdout"), ("b\n", "stdout"), ("c\n", "stderr"), ("d\n", "stdout")]:
@@ -107,7 +82,7 @@ def test_the_last_lines_of_two_streams_are_written_one_run_of_lines_at_a_time(lo
 
 
 def test_without_a_budget_nothing_is_elided_and_finish_adds_nothing(log):
-    cell = Cell()
+    cell = RecordedCell()
     stream = CellStream(log, cell.streams, cell.publish, budget=None)
     for i in range(50):
         log.out("stdout", f"{i}\n")
@@ -119,7 +94,7 @@ def test_without_a_budget_nothing_is_elided_and_finish_adds_nothing(log):
 def test_entries_no_longer_kept_in_the_kernel_are_named_with_the_file_that_has_them(tmp_path):
     log = RunLog("small", keep_bytes=2048, directory=str(tmp_path))
     try:
-        cell = Cell()
+        cell = RecordedCell()
         stream = CellStream(log, cell.streams, cell.publish, budget=None)
         for i in range(100):
             log.out("stdout", f"{i:03}\n")
@@ -133,7 +108,7 @@ def test_entries_no_longer_kept_in_the_kernel_are_named_with_the_file_that_has_t
 
 
 def test_with_a_live_widget_only_the_ranks_own_displays_reach_the_cell(log):
-    cell = Cell()
+    cell = RecordedCell()
     stream = CellStream(log, cell.streams, cell.publish, OutputBudget("run1", head_lines=1), displays_only=True)
     rank_plot, chart, data_line = _display(None, "plot"), _display("taas-chart-1"), _display("taas-data-ab12cd34")
     log.header("taas: 2 ranks")
@@ -151,7 +126,7 @@ def test_with_a_live_widget_only_the_ranks_own_displays_reach_the_cell(log):
 
 
 def test_a_kernel_line_takes_its_place_among_the_entries_shown(log):
-    cell = Cell()
+    cell = RecordedCell()
     stream = CellStream(log, cell.streams, cell.publish, budget=None)
     log.out("stdout", "before\n")
     stream.show_new()

@@ -9,31 +9,9 @@ from taas_magic.output.displays import HeldDisplays
 from taas_magic.output.relay import OutputRelay, display_marker
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
 from taas_magic.protocol import ClearOutput, Display
+from tests.unit.recording import RecordedCell
 
 RANK_0, RANK_1, WORKER_0 = Peer(RANK, 0), Peer(RANK, 1), Peer(WORKER, 0)
-
-
-class Cell:
-    """What the cell received, in order: text per stream and displays."""
-
-    def __init__(self):
-        self.got: list[tuple[str, object]] = []
-        self.streams = {name: _Stream(self, name) for name in ("stdout", "stderr")}
-
-    def publish(self, message) -> None:
-        self.got.append(("display", message))
-
-
-class _Stream:
-    def __init__(self, cell: Cell, name: str):
-        self.cell, self.name = cell, name
-
-    def write(self, text: str) -> int:
-        self.cell.got.append((self.name, text))
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 def _display(number: int, text: str = "plot") -> Display:
@@ -42,7 +20,7 @@ def _display(number: int, text: str = "plot") -> Display:
 
 def _setup(mode: str = "rank0", ranks: int = 2, workers: int = 0):
     """A relay that writes only when flushed (as a busy run's does) and the displays it places."""
-    cell = Cell()
+    cell = RecordedCell()
     ids = PeerIds(ranks, workers)
     held: list[HeldDisplays] = []
     relay = OutputRelay(mode, ids, cell.streams, flush_interval=3600, on_marker=lambda peer, n: held[0].show(peer, n))
