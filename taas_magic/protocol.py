@@ -194,6 +194,8 @@ class Answer(ToPeer, kind="answer"):
 class Interrupt(ToPeer, kind="interrupt"):
     """A kept rank's cell is interrupted: the rank sends SIGINT to its process group (rank/betweencells.py)."""
 
+    run: str = ""  # the run whose cell it interrupts: one that comes late, for an earlier cell, interrupts nothing
+
 
 @dataclass(frozen=True)
 class Hold(ToPeer, kind="hold"):

@@ -33,7 +33,8 @@ from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
 from taas_magic.writes import outbox
 
 _cell_running = False  # the cell's own code runs now: an interrupt is SIGINT to the process group
-_interrupt_asked = False  # the kernel interrupted this cell (perhaps before its code began)
+_cell_run = ""  # the run whose cell this is (its spec's), once its code began
+_interrupted_run: str | None = None  # the run whose cell the kernel interrupted last (perhaps before its code began)
 
 
 class InboxChannel:
@@ -51,25 +52,28 @@ class InboxChannel:
         return frame
 
 
-def interrupted(_frame: Interrupt) -> None:
-    """On the inbox's reader: the kernel interrupts the cell. While its code runs, SIGINT to the rank's
-    process group (the cell and what it started); before, :func:`cell_starts` raises it; after, nothing."""
-    global _interrupt_asked
-    _interrupt_asked = True
-    if _cell_running:
+def interrupted(frame: Interrupt) -> None:
+    """On the inbox's reader: the kernel interrupts the cell of run ``frame.run``. While its code runs, SIGINT to the
+    rank's process group (the cell and what it started); before, :func:`cell_starts` raises it; after, or for
+    another run's cell (one that came late), nothing. Naming the run makes the order of frames not matter: an
+    interrupt right behind the next cell's spec and closure is that cell's, whichever thread sees it first."""
+    global _interrupted_run
+    _interrupted_run = frame.run
+    if _cell_running and frame.run == _cell_run:
         try:
             os.killpg(os.getpgrp(), signal.SIGINT)
         except OSError:
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def cell_starts() -> None:
-    """A kept rank's cell code begins: SIGINT raises KeyboardInterrupt in it (an interrupt that came
-    while the cell was being set up raises it now)."""
-    global _cell_running
+def cell_starts(run: str) -> None:
+    """A kept rank's cell code begins (the cell of ``run``): SIGINT raises KeyboardInterrupt in it (an interrupt of
+    this cell that came while it was being set up raises it now)."""
+    global _cell_running, _cell_run
+    _cell_run = run  # before it runs: the reader compares both
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _cell_running = True
-    if _interrupt_asked:
+    if _interrupted_run == run:
         raise KeyboardInterrupt
 
 
@@ -87,7 +91,6 @@ def between_cells(inbox: Inbox, raised: bool, rank: int) -> tuple[RunSpec, Recei
     Raises:
         whatever receiving the next cell's closure raised, the channel being alive (the rank then exits 1).
     """
-    global _interrupt_asked
     cell_ends()
     startup.flush_output()
     _flush_c_output()
@@ -99,7 +102,6 @@ def between_cells(inbox: Inbox, raised: bool, rank: int) -> tuple[RunSpec, Recei
         inbox.send(CellDone(raised))
         frame = inbox.take(lambda frame: isinstance(frame, Spec), drop_older=True)  # the last cell's leftovers go
         assert isinstance(frame, Spec)
-        _interrupt_asked = False
         spec = outbox.here(frame.spec)
         # an InboxChannel reads as a PeerChannel does
         received = receive_closure(InboxChannel(inbox), keep_original=rank == 0, own_gpu=spec.device == "cuda")  # type: ignore[arg-type]  # duck-typed

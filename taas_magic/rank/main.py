@@ -160,7 +160,7 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
     """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
     try:
         if spec.keep:
-            betweencells.cell_starts()  # SIGINT raises in the cell's code only: the rank outlives it
+            betweencells.cell_starts(spec.run_id)  # SIGINT raises in the cell's code only: the rank outlives it
         final = execute.run_cell(spec.source, spec.filename, module)
         if spec.keep:
             betweencells.cell_ends()

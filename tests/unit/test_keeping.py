@@ -28,7 +28,8 @@ from tests.unit.recording import WrittenText
 
 RANKS = 3
 DONE = "the outcome"
-INTERRUPT = protocol.encode(protocol.Interrupt())
+RUN = "run00000001"
+INTERRUPT = protocol.encode(protocol.Interrupt(RUN))  # this cell's run, named
 
 
 def _done(rank: int, raised: bool = False) -> FrameArrived:
@@ -164,7 +165,7 @@ def _run(policy: Keeping, supervised: _Supervised):
 def test_a_cell_on_running_ranks_sends_each_rank_its_frames_then_shows_its_displays_and_keeps_them(clock):
     log: list = []
     ranks = _kept(log)
-    policy = Keeping(ranks, start=lambda attempt: pytest.fail("running ranks are not started again"))
+    policy = Keeping(ranks, start=lambda attempt: pytest.fail("running ranks are not started again"), run_id=RUN)
     outcome = _run(policy, _Supervised(clock, log, [_done(0), _done(1), _done(2), DONE]))
     assert outcome == DONE
     sends = [("send", rank, body) for rank in range(RANKS) for body in (b"spec", b"closure")]
@@ -183,7 +184,7 @@ def test_new_ranks_show_their_displays_before_they_start_and_are_kept_after_the_
         log.append(("start", attempt))
         return group
 
-    policy = Keeping(ranks, start)
+    policy = Keeping(ranks, start, run_id=RUN)
     assert policy.fresh
     server = PeerServer(wire.new_key(), RANKS)  # the new ranks' selector listens on it
     readmit = server.readmit
@@ -207,7 +208,7 @@ def test_a_rank_that_raised_while_the_others_end_their_cell_is_the_cells_error_a
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [_raised(1), _done(1, raised=True)],
                              later={clock.now + 0.1: [_done(0)], clock.now + 0.3: [_done(2)]})
-    failure = _run(Keeping(ranks, start=None), supervised)
+    failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
     assert isinstance(failure, RankFailed) and failure.rank == 1 and not failure.stopped  # no rank was stopped
     assert failure.notes == (KEPT_LINE,) and failure.last_lines == ("its last line",)
     assert supervised.lines == ["taas: rank 1 on host-a raised ValueError: x"]  # said at once, before the others' time
@@ -221,7 +222,7 @@ def test_ranks_still_in_their_cell_after_the_wait_are_interrupted_and_kept_when_
     ended = [_done(0, raised=True), _done(2, raised=True)]  # each one's KeyboardInterrupt ends its cell
     supervised = _Supervised(clock, log, [_raised(1), _done(1, raised=True)],
                              later={clock.now + KEEP_WAIT_SECONDS + 0.5: ended})
-    failure = _run(Keeping(ranks, start=None), supervised)
+    failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
     assert isinstance(failure, RankFailed) and failure.notes == (KEPT_LINE,)
     assert [entry[1] for entry in log if entry[0] == "send" and entry[2] == INTERRUPT] == [0, 2]  # not rank 1
     assert ("stop everything", False) not in log and ranks.lost is None
@@ -230,7 +231,7 @@ def test_ranks_still_in_their_cell_after_the_wait_are_interrupted_and_kept_when_
 def test_ranks_that_do_not_end_their_cell_even_interrupted_are_stopped_and_their_state_is_lost(clock):
     log: list = []
     ranks = _kept(log)
-    failure = _run(Keeping(ranks, start=None), _Supervised(clock, log, [_raised(1), _done(1, raised=True)]))
+    failure = _run(Keeping(ranks, start=None, run_id=RUN), _Supervised(clock, log, [_raised(1), _done(1, raised=True)]))
     assert isinstance(failure, RankFailed) and failure.notes == (keptcell.lost_line(
         "not every rank ended its cell after the failure, even interrupted"),)
     assert clock.now >= 1000.0 + KEEP_WAIT_SECONDS + FAILURE_INTERRUPT_SECONDS
@@ -241,7 +242,7 @@ def test_ranks_that_do_not_end_their_cell_even_interrupted_are_stopped_and_their
 def test_a_rank_that_exits_even_with_0_fails_the_cell_and_costs_every_ranks_state(clock):
     log: list = []
     ranks = _kept(log)
-    policy = Keeping(ranks, start=None)
+    policy = Keeping(ranks, start=None, run_id=RUN)
     ranks.group.children[2].code = 0  # in the cell
     failure = _run(policy, _Supervised(clock, log, [PeerExited(Peer(RANK, 2), 0)]))
     assert isinstance(failure, RankFailed) and "exited in a kept cell (code 0) instead of ending it" in str(failure)
@@ -253,7 +254,7 @@ def test_a_timeout_interrupts_the_ranks_at_once_and_keeps_them_if_they_end_their
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [_done(0), TimedOut(5.0, (1, 2), ("rank 1 waits in all_reduce",))],
                              later={clock.now + 0.1: [_done(1, raised=True), _done(2, raised=True)]})
-    failure = _run(Keeping(ranks, start=None), supervised)
+    failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
     assert isinstance(failure, RunTimeout) and not failure.stopped and failure.notes[-1] == KEPT_LINE
     assert [entry[1] for entry in log if entry[0] == "send" and entry[2] == INTERRUPT] == [1, 2]
     assert clock.now < 1000.0 + KEEP_WAIT_SECONDS  # no wait for the others before the interrupt
@@ -264,7 +265,7 @@ def test_an_interrupt_that_every_rank_obeys_keeps_them_with_no_autopsy(clock):
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [KeyboardInterrupt()],
                              later={clock.now + 0.2: [_done(rank, raised=True) for rank in range(RANKS)]})
-    assert isinstance(_run(Keeping(ranks, start=None), supervised), KeyboardInterrupt)
+    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
     assert supervised.lines == [KEPT_LINE] and "explain stop" not in log and ranks.lost is None
 
 
@@ -272,7 +273,7 @@ def test_an_interrupt_a_rank_does_not_obey_gets_the_autopsy_and_costs_every_rank
     log: list = []
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [KeyboardInterrupt()], later={clock.now + 0.2: [_done(0, raised=True)]})
-    assert isinstance(_run(Keeping(ranks, start=None), supervised), KeyboardInterrupt)
+    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
     assert "explain stop" in log and supervised.lines == [
         keptcell.lost_line("a rank did not stop in time (in C code or a collective)")]
     assert ("stop everything", False) in log and ranks.group is None and ranks.lost == "every rank was stopped"

@@ -127,7 +127,7 @@ def execute(execution: Execution) -> RunOutcome:
             raise LaunchError("taas: the kept ranks ended after this cell was planned (a rank died): run the cell "
                               "again, and new ranks start")
         attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
-        policy = run.ranks.lifetime.policy(run.ranks, execution.start_ranks, attempts)
+        policy = run.ranks.lifetime.policy(run.ranks, execution.start_ranks, attempts, run.spec.run_id)
         return run_ranks(execution.parts(), policy, execution.start_data if run.data is not None else None)
     finally:
         run.ranks.health = health_by_rank(execution.board)  # %taas status says it of kept ranks

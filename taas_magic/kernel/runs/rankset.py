@@ -128,8 +128,8 @@ class Lifetime:
         """Of the write rule's report after a cell, the lines to say."""
         raise NotImplementedError
 
-    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
-        """What a failure costs a cell's ranks (kernel/supervision/attempts.py), each attempt's ranks from ``start``."""
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str) -> Policy:
+        """What a failure costs run ``run_id``'s ranks (kernel/supervision/attempts.py), each attempt's from ``start``."""
         raise NotImplementedError
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
@@ -152,7 +152,7 @@ class _OneCell(Lifetime):
     def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
         return lines
 
-    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str) -> Policy:
         return Restarting(start, attempts)  # --restarts: new ranks for each attempt
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
@@ -177,8 +177,8 @@ class _Session(Lifetime):
         ranks.reported.update(fresh)
         return fresh
 
-    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts) -> Policy:
-        return Keeping(ranks.ranks, start)  # the ranks outlive the cell (--restarts with --keep is refused)
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str) -> Policy:
+        return Keeping(ranks.ranks, start, run_id)  # the ranks outlive the cell (--restarts with --keep is refused)
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
         return None  # the session's: released by %taas release, another shape, or unloading

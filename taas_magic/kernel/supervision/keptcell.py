@@ -102,8 +102,8 @@ class Keeping:
 
     clean_exit: str | None = "exited in a kept cell (code 0) instead of ending it"  # a kept rank that exits has failed
 
-    def __init__(self, ranks: KeptGroup, start: Callable[[int], ProcessGroup]):
-        self.ranks, self._start = ranks, start
+    def __init__(self, ranks: KeptGroup, start: Callable[[int], ProcessGroup], run_id: str):
+        self.ranks, self._start, self.run_id = ranks, start, run_id
         self.fresh = not ranks.running
         self.kept = False  # whether the ranks outlive the cell (its attempt said so)
 
@@ -180,7 +180,7 @@ class Keeping:
         """SIGINT in every rank still in its cell (an ``Interrupt`` frame); whether each ended it within ``seconds``."""
         assert self.ranks.mux is not None
         for rank in supervisor.verdict.running():
-            self.ranks.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt()))
+            self.ranks.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt(self.run_id)))
         return _wait_for_every_cell(supervisor, self.ranks, seconds)
 
 
