@@ -10,7 +10,8 @@
 - ``views.py``: which view a run gets in a cell (the live view or the text stream), and putting it there.
 - ``session.py``: what the line commands set and every cell reads: repository, spares, cluster, runs,
   kept ranks.
-- ``rankset.py``: a rank set: what a run's ranks hold (backend, server, layers, stacks folder, owner tag, the kept
-  group) and their lifetime (one cell, or the session: ``--keep``), and which notebook values they already have.
+- ``rankset.py``: a rank set, which every run borrows: what its ranks hold (backend, server, layers, stacks folder,
+  owner tag, the kept group), its state (new, busy, idle, lost, released), its lifetime (one cell, or the session:
+  ``--keep``: each a policy, of what a cell's end and a failure cost), and which notebook values they already have.
 - ``summary.py``: the run in a few words: ``RunSummary``, ``LastRun``, the header line.
 """
