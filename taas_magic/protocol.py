@@ -192,9 +192,8 @@ class Answer(ToPeer, kind="answer"):
 
 @dataclass(frozen=True)
 class Interrupt(ToPeer, kind="interrupt"):
-    """A kept rank's cell is interrupted: the rank sends SIGINT to its process group (rank/betweencells.py)."""
-
-    run: str = ""  # the run whose cell it interrupts: one that comes late, for an earlier cell, interrupts nothing
+    """A kept rank's cell of run ``run`` is interrupted: SIGINT to the rank's process group (rank/betweencells.py)."""
+    run: str = ""  # one that comes late, for an earlier cell's run, interrupts nothing
 
 
 @dataclass(frozen=True)
@@ -371,8 +370,7 @@ def decode_body(body: bytes | memoryview, direction: type[F]) -> F:
 
 
 def expect(frame: Frame, cls: type[F], what: str = "") -> F:
-    """``frame``, which must be a ``cls`` (``what``: how to name one in the error if it is not). Raises
-    ConnectionError when it is another frame (the kernel and the peer disagree on the order)."""
+    """``frame`` if it is a ``cls`` (``what`` names one in the error), else ConnectionError: the ends disagree on order."""
     if not isinstance(frame, cls):
         raise ConnectionError(f"expected {what or f'a {cls.KIND!r} frame'} from the kernel, got a {frame.KIND!r} frame")
     return frame

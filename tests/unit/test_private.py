@@ -33,6 +33,7 @@ from taas_magic.private import PRIVATE, Private
 ROOT = Path(__file__).resolve().parents[2]
 MISSING = object()
 OUR_OWN = {"self", "cls", "os"}  # names whose underscored attributes are ours (or public: os._exit)
+PUBLIC_UNDERSCORED = {"_fields"}  # documented public API of the standard library (a named tuple's field names)
 
 
 def _installed(api: Private) -> str:
@@ -184,7 +185,7 @@ def _underscored_uses() -> dict[str, list[str]]:
 
 def test_every_underscored_name_the_code_uses_is_in_the_table():
     listed = {part for api in PRIVATE for part in (*api.name.split("."), *api.attributes, *api.mentions)}
-    unlisted = {name: where for name, where in _underscored_uses().items() if name not in listed}
+    unlisted = {name: where for name, where in _underscored_uses().items() if name not in listed | PUBLIC_UNDERSCORED}
     assert not unlisted, f"private APIs used but not listed in taas_magic/private.py: {unlisted}"
 
 
