@@ -103,7 +103,7 @@ def test_the_ranks_get_run_data_in_the_spec_and_only_torchruns_variables_and_the
         for rank, env in enumerate(plan.envs):
             assert not set(RUN_DATA) & set(env), env
             assert (env["RANK"], env["WORLD_SIZE"], env["TORCHELASTIC_RESTART_COUNT"]) == (str(rank), "2", "1")
-            assert env["TORCHELASTIC_MAX_RESTARTS"] == "2" and env["TAAS_OWNER"] == run.owner
+            assert env["TORCHELASTIC_MAX_RESTARTS"] == "2" and env["TAAS_OWNER"] == run.ranks.owner
             assert not {key for key in env if key.startswith("TAAS_")} - {"TAAS_OWNER"} - set(os.environ), env
         assert [(place.peer_id, place.who) for place in plan.places] == [(0, "rank 0"), (1, "rank 1")]
         assert plan.places[0].layer is None  # rank 0 writes to the repository

@@ -115,7 +115,7 @@ class Execution:
 
     def between(self, attempt: int) -> None:
         """A failed attempt's processes are gone: so is what they left."""
-        kill_tagged(self.run.owner)
+        kill_tagged(self.run.ranks.owner)
         memfile.remove_run(os.getpid(), self.run.spec.run_id)
 
 

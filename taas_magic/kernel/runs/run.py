@@ -140,11 +140,6 @@ class Run:
             raise
 
     # -- what the ranks are started with -------------------------------------------------------
-    @property
-    def owner(self) -> str:
-        """The ``TAAS_OWNER`` tag of the ranks (and of what they start), for the sweeps: the rank set's."""
-        return self.ranks.owner
-
     def launch_plan(self, handshake: str, attempt: int) -> LaunchPlan:
         """Attempt ``attempt``'s ranks: torchrun's variables (restarts too), the owner tag and the session's compile
         cache (compilecache/folder.py) in their environments; each one's place (its id and write rule, applied
@@ -152,7 +147,7 @@ class Run:
         envs = rank_environments(self.backend, dict(os.environ), self.spec.run_id)
         for env in envs:
             env.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(self.settings.restarts))
-            env[OWNER_VARIABLE] = self.owner
+            env[OWNER_VARIABLE] = self.ranks.owner  # the sweeps' tag of the ranks and of what they start
             if self.spec.compile_cache:
                 point_ranks(env, self.spec.compile_cache)
         places = [self._place(rank) for rank in range(self.peers.ranks)]
