@@ -33,6 +33,7 @@ import builtins
 import io
 import os
 import shutil
+import stat
 from types import ModuleType
 from typing import Any, Callable, Union
 
@@ -135,6 +136,8 @@ class Diversion:
         relative = self.layer.relative(path)
         if relative is None:
             return self.real["listdir"](path)
+        if not stat.S_ISDIR(self.real["stat"](self.layer.for_reading(path)).st_mode):  # FileNotFoundError as without taas
+            raise NotADirectoryError(20, "Not a directory", path)
         return self.layer.names(relative, self.real["listdir"])
 
     def torch_save(self, real_save: Callable[..., None]) -> Callable[..., None]:

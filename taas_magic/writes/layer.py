@@ -53,6 +53,7 @@ class Layer:
         self.real_unlink = os.unlink
         self.real_mkdir = os.mkdir  # writes/shared.py makes a shared directory in the repository itself
         self.real_rmtree = shutil.rmtree
+        self.real_listdir = os.listdir
 
     def relative(self, path: Any) -> str | None:
         """``path`` relative to the repository; None when it is not under it (or is a descriptor)."""
@@ -98,6 +99,12 @@ class Layer:
                 shutil.copytree(source, upper, symlinks=True)
             else:
                 shutil.copy2(source, upper)
+        if relative in self.deleted:  # made again (rmtree, then makedirs): what the repository's folder held stays deleted
+            try:
+                held = self.real_listdir(os.path.join(self.repository, relative))
+            except (FileNotFoundError, NotADirectoryError):
+                held = []
+            self.deleted.update(os.path.join(relative, name) for name in held)
         self.deleted.discard(relative)
         self.log(relative)
         return upper
