@@ -184,9 +184,7 @@ class BackgroundRun(RunThread):
         self.record = run.record  # the session's record of it (kernel/runs/summary.py): small, kept
         self.prompts = run.prompts
         self.outcome: RunOutcome | None = None
-        self._placed = threading.Event()  # the cell placed the run's view (begin() clears it; views.py sets it)
-        self._placed.set()
-        self.execution: Execution | None = Execution(run, self._stop.is_set, self._wait_placed)  # wired now; None once let go
+        self.execution: Execution | None = Execution(run, self._stop.is_set)  # wired now: see begin(); None once let go
 
     def _carried_little(self) -> bool:
         run, outcome = self.run, self.outcome
@@ -199,24 +197,15 @@ class BackgroundRun(RunThread):
         return carried < TRIM_BYTES
 
     def begin(self) -> None:
-        """On the cell's thread, before :meth:`start` and the view (kernel/runs/views.py): the run's thread, once up,
-        sends the cell's frames (kept ranks begin it: the frames go from that thread only, kernel/supervision/
-        attempts.py), then waits until :meth:`placed` (the header goes out without it holding the GIL). For a
-        run without data workers (their line goes above the board, so those runs leave all of it to their
-        thread) the live board's two displays go into the log now, under the header, so the cell shows the three
-        at once instead of each as the run's thread writes it (each a wake-up of the cell's thread)."""
+        """On the cell's thread, before :meth:`start`, for a run without data workers (their line goes above the
+        board, so those runs leave all of it to their thread): the live board's two displays go into the log now,
+        under the header, so the cell shows the three at once instead of each as the run's thread writes it (each
+        a wake-up of the cell's thread). The cell's frames go to its ranks from the run's thread only
+        (kernel/supervision/attempts.py)."""
         run, execution = self.run, self.execution
-        self._placed.clear()
         if run is None or execution is None or run.data is not None:
             return
         execution.board.start()
-
-    def placed(self) -> None:
-        """The cell placed the run's view: the run's thread goes on."""
-        self._placed.set()
-
-    def _wait_placed(self) -> None:
-        self._placed.wait(PLACE_WAIT_SECONDS)
 
     def _work(self) -> RunOutcome:
         assert self.run is not None and self.execution is not None
@@ -234,7 +223,6 @@ class BackgroundRun(RunThread):
         self.outcome = None
 
 
-PLACE_WAIT_SECONDS = 5.0  # the most the run's thread waits for the cell to place its view (a view takes milliseconds)
 TRIM_BYTES = 1 << 20  # a kept cell's closure and results, together: below this its run does not trim the heap
 
 

@@ -55,8 +55,8 @@ def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
 class Execution:
     """One run's wiring: its parts, and the steps the supervisor takes through them."""
 
-    def __init__(self, run: Run, stop_asked: Callable[[], bool], placed: Callable[[], None] = lambda: None):
-        self.run, self.stop_asked, self.placed = run, stop_asked, placed
+    def __init__(self, run: Run, stop_asked: Callable[[], bool]):
+        self.run, self.stop_asked = run, stop_asked
         server = run.server
         self.handshake = wire.Handshake(server.address[0], server.address[1], server.key).line()
         self.board = Board(run.peers.ranks, run.log.publish, self.points)
@@ -70,7 +70,7 @@ class Execution:
             host_copy=run.handoff.answer_host_copy, board=self.board, timeout=run.settings.timeout,
             explain=functools.partial(stacks.autopsy, sources=sources, cell=run.spec.filename),
             hang=HangWatch(run.settings.hang, sources, run.spec.filename) if run.settings.hang else None,
-            stop_asked=self.stop_asked, prompts=run.prompts, saves=run.heard, placed=self.placed,
+            stop_asked=self.stop_asked, prompts=run.prompts, saves=run.heard,
             suggest=trial.answer if trial is not None else not_a_search,
             prune_asked=trial.pruned if trial is not None else never,
         )

@@ -69,18 +69,17 @@ def show_run(run: RunThread, viewing: Viewing) -> CellStream | None:
 
 
 def start_shown(run: BackgroundRun, viewing: Viewing) -> CellStream | None:
-    """Start ``run`` from the cell, its view placed meanwhile: its thread starts first (a cell on kept ranks gets
-    their frames from it now) and waits while the view and what the log holds go out (BackgroundRun.begin: once
-    going on, it would hold the GIL a while, and the header would wait for it). A view that fails leaves the run
-    going (``%taas attach``)."""
+    """Start ``run`` from the cell, its view placed first: a cell on kept ranks sends them its frames now (and the
+    board's displays go under the header: BackgroundRun.begin), then the view and what the log holds go out, then
+    the run's thread starts (once up, it would hold the GIL a while, and the header would wait for it). A view
+    that fails leaves the run going (``%taas attach``)."""
     run.begin()
-    run.start()
     try:
         shown = show_run(run, viewing)
         if shown is not None:
             shown.show_new()
     finally:
-        run.placed()
+        run.start()
     return shown
 
 

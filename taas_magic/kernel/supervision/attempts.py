@@ -132,9 +132,8 @@ def run(supervisor: Supervised, policy: Policy) -> RunOutcome:
 def run_ranks(parts: RunParts, policy: Policy, data: Callable[[], DataPlane] | None = None) -> RunOutcome:
     """The cell's data workers (``data()``, if any), then its ranks as ``policy`` gives them, supervised until they
     end it; whatever happens, no rank or worker outlives the call unless the policy keeps the ranks."""
-    mux = policy.mux(parts)  # kept ranks have the cell from here
+    mux = policy.mux(parts)
     try:
-        parts.placed()
         plane = data() if data is not None else None
     except BaseException:
         policy.close()

@@ -83,8 +83,6 @@ class RunParts:
     # a collective save's folder, named by a rank; a piece of a file from a host that does not see the repository (writes/)
     saves: Callable[[int, protocol.CheckpointSaved | protocol.FilePart], None] | None = None
     hang: HangWatch | None = None  # the hang line: a rank long in one collective said while it waits (autopsy/hangline.py)
-    # once the cell's frames are out (kept ranks begin it): wait while the cell places the run's view (views.py)
-    placed: Callable[[], None] = lambda: None
 
     def reported(self, rank: int, frame: protocol.Report) -> None:
         """A rank's reports to the live board; its health's wait to the hang line."""
