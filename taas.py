@@ -177,7 +177,7 @@ def load_job(script: str) -> dict:
     """Rank 0's names from the last run of a job ``%taas export`` wrote (``python SCRIPT``, torchrun, sbatch or
     Ray), bound in this notebook and returned by name. It unpickles the job folder's ``results.pt``, so it refuses
     a folder that is not yours alone."""
-    from taas_magic.rank.job import load_results
+    from taas_magic.export.job import load_results
 
     names = load_results(script)
     shell = _fromcode.shell()

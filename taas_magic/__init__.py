@@ -13,6 +13,7 @@ The package, in the order a cell flows through it (docs/architecture.md), the st
 
 - ``cell/``: the cell's text -> Python with its line numbers, its options, its closure; pure.
 - ``kernel/``: ``%%taas`` planned, started, supervised and drawn, in four rooms from the face down.
+- ``export/``: the other face: ``%taas export`` writes a cell as a job that runs without Jupyter; its runtime.
 - ``launch/``: where the ranks and data workers run and how they start, by engine (local, Ray, Slurm).
 - ``feed/``: data workers: registered loaders prepared by CPU processes while the ranks train.
 - ``rank/``: the child runtime: what runs inside a rank, a warm spare and the spare factory.

@@ -17,6 +17,8 @@ worker's identity: rank/startup.py).
 
 from __future__ import annotations
 
+import random
+import sys
 from dataclasses import dataclass, field
 
 MAP = "map"
@@ -56,6 +58,20 @@ class FeedPlan:
     def total_delivered(self) -> int:
         passes = self.fresh_passes
         return self.stream_offset(passes - 1) + self.fresh_length(passes - 1)
+
+    def replay_order(self, pass_no: int, length: int) -> list[int] | None:
+        """The order replayed pass ``pass_no`` gives the ``length`` elements of the fresh pass it replays (element
+        ``j`` of the replay is ``order[j]`` of that pass), or None: the fresh pass's own order (a loader that does not
+        shuffle). Drawn from ``seed * 1_000_003 + pass_no`` alone, so every rank and the exported job draw the same."""
+        if not self.shuffle:
+            return None
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + pass_no)
+            return torch.randperm(length, generator=generator).tolist()
+        order = list(range(length))
+        random.Random(self.seed * 1_000_003 + pass_no).shuffle(order)
+        return order
 
     def describe(self) -> str:
         length = "no len" if self.pass_length is None else f"{self.pass_length} per pass"

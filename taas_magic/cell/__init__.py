@@ -11,6 +11,5 @@ Pure: text in, values or a one-line error out; nothing is launched here.
 - ``cellcode.py``: IPython syntax -> Python, with the person's line numbers.
 - ``freenames.py``: the names a cell may read before binding them.
 - ``closure.py``: their values -> one pickle, name by name.
-- ``jobcarry.py``: what a job ``%taas export`` writes takes of the notebook: definitions by source, imports,
-  values; or the one name that cannot go.
+- ``prepared.py``: a cell prepared to run, the one path of both faces (the magic's run, ``%taas export``).
 """

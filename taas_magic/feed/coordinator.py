@@ -20,8 +20,6 @@ the same number of elements and drops the remainder.
 
 from __future__ import annotations
 
-import random
-import sys
 import time
 from array import array
 from dataclasses import dataclass
@@ -113,13 +111,7 @@ class _Feed:
         order = self.orders.get(pass_no)
         if order is None:
             assert cached.length is not None
-            torch = sys.modules.get("torch")
-            if torch is not None:
-                generator = torch.Generator().manual_seed(self.plan.seed * 1_000_003 + pass_no)
-                order = torch.randperm(cached.length, generator=generator).tolist()
-            else:
-                order = list(range(cached.length))
-                random.Random(self.plan.seed * 1_000_003 + pass_no).shuffle(order)
+            order = self.plan.replay_order(pass_no, cached.length)
             self.orders[pass_no] = order
             live = {cursor.pass_no for cursor in self.cursors}
             for old in [number for number in self.orders if number not in live and number != pass_no]:

@@ -58,6 +58,17 @@ def set_worker_info(loader: Any, worker: int, workers: int, seed: int) -> None:
         init(worker)
 
 
+def pass_indices(loader: Any, seed: int, fresh_pass: int) -> list[Any]:
+    """A DataLoader's indices (batches of indices) for fresh pass ``fresh_pass``: its own sampler run under
+    ``torch.manual_seed(seed + fresh_pass)`` in a forked RNG (the caller's RNG untouched); the same in every data
+    worker, and in an exported job's ranks (export/jobfeed.py)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + fresh_pass)
+        return list(loader._index_sampler)
+
+
 class MapSource:
     """Elements ``j`` with ``j % M == w`` of each fresh pass, ``j < fresh_length(p)``."""
 
@@ -79,11 +90,7 @@ class MapSource:
         if not self._is_dataloader:
             self._order = ((j, j) for j in range(self.worker, self._limit, self.plan.workers))
             return
-        import torch
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.plan.seed + fresh_pass)
-            indices = list(self.loader._index_sampler)
+        indices = pass_indices(self.loader, self.plan.seed, fresh_pass)
         self._order = ((j, indices[j]) for j in range(self.worker, min(self._limit, len(indices)), self.plan.workers))
 
     def next_index(self) -> tuple[int, Any] | None:

@@ -1,8 +1,8 @@
 """The engines: the one place that names them, each with a lazy factory (as torch elastic's rendezvous registry).
 
-Runs in the kernel. Without an attachment a run's ranks are processes on this host
-(:func:`local_backend`, from :func:`warm_spares`); :func:`attach` turns ``%taas cluster`` text, or
-``$TAAS_CLUSTER`` when the extension loads, into a cluster's attachment. An engine is imported only
+Runs in the kernel (and :func:`slurm_first_node` in an exported job's ranks too). Without an attachment a run's
+ranks are processes on this host (:func:`local_backend`, from :func:`warm_spares`); :func:`attach` turns
+``%taas cluster`` text, or ``$TAAS_CLUSTER`` when the extension loads, into a cluster's attachment. An engine is imported only
 when asked for: the local mode never imports Ray. A fourth engine is a package beside ``local/``,
 ``ray/`` and ``slurm/`` implementing launch/contract.py, and one line in :data:`CLUSTER_WORDS` (or
 :data:`ADDRESSES`): ``%taas cluster WORD``'s row in ``%taas help`` and the docs is made from that line
@@ -70,6 +70,14 @@ def attach(given: str | None, show: Show | None = None, word: str | None = None)
     if engine is not None:
         return engine.attach(rest.strip(), show)
     return ADDRESSES.attach(text, show)
+
+
+def slurm_first_node(nodelist: str) -> str:
+    """The address Slurm reaches the first node of ``nodelist`` by (where a job's task 0 runs), as the Slurm
+    engine reads it: for an exported job's ranks under ``srun`` (export/launcher.py), outside any kernel."""
+    from taas_magic.launch.slurm import slurmcli
+
+    return slurmcli.node_address(slurmcli.hostnames(nodelist)[0])
 
 
 def warm_spares() -> Spares:

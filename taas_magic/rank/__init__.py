@@ -24,7 +24,4 @@ Nothing here imports IPython or torch eagerly: a rank pays for what its cell use
 - ``groups.py``: the default process group outlives the cell while its sharded names are gathered.
 - ``identity.py``: whether this process is a rank, its device, seed and report; what ``import taas``
   answers by.
-- ``job.py``: a rank of a job ``%taas export`` wrote (torchrun, ``srun``, or the ranks ``python SCRIPT``
-  starts itself), set up as a taas rank is; rank 0's names saved for ``taas.load_job``.
-- ``rayjob.py``: such a job on a Ray cluster: one actor per rank.
 """

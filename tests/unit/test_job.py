@@ -1,4 +1,4 @@
-"""An exported job's runtime (taas_magic/rank/job.py) launched as ``python SCRIPT``, in real processes, through torch's
+"""An exported job's runtime (taas_magic/export/job.py) launched as ``python SCRIPT``, in real processes, through torch's
 own elastic launcher: every rank started with torchrun's environment, all of them started again after a failure up
 to ``restarts`` times, all of them stopped at ``timeout``, and nothing left running."""
 
@@ -10,7 +10,7 @@ import textwrap
 
 import psutil
 
-HEAD = "from taas_magic.rank import job as _taas_job\n_taas = _taas_job.start(__file__, ranks=2, device='cpu', {options})\n"
+HEAD = "from taas_magic.export import job as _taas_job\n_taas = _taas_job.start(__file__, ranks=2, device='cpu', {options})\n"
 
 
 def run_script(tmp_path, body: str, **options: object) -> subprocess.CompletedProcess:

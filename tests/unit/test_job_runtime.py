@@ -1,7 +1,7 @@
-"""An exported job's runtime (taas_magic/rank/job.py) rank by rank: the job folder, the values loaded, rank 0's names
-saved and loaded back (and refused from a folder others may write), a registered loader's share of each pass, the
-rank's variables taken from Slurm's, and a rank set up as a taas rank in a real process. (The launch as
-``python SCRIPT``, its restarts and timeout: tests/unit/test_job.py.)"""
+"""An exported job's runtime (taas_magic/export/job.py) rank by rank: the job folder, the values loaded, rank 0's names
+saved and loaded back (and refused from a folder others may write), the rank's variables taken from Slurm's
+(export/launcher.py), and a rank set up as a taas rank in a real process. (The launch as ``python SCRIPT``, its
+restarts and timeout: tests/unit/test_job.py; a registered loader's share: tests/unit/test_jobfeed.py.)"""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import threading
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
-from taas_magic.rank import job
-from taas_magic.rank.job import Job, JobFeed, job_folder, load_results
+from taas_magic.export import launcher
+from taas_magic.export.job import Job, job_folder, load_results
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -94,62 +93,6 @@ def test_results_are_refused_before_a_run_and_from_a_folder_others_may_write(scr
     assert str(refused.value) == f"taas: {results} is not yours alone (its owner or mode): not unpickled"
 
 
-def shuffled(size: int = 16, batch_size: int | None = 2) -> DataLoader:
-    return DataLoader(TensorDataset(torch.arange(size)), batch_size=batch_size, shuffle=True)
-
-
-def elements(feed: JobFeed) -> list[int]:
-    """One pass of ``feed``: its elements, in the order it gave them."""
-    return [int(x) for (batch,) in feed for x in batch.reshape(-1)]
-
-
-def test_each_rank_takes_its_share_of_a_pass_and_the_ranks_share_one_order():
-    loader = shuffled()
-    ranks = [JobFeed(loader, rank, 2, 0, None, seed=5) for rank in range(2)]
-    assert [len(feed) for feed in ranks] == [4, 4]
-    first, second = elements(ranks[0]), elements(ranks[1])
-    assert sorted(first + second) == list(range(16))
-    with torch.random.fork_rng(devices=[]):  # the pass's order: the sampler seeded with seed + pass
-        torch.manual_seed(5)
-        order = list(loader.batch_sampler)
-    assert first == [i for batch in order[0::2] for i in batch]
-    assert second == [i for batch in order[1::2] for i in batch]
-
-
-def test_each_pass_is_reseeded_with_the_seed_and_the_pass():
-    feed, again = JobFeed(shuffled(), 0, 1, 0, None, seed=5), JobFeed(shuffled(), 0, 1, 0, None, seed=5)
-    passes = [elements(feed) for _ in range(2)]
-    assert passes == [elements(again) for _ in range(2)]  # the same seed: the same passes
-    assert passes[0] != passes[1] and sorted(passes[1]) == list(range(16))
-    assert elements(JobFeed(shuffled(), 0, 1, 0, None, seed=6)) == passes[1]  # seed 6's pass 0 is seed 5's pass 1
-
-
-def test_units_count_the_elements_of_every_rank_across_passes():
-    """``--units 6`` over 2 ranks: 3 batches each, then nothing, in the next pass too."""
-    feed = JobFeed(shuffled(), 1, 2, 0, units=6, seed=0)
-    assert len(elements(feed)) == 6  # 3 batches of 2
-    assert elements(feed) == []
-
-
-def test_an_unbatched_loader_and_worker_processes_give_the_same_elements():
-    loader = DataLoader(TensorDataset(torch.arange(5)), batch_size=None)
-    alone = elements(JobFeed(loader, 0, 2, 0, None, seed=0))
-    assert alone == [0, 2, 4]
-    assert elements(JobFeed(loader, 0, 2, 1, None, seed=0)) == alone  # a DataLoader worker process of this rank
-
-
-def test_an_iterable_is_read_in_full_and_this_ranks_share_kept():
-    feed = JobFeed([10, 11, 12, 13, 14], 1, 2, 0, units=None, seed=0)
-    assert len(feed) == 2 and list(feed) == [11, 13] and list(feed) == [11, 13]
-    assert list(JobFeed([10, 11, 12, 13, 14], 0, 2, 0, units=4, seed=0)) == [10, 12]
-
-
-def test_feed_shares_the_cpus_among_the_ranks():
-    made = [Job("/j/t.py", rank=1, world=2).feed([1, 2, 3], cpus=cpus, units=4, seed=9) for cpus in (5, 1)]
-    assert [(feed.rank, feed.world, feed.workers, feed.units, feed.seed) for feed in made] == [
-        (1, 2, 2, 4, 9), (1, 2, 0, 4, 9)]
-
-
 @pytest.fixture
 def environ(monkeypatch):
     """os.environ without the rank's or Slurm's variables; whatever the test sets there is undone after it."""
@@ -163,7 +106,7 @@ def test_a_slurm_task_takes_its_rank_from_slurms_variables(environ):
     for name, value in {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)",
                         "SLURM_JOB_ID": "131234", "MASTER_ADDR": "node7"}.items():
         environ.setenv(name, value)
-    job._from_slurm()
+    launcher.rank_from_slurm()
     assert {name: os.environ[name] for name in RANK_VARIABLES} == {
         "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node7",
         "MASTER_PORT": "31234"}  # 20000 + 131234 % 20000
@@ -173,13 +116,13 @@ def test_a_slurm_task_without_a_local_id_or_per_node_count_or_job_id(environ):
     for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "MASTER_ADDR": "10.0.0.1",
                         "MASTER_PORT": "29500"}.items():
         environ.setenv(name, value)
-    job._from_slurm()
+    launcher.rank_from_slurm()
     assert {name: os.environ[name] for name in RANK_VARIABLES} == {
         "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "29500"}  # a port already given is kept
 
 
-RANK_SCRIPT = """from taas_magic.rank import job as _taas_job
+RANK_SCRIPT = """from taas_magic.export import job as _taas_job
 _taas = _taas_job.start(__file__, ranks=2, device="cpu", shared=("parts",))
 import os
 os.makedirs("parts", exist_ok=True)

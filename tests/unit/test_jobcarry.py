@@ -1,4 +1,4 @@
-"""What an exported job takes of the notebook (taas_magic/cell/jobcarry.py): import lines for modules and library
+"""What an exported job takes of the notebook (taas_magic/export/carry.py): import lines for modules and library
 objects, the source of notebook definitions (and what they read, in turn), values pickled with the notebook classes
 their pickles name, registered loaders marked; a name that cannot go refused in one line.
 
@@ -16,7 +16,7 @@ from xml.etree import ElementTree
 import pytest
 import torch
 
-from taas_magic.cell.jobcarry import Carried, Definition, ExportError, _check_picklable, _global_reads, _import_line, carry
+from taas_magic.export.carry import Carried, Definition, ExportError, _check_picklable, _global_reads, _import_line, carry
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The files of an exported job (taas_magic/kernel/magic/jobfiles.py): the script's text, its sbatch and Ray entry
+"""The files of an exported job (taas_magic/export/files.py): the script's text, its sbatch and Ray entry
 points, written all or none, with the notebook's values beside them; the written script run as ``python SCRIPT`` and
 the sbatch file's restart loop run by bash. (The whole of ``%taas export`` in a kernel: tests/kernel/test_export.py.)"""
 
@@ -15,9 +15,9 @@ import threading
 import pytest
 import torch
 
-from taas_magic.cell.jobcarry import Carried, Definition, ExportError
-from taas_magic.kernel.magic.jobfiles import Launch, check_plain_python, ray_text, sbatch_text, script_text, write_job
-from taas_magic.rank.job import load_results
+from taas_magic.export.carry import Carried, Definition, ExportError
+from taas_magic.export.files import Launch, check_plain_python, ray_text, sbatch_text, script_text, write_job
+from taas_magic.export.job import load_results
 
 CPU = Launch(ranks=2, device="cpu", restarts=0, timeout=None, shared=())
 CARRIED = Carried(
@@ -59,7 +59,7 @@ def test_the_script_starts_the_job_then_defines_loads_feeds_and_runs_the_cell():
         "values the cell reads are in train.taas/values.pt; rank 0's names land in train.taas/, and",
         '`taas.load_job("train.py")` binds them in a notebook.',
         '"""',
-        "from taas_magic.rank import job as _taas_job",
+        "from taas_magic.export import job as _taas_job",
         "",
         "_taas = _taas_job.start(__file__, ranks=2, device='cpu', restarts=1, timeout=30.0, shared=('parts',))",
         "",
@@ -145,9 +145,9 @@ def test_the_ray_entry_point_runs_the_script_beside_it():
         "`ray job submit -- python ...`); rank 0's output shows here, and its names land beside train.py.\"\"\"",
         "import os",
         "",
-        "from taas_magic.rank import rayjob",
+        "from taas_magic.export import launcher",
         "",
-        "rayjob.run(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py'), ranks=3, gpus=True)",
+        "launcher.run_on_ray(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py'), ranks=3, gpus=True)",
         "",
     ])
     assert "ranks=2, gpus=False)" in ray_text("/j/t.py", CPU)

@@ -36,7 +36,11 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
 
 # The stages a cell flows through, in order; then the features that have a kernel half and a
 # rank half; under them all, the ground of contracts (the modules at the top of the package).
-STAGES = ["cell", "kernel", "launch", "feed", "rank"]
+# A cell reaches its ranks through one of two faces: the kernel (the cell run now, in the notebook)
+# or export (the cell written as a job that runs later without Jupyter: ``%taas export``, then
+# ``python SCRIPT``, torchrun, sbatch or Ray); both read the cell stage, and start ranks below them.
+STAGES = ["cell", "kernel", "export", "launch", "feed", "rank"]
+FACES = {"kernel", "export"}
 FEATURES = ["transfer", "output", "autopsy", "writes", "search", "compilecache"]
 # The ground holds at most 10 modules, and __init__.py (the entry point): 11 files at the top of
 # taas_magic/. checkpoints.py went to writes/ (what the ranks write to the repository) to make room
@@ -60,15 +64,15 @@ def _room(module: str) -> str:
 
 
 def _may_import(room: str) -> set[str]:
-    """A stage imports later stages and the features (the kernel also runs the cell stage); a
-    feature imports only the ground; the ground imports only itself. A room of the kernel imports
+    """A stage imports later stages and the features (a face, the kernel or export, also reads the
+    cell stage); a feature imports only the ground; the ground imports only itself. A room of the kernel imports
     the kernel's rooms below it, and what the kernel may."""
     if room.startswith("kernel."):
         below = KERNEL_ROOMS[KERNEL_ROOMS.index(room.split(".")[1]) + 1:]
         return {f"kernel.{name}" for name in below} | _may_import("kernel")
     if room in STAGES:
         later = set(STAGES[STAGES.index(room) + 1:]) | set(FEATURES) | {"ground"}
-        return later | ({"cell"} if room == "kernel" else set())
+        return later | ({"cell"} if room in FACES else set())
     return {"ground"}
 
 

@@ -12,7 +12,4 @@
 - ``debug.py``: ``%debug`` and ``%taas debug`` after a rank failed.
 - ``fromcode.py``: what ``taas.wait()``, ``taas.trials()``, ``taas.metrics()`` and the notebook's
   ``taas.load_checkpoint()`` read from the loaded extension's session.
-- ``exporting.py``: ``%taas export PATH [In[N]]``: a taas cell of the session written as a job.
-- ``jobfiles.py``: that job's files (the script, its sbatch and Ray entry points, the values beside them),
-  written whole or not at all.
 """

@@ -32,7 +32,8 @@ from typing import Callable
 from IPython.core.error import UsageError
 
 from taas_magic.errors import LaunchError
-from taas_magic.kernel.magic import exporting, linecommands, runcommands
+from taas_magic.export import command as exporting
+from taas_magic.kernel.magic import linecommands, runcommands
 from taas_magic.kernel.magic.debug import taas_debug
 from taas_magic.kernel.magic.linecommands import MagicSettings
 from taas_magic.kernel.magic.status import help_text

@@ -5,7 +5,7 @@ there, while the run goes on its own thread (kernel/runs/background.py).
 
 Session defaults are traitlets, so ``%config TaasMagics.output = 'all'`` and
 ``ipython_config.py`` work (kernel/magic/settings.py makes them from the option table);
-``pragma.settle`` decides each run's settings once, a pragma option always winning over a
+cell/prepared.py's ``prepare`` (``pragma.settle``) decides each run's settings once, a pragma option always winning over a
 default. The plan step (kernel/runs/runplan.py) builds the run object (kernel/runs/run.py), which holds
 every part of the run and releases all of them, in reverse order, however the cell ends; the
 run step (kernel/runs/execution.py) starts and supervises its ranks on the run's own thread
@@ -28,10 +28,9 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Bool, Int, Unicode, validate
 
-from taas_magic.cell.cellcode import translate
-from taas_magic.cell.closure import select_closure
 from taas_magic.cell.options import SETTINGS
-from taas_magic.cell.pragma import PragmaOptions, RunSettings, parse_cell, settle
+from taas_magic.cell.pragma import PragmaOptions
+from taas_magic.cell.prepared import prepare
 from taas_magic.errors import RunInterrupted
 from taas_magic.kernel.magic import commands
 from taas_magic.kernel.magic.debug import no_ipython_post_mortem
@@ -44,7 +43,7 @@ from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.runs.views import Started, Viewing, show_run, start_shown
 from taas_magic.kernel.trials.searchplan import plan_search
 from taas_magic.launch.contract import Spares
-from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
+from taas_magic.launch.rankenv import RankChoice, choose_ranks, visible_gpu_count
 from taas_magic.output.budget import HEAD_BYTES, HEAD_LINES, TAIL_LINES, OutputBudget
 from taas_magic.output.frontend import Frontend
 from taas_magic.transfer import keptnames
@@ -142,12 +141,10 @@ class TaasMagics(Magics):
 
     def _start(self, line: str, cell: str) -> Started:
         """Parse, plan (the header into the run's log), start the run's thread and its view."""
-        parsed = parse_cell(cell, line)
-        settings, why = self._settle(parsed.options)
+        prepared = prepare(self._shell, cell, line, self._session(), self._choose_ranks)
+        settings, why, code, closure = prepared.settings, prepared.why, prepared.code, prepared.closure
         if not (settings.keep and self.session.kept is not None and self.session.kept.running):  # a kept cell's run
             give_back_memory()  # trims if it carries much; else what the notebook freed since (kernel/runs/background.py)
-        code = translate(self._shell, parsed.source)
-        closure = select_closure(code.tree, self._shell.user_ns, self._shell.user_ns_hidden)
         if settings.trials is not None:  # a search: its trials are planned on its thread (kernel/trials/searchrun.py)
             search = self.session.runs.add(plan_search(settings, code, closure, why, self.session, self._context))
             search.start()
@@ -169,19 +166,17 @@ class TaasMagics(Magics):
         budget = OutputBudget(run.id, self.max_output_lines, self.max_output_bytes, self.tail_output_lines)
         return Viewing(self._shell, widget and self.frontend.choose(self.view), budget)
 
-    def _settle(self, options: PragmaOptions) -> tuple[RunSettings, str | None]:
-        """The run's settings (the pragma over the session), ``--gpus auto`` made a number against this
-        host's GPUs or the cluster's, before anything is held; and why that number, for the header."""
+    def _choose_ranks(self, options: PragmaOptions) -> RankChoice:
+        """``--gpus`` made a number against this host's GPUs or the cluster's, before anything is held; and why that
+        number, for the header."""
         cluster = self.session.cluster
         if cluster is None:
-            choice = choose_ranks(options.gpus, options.device, visible_gpu_count)
-        else:
-            if options.device == "cpu":
-                raise UsageError("taas: --device cpu runs the ranks on this host's CPU, but a cluster is attached "
-                                 "(its ranks run on its GPUs); %taas cluster local runs cells on this host again")
-            choice = choose_ranks(options.gpus, options.device, lambda: sum(node.gpus_total for node in cluster.nodes()),
-                                  where="the cluster")
-        return settle(options, self._session(), choice.ranks), choice.why
+            return choose_ranks(options.gpus, options.device, visible_gpu_count)
+        if options.device == "cpu":
+            raise UsageError("taas: --device cpu runs the ranks on this host's CPU, but a cluster is attached "
+                             "(its ranks run on its GPUs); %taas cluster local runs cells on this host again")
+        return choose_ranks(options.gpus, options.device, lambda: sum(node.gpus_total for node in cluster.nodes()),
+                            where="the cluster")
 
     def _session(self) -> dict[str, object]:
         """This session's value of every setting that is an option's default."""

@@ -1,6 +1,6 @@
 """The files of an exported job: the script, its sbatch and Ray entry points, the notebook's values beside them.
 
-Runs in the kernel, on the cell's thread (``%taas export``, kernel/magic/exporting.py), after cell/jobcarry.py decided
+Runs in the kernel, on the cell's thread (``%taas export``, export/command.py), after export/carry.py decided
 what goes. Everything is written to temporary names first and moved into place only once all of it is written, so a
 failure leaves the files of an earlier export as they were. The files are the person's own (mode 0644 for the
 scripts, the job folder 0700: it holds the notebook's values).
@@ -12,7 +12,7 @@ For ``train.py``:
 - ``train_ray.py``: ``python train_ray.py`` (or ``ray job submit -- python train_ray.py``) runs it on the Ray
   cluster it connects to, one task per rank, each with a GPU where the cell had one;
 - ``train.taas/values.pt``: the values the cell reads (``torch.save``), loaded after the script's definitions;
-  ``train.taas/results.pt`` is where rank 0's names land (rank/job.py), for ``taas.load_job("train.py")``.
+  ``train.taas/results.pt`` is where rank 0's names land (export/job.py), for ``taas.load_job("train.py")``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from taas_magic.cell.jobcarry import Carried, ExportError
-from taas_magic.rank.job import VALUES, job_folder
+from taas_magic.export.carry import Carried, ExportError
+from taas_magic.export.job import VALUES, job_folder
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def script_text(path: str, cell: int, source: str, carried: Carried, launch: Lau
         f"values the cell reads are in {stem}.taas/{VALUES}; rank 0's names land in {stem}.taas/, and",
         f'`taas.load_job("{name}")` binds them in a notebook.',
         '"""',
-        "from taas_magic.rank import job as _taas_job",
+        "from taas_magic.export import job as _taas_job",
         "",
         f"_taas = _taas_job.start(__file__, ranks={launch.ranks}, device={launch.device!r}, "
         f"restarts={launch.restarts}, timeout={launch.timeout!r}, shared={launch.shared!r})",
@@ -125,9 +125,9 @@ def ray_text(path: str, launch: Launch) -> str:
         f'`ray job submit -- python ...`); rank 0\'s output shows here, and its names land beside {name}."""',
         "import os",
         "",
-        "from taas_magic.rank import rayjob",
+        "from taas_magic.export import launcher",
         "",
-        f"rayjob.run(os.path.join(os.path.dirname(os.path.abspath(__file__)), {name!r}), ranks={launch.ranks}, "
+        f"launcher.run_on_ray(os.path.join(os.path.dirname(os.path.abspath(__file__)), {name!r}), ranks={launch.ranks}, "
         f"gpus={launch.device == 'cuda'})",
         "",
     ])

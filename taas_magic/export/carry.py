@@ -1,6 +1,6 @@
 """What an exported job takes of the notebook: the definitions a cell uses, by their source; its imports; its values.
 
-Runs in the kernel, on the cell's thread (``%taas export``, kernel/magic/exporting.py).
+Runs in the kernel, on the cell's thread (``%taas export``, export/command.py).
 
 Starting from the cell's closure (the notebook names it reads: cell/closure.py), each name is one of:
 

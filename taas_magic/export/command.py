@@ -1,10 +1,10 @@
-"""``%taas export PATH [In[N]]``: a taas cell of this notebook written as a job (cell/jobcarry.py, kernel/magic/jobfiles.py,
-rank/job.py).
+"""``%taas export PATH [In[N]]``: a taas cell of this notebook written as a job (export/carry.py, export/files.py,
+export/job.py).
 
-Runs in the kernel, on the cell's thread. The cell is the last taas cell run before this line, or ``In[N]``; its
-pragma is settled against the session's defaults as a run of it would be (``--gpus auto``: this host's GPUs), its
-code translated as IPython runs it, its closure chosen as a run's is (cell/closure.py); cell/jobcarry.py then
-decides what of the notebook goes, and kernel/magic/jobfiles.py writes the files, all of them or none.
+Runs in the kernel, on the cell's thread. The cell is the last taas cell run before this line, or ``In[N]``; it is
+prepared as a run of it is, by the same function (cell/prepared.py: its pragma settled against the session's
+defaults, ``--gpus auto`` this host's GPUs; its code translated as IPython runs it; its closure); export/carry.py
+then decides what of the notebook goes, and export/files.py writes the files, all of them or none.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from taas_magic.cell.cellcode import translate
-from taas_magic.cell.closure import select_closure
-from taas_magic.cell.jobcarry import carry
-from taas_magic.cell.pragma import TaasCell, parse_cell, settle
+from taas_magic.cell.pragma import PragmaOptions, TaasCell, parse_cell
+from taas_magic.cell.prepared import prepare
 from taas_magic.errors import LaunchError
+from taas_magic.export.carry import carry
+from taas_magic.export.files import Launch, check_plain_python, write_job
+from taas_magic.export.job import VALUES, job_folder
 from taas_magic.feed import registry
-from taas_magic.kernel.magic.jobfiles import Launch, check_plain_python, write_job
-from taas_magic.launch.rankenv import choose_ranks, visible_gpu_count
-from taas_magic.rank.job import VALUES, job_folder
+from taas_magic.launch.rankenv import RankChoice, choose_ranks, visible_gpu_count
 
 _CELL = re.compile(r"^(?:In\[(\d+)\]|(\d+))$")
 
@@ -41,22 +41,19 @@ def export(shell: InteractiveShell, defaults: Mapping[str, object], argument: st
         raise UsageError(f"taas: the job's script must end in .py, got {words[0]!r}")
     raw = list(getattr(shell.history_manager, "input_hist_raw", []))
     number = _cell_number(raw, words[1] if len(words) > 1 else None)
-    parsed = _parse(raw[number])
-    if parsed.options.trials is not None:
+    prepared = prepare(shell, *_split(raw[number]), defaults, _this_host)
+    settings = prepared.settings
+    if settings.trials is not None:
         raise UsageError(f"taas: In[{number}] is a search (--trials): export one of its trials' cells instead")
-    choice = choose_ranks(parsed.options.gpus, parsed.options.device, visible_gpu_count)
-    settings = settle(parsed.options, defaults, choice.ranks)
-    code = translate(shell, parsed.source)
-    check_plain_python(code.source, number)
-    closure = select_closure(code.tree, shell.user_ns, shell.user_ns_hidden)
+    check_plain_python(prepared.code.source, number)
     try:
-        carried = carry(closure, shell.user_ns, _cells(shell, raw[:number]), registry.registered())
+        carried = carry(prepared.closure, shell.user_ns, _cells(shell, raw[:number]), registry.registered())
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     device = "cuda" if settings.device == "cuda" or (settings.device == "auto" and visible_gpu_count() > 0) else "cpu"
     launch = Launch(settings.gpus, device, settings.restarts, settings.timeout, settings.shared, settings.cpus,
                     settings.units, secrets.randbits(31))
-    write_job(path, number, code.source, carried, launch)
+    write_job(path, number, prepared.code.source, carried, launch)
     name, stem = os.path.basename(path), os.path.splitext(os.path.basename(path))[0]
     values = os.path.join(os.path.relpath(job_folder(path)), VALUES)
     size = os.path.getsize(os.path.join(job_folder(path), VALUES))
@@ -82,12 +79,18 @@ def _cell_number(raw: list[str], given: str | None) -> int:
     raise UsageError("taas: no taas cell has run in this session yet: run one, then export it")
 
 
-def _parse(text: str) -> TaasCell:
-    """A taas cell as written: ``#pragma taas ...`` on top, or ``%%taas ARGS`` above its body."""
+def _split(text: str) -> tuple[str, str | None]:
+    """A taas cell as written, as the magic is given it: (its body, the ``%%taas`` line's arguments), or (the whole
+    cell, None) for ``#pragma taas ...`` on top."""
     if text.startswith("%%taas"):
         head, _, body = text.partition("\n")
-        return parse_cell(body, head.removeprefix("%%taas").strip() or " ")
-    return parse_cell(text)
+        return body, head.removeprefix("%%taas").strip() or " "
+    return text, None
+
+
+def _this_host(options: PragmaOptions) -> RankChoice:
+    """``--gpus auto``: this host's GPUs (a job runs where it is started; a cluster's job says its own ranks)."""
+    return choose_ranks(options.gpus, options.device, visible_gpu_count)
 
 
 def _is_taas(text: str) -> bool:
@@ -97,7 +100,7 @@ def _is_taas(text: str) -> bool:
 def _taas_cell(text: str) -> TaasCell | None:
     """``text`` parsed as a taas cell, or None: not one, or one that does not parse (not exportable)."""
     try:
-        return _parse(text)
+        return parse_cell(*_split(text))
     except Exception:  # noqa: BLE001 - any reason it does not parse as one
         return None
 

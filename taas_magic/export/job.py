@@ -1,6 +1,6 @@
 """An exported job's runtime: its ranks started, each rank set up as a taas rank is, rank 0's names saved.
 
-Runs in the job: the script ``%taas export`` wrote (kernel/magic/jobfiles.py) calls :func:`start` first thing, and
+Runs in the job: the script ``%taas export`` wrote (export/files.py) calls :func:`start` first thing, and
 :meth:`Job.finish` last. Needs torch and this package's runtime, never IPython, ipykernel or jupyter_client.
 
 :func:`start`, by what launched the script:
@@ -26,16 +26,14 @@ from __future__ import annotations
 import atexit
 import io
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import types
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from taas_magic.procs import omp_threads
-from taas_magic.wire import LOOPBACK
+from taas_magic.export import launcher
+from taas_magic.export.jobfeed import JobFeed
 
 RESULTS = "results.pt"
 VALUES = "values.pt"
@@ -66,7 +64,7 @@ class Job:
 
     def feed(self, loader: Any, *, cpus: int = 1, units: int | None = None, seed: int = 0) -> JobFeed:
         """A registered loader as this rank sees it under taas's data workers: its share of each pass."""
-        return JobFeed(loader, self.rank, self.world, max(0, cpus // self.world), units, seed)
+        return JobFeed(loader, self.rank, self.world, cpus // self.world, units, seed)
 
     def begin_cell(self, namespace: dict) -> None:
         """What the script's globals hold before the cell: :meth:`finish` saves only what the cell bound."""
@@ -98,62 +96,6 @@ class Job:
             print(f"taas: not saved for the notebook: {', '.join(left)}", file=sys.stderr)
 
 
-class _Batches:
-    """A map-style loader's elements of one pass, by position: fetched and collated as the DataLoader would."""
-
-    def __init__(self, loader: Any, indices: list[Any]):
-        self.loader, self.indices = loader, indices
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, position: int) -> Any:
-        dataset, index = self.loader.dataset, self.indices[position]
-        if getattr(self.loader, "batch_size", None) is None and getattr(self.loader, "batch_sampler", None) is None:
-            return self.loader.collate_fn(dataset[index])
-        return self.loader.collate_fn([dataset[i] for i in index])
-
-
-class JobFeed:
-    """A registered loader in a job: each pass, this rank's elements ``j % world == rank`` (taas's data workers hand
-    a pass's elements out among the ranks), a map-style loader's sampler reseeded with ``seed + pass`` as they
-    reseed it, prepared by ``workers`` DataLoader workers of this rank; ``units`` elements in all, as ``--units``."""
-
-    def __init__(self, loader: Any, rank: int, world: int, workers: int, units: int | None, seed: int):
-        self.loader, self.rank, self.world, self.workers = loader, rank, world, workers
-        self.units, self.seed, self.passes, self.taken = units, seed, 0, 0
-
-    def __len__(self) -> int:
-        return len(range(self.rank, len(self.loader), self.world))
-
-    def __iter__(self) -> Any:
-        import torch
-
-        number, self.passes = self.passes, self.passes + 1
-        dataset = getattr(self.loader, "dataset", None)
-        if dataset is None or not hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.IterableDataset):
-            for j, element in enumerate(self.loader):  # an iterable: read in full, this rank's share kept
-                if self._spent():
-                    return
-                if j % self.world == self.rank:
-                    self.taken += 1
-                    yield element
-            return
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + number)
-            order = list(self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler)
-        mine = _Batches(self.loader, order[self.rank::self.world])
-        prepared: Any = torch.utils.data.DataLoader(cast(Any, mine), batch_size=None, num_workers=self.workers)
-        for element in prepared:
-            if self._spent():
-                return
-            self.taken += 1
-            yield element
-
-    def _spent(self) -> bool:
-        return self.units is not None and self.taken * self.world >= self.units
-
-
 def load_results(script: str) -> dict[str, Any]:
     """Rank 0's names from the job's last run (its ``results.pt``), for ``taas.load_job``.
 
@@ -179,28 +121,14 @@ def start(script: str, *, ranks: int, device: str = "cpu", restarts: int = 0, ti
     """This rank's :class:`Job`, or, launched as ``python SCRIPT``, the whole job run and this process exited."""
     os.makedirs(job_folder(script), mode=0o700, exist_ok=True)
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        _from_slurm()
+        launcher.rank_from_slurm()
     if "RANK" not in os.environ:
-        sys.exit(_launch(script, ranks, restarts, timeout))
+        sys.exit(launcher.run_elastic(script, ranks, restarts, timeout, job_folder(script)))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != ranks:
         print(f"taas: this job was exported for {ranks} rank(s) and runs as {world}", file=sys.stderr)
     _set_up_rank(rank, device, shared)
     return Job(os.path.abspath(script), rank, world)
-
-
-def _from_slurm() -> None:
-    """torchrun's variables from Slurm's, for a rank ``srun`` started (as launch/slurm does)."""
-    env = os.environ
-    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0]
-    if "MASTER_ADDR" not in env:  # the first node's address, as Slurm knows it (task 0 runs there)
-        first = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
-                               capture_output=True, text=True, check=True).stdout.split()[0]
-        node = subprocess.run(["scontrol", "show", "node", first], capture_output=True, text=True, check=True).stdout
-        env["MASTER_ADDR"] = next((word.split("=", 1)[1] for word in node.split() if word.startswith("NodeAddr=")), first)
-    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
 
 
 def _set_up_rank(rank: int, device: str, shared: tuple[str, ...]) -> None:
@@ -235,43 +163,3 @@ def _divert_writes(repository: str) -> None:
     atexit.register(remove_tree, layer)
     mode = "overlay" if probe_overlay() is None else "python"
     isolate_writes(repository, layer, mode, f"rank {os.environ['RANK']}")
-
-
-class _TimedOut(Exception):
-    """``--timeout`` passed (SIGALRM): torch's agent stops every rank as it leaves its run."""
-
-
-def _launch(script: str, ranks: int, restarts: int, timeout: float | None) -> int:
-    """``python SCRIPT``: the job's ranks run by torch's own elastic launcher, as ``torchrun --standalone
-    --nproc-per-node RANKS --max-restarts RESTARTS SCRIPT`` would (a loopback rendezvous on a free port; after a
-    failure every rank starts again, ``TORCHELASTIC_RESTART_COUNT`` the attempt; each rank leads its own process
-    group, stopped whole). taas adds rank 0's output here, the others' in the job folder's ``logs/`` (torch's
-    layout: ``RUN/attempt_N/RANK/stdout.log``), and ``timeout``: then every rank is stopped, and the exit status is
-    124. The job's exit status: 0, or the first failed rank's."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads(ranks)))  # the host's cores among its ranks, as a cell's
-    logs = DefaultLogsSpecs(log_dir=os.path.join(job_folder(script), "logs"),
-                            redirects={rank: Std.ALL for rank in range(1, ranks)})
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"taas-job-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=restarts,
-                          monitor_interval=0.1, logs_specs=logs)
-    if timeout is not None:
-        signal.signal(signal.SIGALRM, _time_is_up)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        elastic_launch(config, entrypoint=sys.executable)(script)
-        return 0
-    except ChildFailedError as failed:
-        return failed.get_first_failure()[1].exitcode or 1
-    except _TimedOut:
-        print(f"taas: the job ran past its --timeout {timeout:g} s: stopped", file=sys.stderr)
-        return 124
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def _time_is_up(signum: int, frame: object) -> None:
-    raise _TimedOut()
