@@ -4,18 +4,23 @@ Runs in the kernel (a run's own thread), each rank and each data worker. A frame
 :class:`ToPeer` (the kernel sends it, a peer reads it) or :class:`ToKernel`; its ``KIND`` is its name in the clear (wire.py:
 ``kind_len | kind | pickle``). Readers dispatch on a frame's type (``match frame: case Report(): ...``), never on a string.
 
+The stages' frames are defined here; a feature's frames by the feature, beside the code that sends them (marked
+[module] below): a new feature adds its frames without touching this module. A kind decodes once its module is
+imported: the kernel's supervisor imports every frame a peer sends, a rank's main every frame the kernel sends a rank
+(tests/unit/test_protocol.py asserts both, each in a fresh interpreter).
+
 Kernel -> peer::
 
     Spec            the run's RunSpec                                     every rank, first
-    Closure         the closure's pickle, the places and digests of its bytes      every rank
-    ClosureHostCopy answer to ClosureHostWanted: a memory file, or why not  a rank that asked
-    Released        rank 0's CUDA storages are copied: it may exit                    rank 0
-    SendHost        rank 0 must send its results again through host memory            rank 0
+    Closure         the closure's pickle, the places and digests of its bytes      every rank   [transfer/handoff]
+    ClosureHostCopy answer to ClosureHostWanted: a memory file, or why not  a rank that asked  [transfer/handoff]
+    Released        rank 0's CUDA storages are copied: it may exit                    rank 0   [transfer/returns]
+    SendHost        rank 0 must send its results again through host memory            rank 0   [transfer/returns]
     Elements, End   a rank's prepared elements of one pass; its pass is over   a rank (feeds)
     Job, Loaders    a data worker's plans and its loaders' pickles         every worker, first
     Horizon         how far a worker may extract                                     workers
     NextPass, Stop  an iterable feed's next pass may start; a feed has its elements  workers
-    Suggested       answer to Suggest: the trial's value for that name, or why not     a rank
+    Suggested       answer to Suggest: the trial's value for that name, or why not     a rank   [search/trial]
     Answer          the person's line at a rank's pdb prompt, or None: nobody can be prompted   a rank
     Hold            a rank is in pdb: raise every group's timeout (or put them back)  the other ranks
     Interrupt       the person interrupted a kept cell: SIGINT, as a terminal's ^C     every kept rank
@@ -23,18 +28,18 @@ Kernel -> peer::
 Peer -> kernel::
 
     RankError       the cell raised (summary, traceback, the exception's signature)   a rank
-    Display, ClearOutput   rich output, numbered for the marker in the rank's text    a rank
-    Report          a batch of taas.report calls and perhaps the rank's health         a rank
-    Result          what rank 0's cell bound, and where the bytes are                 rank 0
-    ClosureHostWanted  the closure's CUDA IPC handles did not open here               a rank
+    Display, ClearOutput   rich output, numbered for the marker in the rank's text    a rank   [output/relay]
+    Report          a batch of taas.report calls and perhaps the rank's health         a rank   [output/reports]
+    Result          what rank 0's cell bound, and where the bytes are                 rank 0   [transfer/returns]
+    ClosureHostWanted  the closure's CUDA IPC handles did not open here               a rank   [transfer/handoff]
     Want            credit: a rank asks for more elements of a pass                   a rank
     Ready, Exhausted, Done   a worker stored an element; its pass ended; it is done  a worker
     WorkerFailure   a worker's traceback and the element it was preparing           a worker
-    Suggest         a trial's taas.trial().suggest_*: asked once per trial, the same value to every rank  a rank
+    Suggest         a trial's taas.trial().suggest_*: asked once per trial, the same value to every rank  a rank  [search/trial]
     Prompt          pdb's output since its last command, and its prompt: a line is wanted    a rank
     Resumed         the rank left pdb (continue, or nobody to prompt)                          a rank
-    CheckpointSaved a collective save's folder, written in place by every rank (writes/savers.py)  a rank
-    FilePart        a piece of a file for the repository, from a host that does not see it (writes/outbox.py)  a rank
+    CheckpointSaved a collective save's folder, written in place by every rank        a rank   [writes/savers]
+    FilePart        a piece of a file for the repository, from a host that does not see it  a rank  [writes/outbox]
     CellDone        a kept rank ended its cell (after its results and its error) and waits for the next  a rank
 
 IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a body whose MAC wire.py
@@ -91,39 +96,6 @@ class Spec(ToPeer, kind="spec"):
 
 
 @dataclass(frozen=True)
-class Closure(ToPeer, kind="closure"):
-    """The closure (transfer/handoff.py): its pickle, and where the bytes of its blobs are."""
-
-    skeleton: bytes
-    segments: list  # transfer.pack.Segment per name
-    digests: dict[str, bytes]  # name -> SHA-256 of its segment of the pickle
-    kinds: list[str]  # per blob
-    data: Any  # transfer.memfile.BlobData: inline, or a memory file with its digests
-    ipc: dict  # blob index -> CUDA IPC handle (transfer/cudaipc.py)
-    run: str  # the run id (a rank names it when it asks for the host copy)
-
-
-@dataclass(frozen=True)
-class ClosureHostCopy(ToPeer, kind="closure-host-copy"):
-    """The closure's CUDA tensors in one memory file (``data``), or why there is none (``error``)."""
-
-    data: Any = None  # transfer.memfile.BlobData
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class Released(ToPeer, kind="released"):
-    """The kernel has its copies of rank 0's CUDA storages: rank 0 may let them go."""
-
-
-@dataclass(frozen=True)
-class SendHost(ToPeer, kind="send-host"):
-    """The kernel could not copy rank 0's CUDA storages: send the result again through host memory."""
-
-    why: str
-
-
-@dataclass(frozen=True)
 class Elements(ToPeer, kind="elements"):
     feed: int
     pass_no: int
@@ -175,15 +147,6 @@ class Stop(ToPeer, kind="stop"):
 
 
 @dataclass(frozen=True)
-class Suggested(ToPeer, kind="suggested"):
-    """The trial's value for ``name`` (the same for every rank of the trial), or ``error``."""
-
-    name: str
-    value: Any = None
-    error: str = ""
-
-
-@dataclass(frozen=True)
 class Answer(ToPeer, kind="answer"):
     """The person's line at the rank's pdb prompt; None: nobody can be prompted, go on (rank/cellpdb.py)."""
 
@@ -231,83 +194,6 @@ class Resumed(ToKernel, kind="resumed"):
 @dataclass(frozen=True)
 class CellDone(ToKernel, kind="cell-done"):
     raised: bool  # the cell raised (its RankError went first); the rank, its globals and its group are kept
-
-
-@dataclass(frozen=True)
-class Display(ToKernel, kind="display"):
-    """A display_data (or update_display_data) message for the cell."""
-
-    data: dict
-    metadata: dict
-    transient: dict
-    update: bool
-    number: int = NO_NUMBER  # the rank's count: its marker places it among the rank's text (output/relay.py)
-
-
-@dataclass(frozen=True)
-class ClearOutput(ToKernel, kind="clear_output"):
-    wait: bool
-    number: int = NO_NUMBER
-
-
-@dataclass(frozen=True)
-class Report(ToKernel, kind="report"):
-    """A batch of a rank's taas.report calls (output/reports.py)."""
-
-    at: float  # the rank's monotonic clock when sent
-    reports: list[tuple[float | int, dict[str, float]]]  # (step, metrics), in order
-    health: dict | None  # the rank's figures (cpu, rss, gpu), about every 2 s
-
-
-@dataclass(frozen=True)
-class Result(ToKernel, kind="result"):
-    """What rank 0's cell bound (transfer/returns.py); the kernel fills ``made`` and ``cuda_ipc`` (transfer/results.py)."""
-
-    skeleton: bytes
-    segments: list  # transfer.pack.Segment per name
-    failed: list  # (name, type, reason) of names that could not be pickled
-    deleted: list[str]
-    places: list  # per blob: ("at", offset, size), ("kept", j), ("ipc", k), ("made", k), ("none",), None
-    data: Any  # transfer.memfile.BlobData
-    ipc: list  # CUDA IPC handles, ("ipc", k) is ipc[k]
-    cuda_host: tuple[int, int, str]  # CUDA storages sent through host memory: count, bytes, why
-    made: tuple = ()  # the kernel's copies of the ipc storages, ("made", k) is made[k]
-    cuda_ipc: tuple[int, int] = (0, 0)  # what came device to device: count, bytes
-    kept_back: tuple = ()  # (name, type, bytes) of kept cells' names left on the ranks until touched (RunSpec.lazy_bytes)
-
-
-@dataclass(frozen=True)
-class Suggest(ToKernel, kind="suggest"):
-    """``trial.suggest_<kind>(name, ...)`` in a rank of a search's trial (search/trial.py)."""
-
-    name: str
-    kind: str  # "float", "int" or "categorical"
-    args: dict  # low, high, step, log; or choices
-
-
-@dataclass(frozen=True)
-class CheckpointSaved(ToKernel, kind="checkpoint"):
-    """A rank began a collective save into ``folder`` (writes/savers.py), checked at the end (writes/completeness.py)."""
-
-    folder: str  # absolute, as the rank sees it (under the repository)
-    saver: str  # who saves: "torch.distributed.checkpoint", "accelerate save_state", ...
-    layout: str  # "dcp": a .metadata lists its parts; "files": per-rank files only
-
-
-@dataclass(frozen=True)
-class FilePart(ToKernel, kind="file-part"):
-    """Bytes ``offset``.. of a file an away rank wrote (writes/outbox.py), for the repository (writes/landing.py)."""
-
-    path: str  # relative to the repository
-    offset: int
-    data: bytes  # at most outbox.CHUNK: a file never sits whole in memory on either side
-    last: bool  # the file is whole: the kernel moves it into place
-
-
-@dataclass(frozen=True)
-class ClosureHostWanted(ToKernel, kind="closure-host"):
-    run: str
-    why: str  # why the CUDA IPC handles did not open in this rank
 
 
 @dataclass(frozen=True)

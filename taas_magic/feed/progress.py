@@ -14,8 +14,7 @@ import secrets
 import time
 
 from taas_magic.feed.coordinator import FeedCoordinator
-from taas_magic.output.relay import Publish
-from taas_magic.protocol import Display
+from taas_magic.output.relay import Display, Publish
 
 INTERVAL = 0.5
 

@@ -56,8 +56,8 @@ from operator import itemgetter
 from typing import Callable, Sequence
 
 from taas_magic.history import SeriesHistory
-from taas_magic.output.relay import Publish
-from taas_magic.protocol import Display, Report
+from taas_magic.output.relay import Display, Publish
+from taas_magic.output.reports import Report
 
 CHART_SECONDS = 0.5
 HEALTH_SECONDS = 2.0

@@ -10,9 +10,8 @@ before it; one whose marker never came (the cell closed fd 1) is shown at the en
 
 from __future__ import annotations
 
-from taas_magic.output.relay import OutputRelay, Publish
+from taas_magic.output.relay import ClearOutput, Display, OutputRelay, Publish
 from taas_magic.peers import Peer, PeerIds
-from taas_magic.protocol import ClearOutput, Display
 
 
 class HeldDisplays:

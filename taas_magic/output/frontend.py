@@ -58,8 +58,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from taas_magic.output.relay import Publish, TextOut, publisher
-from taas_magic.protocol import ClearOutput, Display
+from taas_magic.output.relay import ClearOutput, Display, Publish, TextOut, publisher
 
 CONTROL_TARGET = "jupyter.widget.control"
 # a page answers in a few hundred ms on a quiet machine; with the spare factory importing torch beside the

@@ -25,8 +25,8 @@ import time
 from typing import Callable, Protocol
 
 from taas_magic.output.cellstream import TAAS_DISPLAY_PREFIX
+from taas_magic.output.relay import Display
 from taas_magic.output.runlog import DISPLAY, END, OUT, SAY, Entry, RunLog
-from taas_magic.protocol import Display
 
 PUMP_SECONDS = 0.05  # at most 20 updates a second to a front end
 KEEP_LINES = 400

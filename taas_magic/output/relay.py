@@ -27,10 +27,30 @@ import codecs
 import collections
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from taas_magic.peers import RANK, Peer, PeerIds
-from taas_magic.protocol import ClearOutput, Display
+from taas_magic.protocol import NO_NUMBER, ToKernel
+
+
+# -- this feature's frames (protocol.py frames them, and lists every frame) --------------------
+@dataclass(frozen=True)
+class Display(ToKernel, kind="display"):
+    """A display_data (or update_display_data) message for the cell."""
+
+    data: dict
+    metadata: dict
+    transient: dict
+    update: bool
+    number: int = NO_NUMBER  # the rank's count: its marker places it among the rank's text (output/relay.py)
+
+
+@dataclass(frozen=True)
+class ClearOutput(ToKernel, kind="clear_output"):
+    wait: bool
+    number: int = NO_NUMBER
+
 
 RANK_0 = Peer(RANK, 0)
 

@@ -39,9 +39,21 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from taas_magic.protocol import PeerChannel, Report
+from taas_magic.protocol import PeerChannel, ToKernel
+
+
+# -- this feature's frames (protocol.py frames them, and lists every frame) --------------------
+@dataclass(frozen=True)
+class Report(ToKernel, kind="report"):
+    """A batch of a rank's taas.report calls (output/reports.py)."""
+
+    at: float  # the rank's monotonic clock when sent
+    reports: list[tuple[float | int, dict[str, float]]]  # (step, metrics), in order
+    health: dict | None  # the rank's figures (cpu, rss, gpu), about every 2 s
+
 
 SEND_SECONDS = 0.25
 HEALTH_SECONDS = 2.0

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import IO, Callable
 
 from taas_magic.output.budget import log_dir
-from taas_magic.protocol import ClearOutput, Display
+from taas_magic.output.relay import ClearOutput, Display
 
 KEEP_BYTES = 4 << 20  # entries kept in the kernel for views that come back (the rest is on disk)
 # what one of rank 0's reports holds in the kernel: its tuple, dict and numbers (measured: about 340 bytes with

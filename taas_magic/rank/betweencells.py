@@ -25,11 +25,11 @@ import signal
 
 from taas_magic.output import reports
 from taas_magic.output.relay import CELL_END
-from taas_magic.protocol import CellDone, Closure, ClosureHostCopy, Interrupt, Spec, ToKernel, ToPeer
+from taas_magic.protocol import CellDone, Interrupt, Spec, ToKernel, ToPeer
 from taas_magic.rank import startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
-from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
+from taas_magic.transfer.handoff import Closure, ClosureHostCopy, ReceivedClosure, receive_closure
 from taas_magic.writes import outbox
 
 _cell_running = False  # the cell's own code runs now: an interrupt is SIGINT to the process group

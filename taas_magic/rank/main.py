@@ -40,11 +40,12 @@ from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
-from taas_magic.protocol import Hold, Interrupt, PeerChannel, RankError, Spec, Suggest, Suggested
+from taas_magic.protocol import Hold, Interrupt, PeerChannel, RankError, Spec
 from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
+from taas_magic.search.trial import Suggest, Suggested
 from taas_magic.transfer import cudaipc, memfile, returns, sharded
 from taas_magic.transfer.handoff import ReceivedClosure, receive_closure
 from taas_magic.writes import checkpoints, outbox, refresh, savers, unseen

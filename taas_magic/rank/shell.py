@@ -23,8 +23,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-from taas_magic.output.relay import display_marker
-from taas_magic.protocol import ClearOutput, Display
+from taas_magic.output.relay import ClearOutput, Display, display_marker
 
 Forward = Callable[[Display | ClearOutput], None]
 

@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from taas_magic.history import SeriesHistory
-from taas_magic.protocol import Suggest, Suggested
+from taas_magic.search.trial import Suggest, Suggested
 
 CURVE_POINTS = 1000  # of a trial's objective: the last ones exactly, and at most as many before them
 PRUNE_DENSE = 1000  # the objective's values given to Optuna's pruner for each doubling of a trial's reports

@@ -21,9 +21,30 @@ Both kinds have Optuna's ``suggest_float(name, low, high, *, step=None, log=Fals
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from taas_magic.protocol import Suggest, Suggested
+from taas_magic.protocol import ToKernel, ToPeer
+
+
+# -- this feature's frames (protocol.py frames them, and lists every frame) --------------------
+@dataclass(frozen=True)
+class Suggested(ToPeer, kind="suggested"):
+    """The trial's value for ``name`` (the same for every rank of the trial), or ``error``."""
+
+    name: str
+    value: Any = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Suggest(ToKernel, kind="suggest"):
+    """``trial.suggest_<kind>(name, ...)`` in a rank of a search's trial (search/trial.py)."""
+
+    name: str
+    kind: str  # "float", "int" or "categorical"
+    args: dict  # low, high, step, log; or choices
+
 
 NO_DEFAULT = object()
 Ask = Callable[[Suggest], Suggested]  # send the frame, wait for the kernel's answer (rank/main.py wires it)

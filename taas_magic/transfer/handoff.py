@@ -40,9 +40,38 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from taas_magic import protocol
-from taas_magic.protocol import Closure, ClosureHostCopy, ClosureHostWanted, Hold, PeerChannel
+from taas_magic.protocol import Hold, PeerChannel, ToKernel, ToPeer
 from taas_magic.transfer import cudaipc, memfile, unpack
 from taas_magic.transfer.pack import Packing
+
+
+# -- this feature's frames (protocol.py frames them, and lists every frame) --------------------
+@dataclass(frozen=True)
+class Closure(ToPeer, kind="closure"):
+    """The closure (transfer/handoff.py): its pickle, and where the bytes of its blobs are."""
+
+    skeleton: bytes
+    segments: list  # transfer.pack.Segment per name
+    digests: dict[str, bytes]  # name -> SHA-256 of its segment of the pickle
+    kinds: list[str]  # per blob
+    data: Any  # transfer.memfile.BlobData: inline, or a memory file with its digests
+    ipc: dict  # blob index -> CUDA IPC handle (transfer/cudaipc.py)
+    run: str  # the run id (a rank names it when it asks for the host copy)
+
+
+@dataclass(frozen=True)
+class ClosureHostCopy(ToPeer, kind="closure-host-copy"):
+    """The closure's CUDA tensors in one memory file (``data``), or why there is none (``error``)."""
+
+    data: Any = None  # transfer.memfile.BlobData
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ClosureHostWanted(ToKernel, kind="closure-host"):
+    run: str
+    why: str  # why the CUDA IPC handles did not open in this rank
+
 
 HANDOFF_BYTES = memfile.INLINE_BYTES
 

@@ -29,9 +29,9 @@ import sys
 from typing import Any, Sequence
 
 from taas_magic import protocol
-from taas_magic.protocol import Released, Result, SendHost
 from taas_magic.transfer import cudaipc, memfile, unpack
 from taas_magic.transfer.pack import Packing
+from taas_magic.transfer.returns import Released, Result, SendHost
 from taas_magic.wire import AuthenticationError
 
 

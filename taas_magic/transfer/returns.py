@@ -43,12 +43,43 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from taas_magic.protocol import Released, Result, SendHost
+from taas_magic.protocol import ToKernel, ToPeer
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import ReceivedClosure, segment_digests
 from taas_magic.transfer.pack import Packing, Segment, pack
 from taas_magic.transfer.unpack import FINAL
+
+
+# -- this feature's frames (protocol.py frames them, and lists every frame) --------------------
+@dataclass(frozen=True)
+class Released(ToPeer, kind="released"):
+    """The kernel has its copies of rank 0's CUDA storages: rank 0 may let them go."""
+
+
+@dataclass(frozen=True)
+class SendHost(ToPeer, kind="send-host"):
+    """The kernel could not copy rank 0's CUDA storages: send the result again through host memory."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Result(ToKernel, kind="result"):
+    """What rank 0's cell bound (transfer/returns.py); the kernel fills ``made`` and ``cuda_ipc`` (transfer/results.py)."""
+
+    skeleton: bytes
+    segments: list  # transfer.pack.Segment per name
+    failed: list  # (name, type, reason) of names that could not be pickled
+    deleted: list[str]
+    places: list  # per blob: ("at", offset, size), ("kept", j), ("ipc", k), ("made", k), ("none",), None
+    data: Any  # transfer.memfile.BlobData
+    ipc: list  # CUDA IPC handles, ("ipc", k) is ipc[k]
+    cuda_host: tuple[int, int, str]  # CUDA storages sent through host memory: count, bytes, why
+    made: tuple = ()  # the kernel's copies of the ipc storages, ("made", k) is made[k]
+    cuda_ipc: tuple[int, int] = (0, 0)  # what came device to device: count, bytes
+    kept_back: tuple = ()  # (name, type, bytes) of kept cells' names left on the ranks until touched (RunSpec.lazy_bytes)
+
 
 _ABSENT = object()
 SHIPPED = "<shipped {}>"  # a shipped object its name no longer holds: loaded if something reaches it, never bound

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from taas_magic.protocol import CheckpointSaved
+from taas_magic.writes.savers import CheckpointSaved
 
 METADATA = ".metadata"
 _RANK_PART = re.compile(r"^__(\d+)_\d+")

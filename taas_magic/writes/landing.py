@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from taas_magic.protocol import FilePart
+from taas_magic.writes.outbox import FilePart
 
 
 @dataclass

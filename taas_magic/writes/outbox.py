@@ -34,10 +34,23 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from taas_magic.protocol import CheckpointSaved, FilePart, ToKernel
+from taas_magic.protocol import ToKernel
 from taas_magic.runspec import RunSpec
 from taas_magic.wire import Placement
 from taas_magic.writes import shared, unseen
+from taas_magic.writes.savers import CheckpointSaved
+
+
+# -- this feature's frames (protocol.py frames them, and lists every frame) --------------------
+@dataclass(frozen=True)
+class FilePart(ToKernel, kind="file-part"):
+    """Bytes ``offset``.. of a file an away rank wrote (writes/outbox.py), for the repository (writes/landing.py)."""
+
+    path: str  # relative to the repository
+    offset: int
+    data: bytes  # at most outbox.CHUNK: a file never sits whole in memory on either side
+    last: bool  # the file is whole: the kernel moves it into place
+
 
 CHUNK = 1 << 20  # bytes of a file per frame
 

@@ -35,12 +35,24 @@ import functools
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
 from taas_magic.import_hooks import when_imported
-from taas_magic.protocol import CheckpointSaved, ToKernel
+from taas_magic.protocol import ToKernel
 from taas_magic.writes import shared
+
+
+# -- this feature's frames (protocol.py frames them, and lists every frame) --------------------
+@dataclass(frozen=True)
+class CheckpointSaved(ToKernel, kind="checkpoint"):
+    """A rank began a collective save into ``folder`` (writes/savers.py), checked at the end (writes/completeness.py)."""
+
+    folder: str  # absolute, as the rank sees it (under the repository)
+    saver: str  # who saves: "torch.distributed.checkpoint", "accelerate save_state", ...
+    layout: str  # "dcp": a .metadata lists its parts; "files": per-rank files only
+
 
 DCP = "torch.distributed.checkpoint"
 DCP_LAYOUT, FILES_LAYOUT = "dcp", "files"

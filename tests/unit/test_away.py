@@ -16,11 +16,12 @@ import tracemalloc
 import pytest
 
 from taas_magic import protocol, wire
-from taas_magic.protocol import CheckpointSaved, FilePart
 from taas_magic.runspec import RunSpec
 from taas_magic.wire import Placement
 from taas_magic.writes import away, outbox, shared
 from taas_magic.writes.landing import Landing
+from taas_magic.writes.outbox import FilePart
+from taas_magic.writes.savers import CheckpointSaved
 
 MiB = 1 << 20
 

@@ -13,8 +13,8 @@ import pytest
 
 from taas_magic.history import PAST, RECENT
 from taas_magic.output.board import Board
+from taas_magic.output.reports import Report
 from taas_magic.output.runlog import RunLog
-from taas_magic.protocol import Report
 
 pytestmark = pytest.mark.unpinned  # pure Python: nothing of the minimums' pins (.ci/run)
 

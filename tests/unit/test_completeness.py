@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from taas_magic.protocol import CheckpointSaved
 from taas_magic.writes import checkpoints
 from taas_magic.writes.completeness import Ledger, check_dcp, owner, read_parts
 from taas_magic.writes.rule import resolve_shared
+from taas_magic.writes.savers import CheckpointSaved
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

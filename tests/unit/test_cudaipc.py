@@ -14,13 +14,14 @@ import torch
 
 from taas_magic import protocol
 from taas_magic.cell.closure import serialise_closure
-from taas_magic.protocol import ClosureHostWanted, Elements, Released, SendHost, ToKernel, ToPeer
+from taas_magic.protocol import Elements, ToKernel, ToPeer
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer import cudaipc, memfile, returns, unpack
-from taas_magic.transfer.handoff import ClosureHandoff, closure_route, receive_closure
+from taas_magic.transfer.handoff import ClosureHandoff, ClosureHostWanted, closure_route, receive_closure
 from taas_magic.transfer.pack import pack
 from taas_magic.transfer.results import apply_results, cuda_line, keep_result, take_device_copies
+from taas_magic.transfer.returns import Released, Result, SendHost
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only contract (a GPU host runs tests/gpu)")
 
@@ -66,10 +67,10 @@ def _fake_export(blobs, indices):
             for i in indices if blobs[i].kind == "s"}, ""
 
 
-def _result(**changes) -> protocol.Result:
+def _result(**changes) -> Result:
     """A Result frame with nothing in it but ``changes``."""
     fields = dict(skeleton=b"", segments=[], failed=[], deleted=[], places=[], data=None, ipc=[], cuda_host=(0, 0, ""))
-    return protocol.Result(**{**fields, **changes})
+    return Result(**{**fields, **changes})
 
 
 def _no_feeds(index):

@@ -15,9 +15,10 @@ from taas_magic import protocol, wire
 from taas_magic.cell.pragma import PragmaOptions, settle
 from taas_magic.errors import DataPlanError
 from taas_magic.kernel.supervision.dataplane import DataRun
+from taas_magic.output.relay import Display
 from taas_magic.peers import PeerIds
 from taas_magic.procs import OWNER_VARIABLE
-from taas_magic.protocol import Display, Elements, Job, Loaders, Ready, ToPeer, Want
+from taas_magic.protocol import Elements, Job, Loaders, Ready, ToPeer, Want
 from taas_magic.tempdirs import ram_root
 from taas_magic.writes.rule import choose_rule
 

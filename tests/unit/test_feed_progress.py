@@ -12,7 +12,8 @@ from taas_magic.feed import progress
 from taas_magic.feed.coordinator import FeedCoordinator
 from taas_magic.feed.progress import INTERVAL, ProgressLine
 from taas_magic.output.cellstream import TAAS_DISPLAY_PREFIX
-from taas_magic.protocol import Display, Ready, Want
+from taas_magic.output.relay import Display
+from taas_magic.protocol import Ready, Want
 from taas_magic.runspec import MAP, FeedPlan
 
 

@@ -16,8 +16,7 @@ from taas_magic import protocol, wire
 from taas_magic.errors import RankFailed, RunTimeout
 from taas_magic.kernel.supervision import attempts as attempt_loop
 from taas_magic.kernel.supervision import keptcell
-from taas_magic.kernel.supervision.keptcell import (FAILURE_INTERRUPT_SECONDS, KEEP_WAIT_SECONDS, KEPT_LINE, Keeping,
-                                                    KeptGroup)
+from taas_magic.kernel.supervision.keptcell import FAILURE_INTERRUPT_SECONDS, KEEP_WAIT_SECONDS, KEPT_LINE, Keeping, KeptGroup
 from taas_magic.kernel.supervision.mux import FrameArrived, PeerExited
 from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.kernel.supervision.verdict import TimedOut, Verdict

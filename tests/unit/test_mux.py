@@ -10,7 +10,8 @@ from taas_magic import protocol, wire
 from taas_magic.kernel.supervision.mux import FrameArrived, Mux, Output, OutputEnded, PeerConnected, PeerExited
 from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.peers import RANK, Peer, PeerIds
-from taas_magic.protocol import Elements, RankError, Released
+from taas_magic.protocol import Elements, RankError
+from taas_magic.transfer.returns import Released
 
 RANK_0 = Peer(RANK, 0)
 

@@ -9,8 +9,8 @@ import pytest
 
 from taas_magic.output.budget import OutputBudget
 from taas_magic.output.cellstream import CellStream
+from taas_magic.output.relay import ClearOutput, Display
 from taas_magic.output.runlog import RunLog
-from taas_magic.protocol import ClearOutput, Display
 from tests.unit.recording import RecordedCell
 
 

@@ -6,9 +6,8 @@ before the frame) shown last, ordered by peer then number; and a restart forgets
 held displays but not the data workers'."""
 
 from taas_magic.output.displays import HeldDisplays
-from taas_magic.output.relay import OutputRelay, display_marker
+from taas_magic.output.relay import ClearOutput, Display, OutputRelay, display_marker
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
-from taas_magic.protocol import ClearOutput, Display
 from tests.unit.recording import RecordedCell
 
 RANK_0, RANK_1, WORKER_0 = Peer(RANK, 0), Peer(RANK, 1), Peer(WORKER, 0)

@@ -17,9 +17,9 @@ from comm.base_comm import BaseComm
 
 from taas_magic.output import widget
 from taas_magic.output.liveview import Screen
+from taas_magic.output.relay import Display
 from taas_magic.output.runlog import RunLog
 from taas_magic.output.widget import LiveView, shown_entries
-from taas_magic.protocol import Display
 
 
 class PageComm(BaseComm):

@@ -8,8 +8,10 @@ import pickle
 import pytest
 
 from taas_magic import protocol, wire
-from taas_magic.protocol import KINDS, Elements, ProtocolError, Report, ToKernel, ToPeer, Want
+from taas_magic.output.reports import Report
+from taas_magic.protocol import KINDS, Elements, ProtocolError, ToKernel, ToPeer, Want
 from taas_magic.runspec import RunSpec
+from taas_magic.transfer.handoff import Closure
 
 
 class _Detonator:
@@ -70,5 +72,37 @@ def test_a_kind_whose_pickle_is_another_frame_is_refused():
 
 def test_a_peer_expecting_one_frame_names_what_came_instead():
     with pytest.raises(ConnectionError, match="expected the closure from the kernel, got a 'elements' frame"):
-        protocol.expect(Elements(0, 0, []), protocol.Closure, "the closure")
+        protocol.expect(Elements(0, 0, []), Closure, "the closure")
     assert protocol.expect(Elements(0, 0, []), Elements) == Elements(0, 0, [])
+
+
+def _every_kind() -> dict[str, str]:
+    """Every frame kind the package defines, wherever (protocol.py, or a feature beside its sender), read from the
+    source: kind -> "ToPeer" or "ToKernel"."""
+    import ast
+    from pathlib import Path
+
+    kinds = {}
+    for path in (Path(protocol.__file__).parent).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                kind = next((k.value.value for k in node.keywords if k.arg == "kind"), None)
+                base = next((b.id for b in node.bases if isinstance(b, ast.Name) and b.id in ("ToPeer", "ToKernel")), None)
+                if kind is not None and base is not None:
+                    kinds[kind] = base
+    return kinds
+
+
+@pytest.mark.parametrize(("reader", "direction"), [("taas_magic.kernel.supervision.supervisor", "ToKernel"),
+                                                   ("taas_magic.rank.main", "ToPeer")])
+def test_each_reader_knows_every_kind_sent_to_it_as_soon_as_it_is_imported(reader, direction):
+    """A kind decodes once the module defining it is imported: the kernel's reader must know every frame a peer
+    sends, a rank's every frame the kernel sends, before the first one comes (a fresh interpreter each)."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-c", f"import {reader}\nfrom taas_magic import protocol\n"
+                            f"print(' '.join(k for k, c in protocol.KINDS.items() if issubclass(c, protocol.{direction})))"],
+                           capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    expected = {kind for kind, base in _every_kind().items() if base == direction}
+    assert len(expected) >= 10 and set(shown) == expected

@@ -22,10 +22,10 @@ import pytest
 from taas_magic import protocol
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.output.relay import CELL_END
-from taas_magic.protocol import Answer, CellDone, ClosureHostCopy, Elements, Interrupt, Resumed, Spec, ToPeer
+from taas_magic.protocol import Answer, CellDone, Elements, Interrupt, Resumed, Spec, ToPeer
 from taas_magic.rank import betweencells  # noqa: F401 - the module under test, run by the child below
 from taas_magic.runspec import RunSpec
-from taas_magic.transfer.handoff import ClosureHandoff
+from taas_magic.transfer.handoff import ClosureHandoff, ClosureHostCopy
 from tests.unit import rankside
 from tests.unit.rankside import WAIT, KernelEnd
 

@@ -15,8 +15,7 @@ import os
 
 import pytest
 
-from taas_magic.output.relay import display_marker
-from taas_magic.protocol import ClearOutput, Display
+from taas_magic.output.relay import ClearOutput, Display, display_marker
 from taas_magic.rank import shell  # noqa: F401 - the module under test, run by the child below
 from tests.unit import rankside
 from tests.unit.rankside import KernelEnd

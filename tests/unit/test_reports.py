@@ -11,7 +11,7 @@ import torch
 
 from taas_magic import protocol
 from taas_magic.output import reports
-from taas_magic.protocol import Report
+from taas_magic.output.reports import Report
 
 
 class Channel:

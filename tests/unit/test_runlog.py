@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from taas_magic.output.liveview import Screen
+from taas_magic.output.relay import Display
 from taas_magic.output.runlog import RunLog, prune_logs
-from taas_magic.protocol import Display
 
 
 def _lines(log: RunLog) -> list[dict]:

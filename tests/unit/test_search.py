@@ -15,9 +15,8 @@ from taas_magic.cell.pragma import parse_options, settle
 from taas_magic.errors import SearchError
 from taas_magic.kernel.trials.searchplan import search_slots
 from taas_magic.output.trialtable import TrialRow, search_display, table_text
-from taas_magic.protocol import Suggest
 from taas_magic.search.space import grid_space
-from taas_magic.search.trial import FixedTrial, RemoteTrial, Suggested
+from taas_magic.search.trial import FixedTrial, RemoteTrial, Suggest, Suggested
 
 SESSION = {"cache_ram": "", "ahead": 16, "timeout": None, "hang": 30.0, "place_timeout": 60.0, "restarts": 0, "output": "rank0", "keep": False}
 

@@ -15,15 +15,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from taas_magic import protocol, wire
 from taas_magic.cell.pragma import PragmaOptions, settle
 from taas_magic.errors import RankFailed, RunTimeout, TrialPruned, WorkerFailed
-from taas_magic.kernel.supervision.dataplane import DataRun
 from taas_magic.kernel.supervision.attempts import run_ranks
+from taas_magic.kernel.supervision.dataplane import DataRun
 from taas_magic.kernel.supervision.restarts import Attempts, Restarting
 from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.kernel.supervision.supervisor import RunOutcome, RunParts
 from taas_magic.output.board import Board
-from taas_magic.output.relay import OutputRelay
+from taas_magic.output.relay import Display, OutputRelay
+from taas_magic.output.reports import Report
 from taas_magic.peers import PeerIds
-from taas_magic.protocol import Display, Released, Report, Result
+from taas_magic.transfer.returns import Released, Result
 from tests.unit.recording import WrittenText
 
 SESSION = {"cache_ram": "64M", "ahead": 16, "timeout": None, "hang": 30.0, "restarts": 0, "place_timeout": 60.0, "output": "rank0", "keep": False}

@@ -5,8 +5,9 @@ from taas_magic.errors import RankFailed, RunTimeout, WorkerFailed
 from taas_magic.kernel.supervision.mux import FrameArrived, FrameRefused, Output, PeerConnected, PeerExited
 from taas_magic.kernel.supervision.restarts import refusal
 from taas_magic.kernel.supervision.verdict import SETTLE_SECONDS, TimedOut, Verdict
+from taas_magic.output.reports import Report
 from taas_magic.peers import RANK, WORKER, Peer
-from taas_magic.protocol import Done, RankError, Report, WorkerFailure
+from taas_magic.protocol import Done, RankError, WorkerFailure
 
 RANK_0, RANK_1, WORKER_0 = Peer(RANK, 0), Peer(RANK, 1), Peer(WORKER, 0)
 SIGKILL = -9

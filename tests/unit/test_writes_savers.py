@@ -18,8 +18,7 @@ import textwrap
 
 import pytest
 
-from taas_magic.protocol import CheckpointSaved
-from taas_magic.writes.savers import DCP
+from taas_magic.writes.savers import DCP, CheckpointSaved
 
 PROLOGUE = """
 import dataclasses, json, os, sys

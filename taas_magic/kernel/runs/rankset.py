@@ -45,9 +45,9 @@ from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.launch.contract import Backend, ProcessGroup
 from taas_magic.peers import PeerIds
 from taas_magic.procs import kill_tagged
-from taas_magic.protocol import Result
 from taas_magic.tempdirs import remove_tree
 from taas_magic.transfer import keptnames
+from taas_magic.transfer.returns import Result
 from taas_magic.writes.rule import ScratchLayers
 
 

@@ -50,17 +50,19 @@ from taas_magic.launch.rankenv import rank_environments
 from taas_magic.output.runlog import RunLog
 from taas_magic.peers import PeerIds
 from taas_magic.procs import OWNER_VARIABLE
-from taas_magic.protocol import CheckpointSaved, FilePart, Result
 from taas_magic.runspec import RunSpec
 from taas_magic.search.link import TrialLink
 from taas_magic.transfer import memfile
 from taas_magic.transfer.handoff import ClosureHandoff
 from taas_magic.transfer.pack import Packing
 from taas_magic.transfer.results import apply_results
+from taas_magic.transfer.returns import Result
 from taas_magic.writes.away import Marker
 from taas_magic.writes.completeness import Ledger
 from taas_magic.writes.landing import Landing
+from taas_magic.writes.outbox import FilePart
 from taas_magic.writes.rule import WriteRule
+from taas_magic.writes.savers import CheckpointSaved
 
 OK, FAILED, STOPPED = "ok", "failed", "stopped"
 

@@ -40,17 +40,22 @@ from taas_magic.kernel.supervision.verdict import Verdict
 from taas_magic.launch.contract import ProcessGroup
 from taas_magic.output.board import Board
 from taas_magic.output.displays import HeldDisplays
-from taas_magic.output.relay import OutputRelay, Publish
+from taas_magic.output.relay import ClearOutput, Display, OutputRelay, Publish
+from taas_magic.output.reports import Report
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
-from taas_magic.protocol import Suggest, Suggested
+from taas_magic.search.trial import Suggest, Suggested
+from taas_magic.transfer.handoff import ClosureHostWanted
 from taas_magic.transfer.results import keep_result
+from taas_magic.transfer.returns import Result
+from taas_magic.writes.outbox import FilePart
+from taas_magic.writes.savers import CheckpointSaved
 
 SETTLE_STEP_SECONDS = 0.01
 
 MarkerHook = Callable[[Peer, int], None]  # a rank's display ``n`` belongs here in its text
 Watch = Callable[["Supervisor"], "RunOutcome | None"]  # one attempt stepped through (attempts.py's AttemptWatch)
 Explain = Callable[[dict[int, str], tuple[int, ...]], list[str]]  # stack dumps, running ranks -> the autopsy's lines
-HostCopy = Callable[[int, protocol.ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
+HostCopy = Callable[[int, ClosureHostWanted], tuple[bytes, str]]  # rank, its request -> the reply frame, the cell's line
 SuggestAnswer = Callable[[int, Suggest], Suggested]  # a search's trial answering a rank's suggestion (search/link.py)
 
 
@@ -81,10 +86,10 @@ class RunParts:
     prune_asked: Callable[[], bool] = never  # a search's pruner stopped this trial: every rank, at once
     prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/supervision/prompts.py)
     # a collective save's folder, named by a rank; a piece of a file from a host that does not see the repository (writes/)
-    saves: Callable[[int, protocol.CheckpointSaved | protocol.FilePart], None] | None = None
+    saves: Callable[[int, CheckpointSaved | FilePart], None] | None = None
     hang: HangWatch | None = None  # the hang line: a rank long in one collective said while it waits (autopsy/hangline.py)
 
-    def reported(self, rank: int, frame: protocol.Report) -> None:
+    def reported(self, rank: int, frame: Report) -> None:
         """A rank's reports to the live board; its health's wait to the hang line."""
         if self.board is not None:
             self.board.add(rank, frame)
@@ -94,7 +99,7 @@ class RunParts:
 
 @dataclass
 class RunOutcome:
-    result: protocol.Result | None  # rank 0's results; None if rank 0 ended with sys.exit(0)
+    result: Result | None  # rank 0's results; None if rank 0 ended with sys.exit(0)
     exit_codes: dict[int, int]
 
 
@@ -106,7 +111,7 @@ class Router:
         self.relay = parts.relay(self._on_marker)
         self.displays = HeldDisplays(self.relay, parts.publish, parts.ids)
         self.debugging = RankPrompts(parts.prompts, parts.ids.ranks, mux)
-        self.result: protocol.Result | None = None  # rank 0's, once it came
+        self.result: Result | None = None  # rank 0's, once it came
         self.running: Callable[[], None] | None = None  # once per attempt, when every rank has connected
 
     def handle_all(self, events: Iterable[Event]) -> None:
@@ -132,28 +137,28 @@ class Router:
 
     def _route(self, rank: Peer, frame: protocol.ToKernel) -> None:
         match frame:
-            case protocol.Display() | protocol.ClearOutput():
+            case Display() | ClearOutput():
                 self.displays.keep(rank, frame)
-            case protocol.Report():
+            case Report():
                 self.parts.reported(rank.index, frame)
-            case protocol.Result() if rank.index == 0:
+            case Result() if rank.index == 0:
                 # CUDA storages sent as IPC handles are copied now, while rank 0 waits with them alive;
                 # if they cannot be, it sends them again through host memory and that result is kept.
                 kept, reply = keep_result(frame)
                 if reply is not None:
                     self.mux.send(rank, reply)
                 self.result = kept if kept is not None else self.result
-            case protocol.ClosureHostWanted():
+            case ClosureHostWanted():
                 reply, line = self.parts.host_copy(rank.index, frame)
                 self.relay.notice(line)
                 self.mux.send(rank, reply)
-            case protocol.Suggest():
+            case Suggest():
                 self.mux.send(rank, protocol.encode(self.parts.suggest(rank.index, frame)))
             case protocol.Want() if self.data is not None:
                 self.send_all(self.data.coordinator.on_rank(rank.index, frame))
             case protocol.Prompt() | protocol.Resumed():
                 self.debugging.route(rank.index, frame)
-            case protocol.CheckpointSaved() | protocol.FilePart() if self.parts.saves is not None:
+            case CheckpointSaved() | FilePart() if self.parts.saves is not None:
                 self.parts.saves(rank.index, frame)
 
     def send_all(self, sends: list[Send]) -> None:

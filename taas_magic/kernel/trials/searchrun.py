@@ -47,9 +47,9 @@ from taas_magic.kernel.runs.background import BackgroundRun, RunThread
 from taas_magic.kernel.runs.run import Run, ending, error_lines
 from taas_magic.kernel.runs.runplan import PlanContext, plan
 from taas_magic.kernel.runs.session import Session
+from taas_magic.output.relay import Display
 from taas_magic.output.runlog import OUT, RunLog
 from taas_magic.output.trialtable import MOST_POINTS, TrialRow, search_display, trials_frame
-from taas_magic.protocol import Display
 from taas_magic.search.link import TrialLink
 from taas_magic.search.space import every_point_asked
 from taas_magic.search.study import COMPLETE, FAILED, PRUNED, RUNNING, STOPPED, tell
