@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import IO, Protocol, Sequence
+from typing import IO, Collection, Protocol, Sequence
 
 # (signal, seconds to wait after sending it). The whole ladder stays under 5 s.
 LADDER: tuple[tuple[signal.Signals, float], ...] = (
@@ -107,8 +107,11 @@ def reap(proc: Process) -> None:
     proc.wait()
 
 
-def stop_groups(procs: Sequence[Process], ladder: Sequence[tuple[signal.Signals, float]] = LADDER) -> StopReport:
-    """Stop every process group in ``procs``; return what it took."""
+def stop_groups(procs: Sequence[Process], ladder: Sequence[tuple[signal.Signals, float]] = LADDER,
+                interrupted: Collection[int] = ()) -> StopReport:
+    """Stop every process group in ``procs``; return what it took. ``interrupted``: the pids already sent their SIGINT
+    (an interrupt before the stop): the ladder's SIGINT skips them but its grace still runs, so a cell's ``finally``
+    is interrupted once, and has its time."""
     report = StopReport()
     for sig, grace in ladder:
         running = [proc for proc in procs if proc.poll() is None]
@@ -116,7 +119,8 @@ def stop_groups(procs: Sequence[Process], ladder: Sequence[tuple[signal.Signals,
             break
         report.signals.append(sig.name)
         for proc in running:
-            signal_group(proc.pid, sig)
+            if not (sig == signal.SIGINT and proc.pid in interrupted):
+                signal_group(proc.pid, sig)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(proc.poll() is None for proc in running):
             time.sleep(0.01)

@@ -95,6 +95,12 @@ class ProcessGroup(Protocol):
     def children(self) -> Sequence[ChildProcess]:
         """The processes, in ``index`` order."""
 
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        """SIGINT now to each of those ranks' process groups (the rank and what its cell started), as a terminal's
+        ^C: the cell's ``KeyboardInterrupt`` and its ``finally``. Returns at once; the caller watches them end (a
+        cell's ranks, then :meth:`stop`). Kept ranks are interrupted by a frame instead, which names the cell it is
+        for (kernel/supervision/keptcell.py): a signal that came late would interrupt the next cell."""
+
     def stop(self, graceful: bool = True) -> list[str]:
         """Stop every rank (INT -> TERM -> KILL; TERM -> KILL unless ``graceful``); return the signals it took."""
 

@@ -8,6 +8,7 @@ then stays open as its lifeline; a warm spare gets one more line between the two
 settings of the launch that takes it (spare.py). :func:`begin` then, in this order, because
 each step needs the one before:
 
+0. makes SIGINT raise ``KeyboardInterrupt`` whatever the process inherited (:func:`interruptible`);
 1. forks the watchdog while the process is single-threaded (lifeline.py);
 2. reads the handshake (a spare first imports torch, then waits here) and its placement;
 3. applies the write rule when its placement has one (a private layer over the
@@ -27,6 +28,7 @@ environment (the cell's own subprocesses inherit that), nor does anything else o
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -57,7 +59,8 @@ def spare_namespace() -> bool:
 
 
 def begin(*, spare: bool = False) -> protocol.PeerChannel:
-    """Steps 1 to 5 above; the connected, authenticated channel to the kernel."""
+    """Steps 0 to 5 above; the connected, authenticated channel to the kernel."""
+    interruptible()
     lifeline.start_watchdog()  # first, while single-threaded: see lifeline.py
     lifeline.adopt_orphans()
     if spare:
@@ -80,6 +83,14 @@ def begin(*, spare: bool = False) -> protocol.PeerChannel:
     lifeline.hold_lifeline()
     lifeline.die_with_parent(parent)
     return protocol.PeerChannel(wire.BlockingChannel.connect(handshake.host, handshake.port, handshake.key, place.peer_id))
+
+
+def interruptible() -> None:
+    """SIGINT raises ``KeyboardInterrupt``, as in a terminal, whatever this process inherited: a process a Ray worker
+    starts has it blocked (Ray's threads block it) and one started as a background job has it ignored, which Python
+    keeps; the kernel's interrupt (the stop ladder's first step, a cell's ``finally``) would then do nothing."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def flush_output() -> None:

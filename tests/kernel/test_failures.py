@@ -103,6 +103,25 @@ def test_interrupt_stops_every_rank(kernel):
     _assert_usable(kernel)
 
 
+FINALLY_ON_INTERRUPT = ("#pragma taas --device cpu --gpus 2 --output all\nimport os, time\ntry:\n"
+                        "    print('sleeping', flush=True)\n    time.sleep(60)\nfinally:\n"
+                        "    try:\n        time.sleep(0.5)\n        said = 'finally ran'\n"
+                        "    except KeyboardInterrupt:\n        said = 'finally cut short'\n"
+                        "    open(os.path.join({folder!r}, 'rank' + os.environ['RANK']), 'w').write(said)\n")
+
+
+def test_an_interrupt_is_one_sigint_and_each_ranks_finally_has_its_time(kernel, tmp_path):
+    """The launch contract's ``interrupt`` (SIGINT now), then the group's stop: its ladder sends no second SIGINT
+    into the cells' ``finally`` blocks, and gives them its grace (a file outside the repository: every rank's)."""
+    msg_id, started = kernel.submit(FINALLY_ON_INTERRUPT.format(folder=str(tmp_path)))
+    kernel.wait_for_stream(msg_id, ("[rank 0] sleeping", "[rank 1] sleeping"))
+    kernel.manager.interrupt_kernel()
+    assert kernel.collect(msg_id, started).error["ename"] == "KeyboardInterrupt"
+    assert sorted((path.name, path.read_text()) for path in tmp_path.iterdir()) == [
+        ("rank0", "finally ran"), ("rank1", "finally ran")]
+    _assert_usable(kernel)
+
+
 BAD_CELLS = [
     "#pragma taas --device cpu --gpus 0\nprint('ran')",
     "#pragma taas --device cpu --gpus 2 --gpus 2\nprint('ran')",

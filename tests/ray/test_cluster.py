@@ -179,15 +179,21 @@ def test_device_cpu_with_a_cluster_is_one_line_and_launches_nothing(attached):
     assert len(ran.stream("stderr").splitlines()) == 1 and "never" not in ran.stream()
 
 
-def test_interrupt_stops_ranks_on_every_host(attached):
+def test_interrupt_stops_ranks_on_every_host(attached, tmp_path):
+    """Each host's agent interrupts its ranks (one SIGINT: every cell's ``finally`` has its time), then they stop."""
     msg_id, started = attached.submit(
-        "#pragma taas --gpus 4\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)"
+        "#pragma taas --gpus 4 --output all\nimport os, time\ntry:\n    print('sleeping', flush=True)\n    time.sleep(120)\nfinally:\n"
+        "    try:\n        time.sleep(0.5)\n        said = 'finally ran'\n    except KeyboardInterrupt:\n"
+        "        said = 'finally cut short'\n"
+        f"    open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write(said)\n"
     )
-    attached.wait_for_stream(msg_id, "sleeping", timeout=120)
+    attached.wait_for_stream(msg_id, tuple(f"[rank {rank}] sleeping" for rank in range(4)), timeout=120)  # each in its try
     attached.manager.interrupt_kernel()
     ran = attached.collect(msg_id, started, timeout=60)
     assert ran.reply["status"] == "error" and ran.error["ename"] == "KeyboardInterrupt"
     assert ran.reply_at < 60
+    assert sorted((path.name, path.read_text()) for path in tmp_path.iterdir()) == [
+        (f"rank{rank}", "finally ran") for rank in range(4)]
     again = attached.execute("#pragma taas --gpus 4\n__import__('os').environ['WORLD_SIZE']", timeout=120)
     assert again.result["text/plain"] == "'4'"  # the GPUs were given back
 

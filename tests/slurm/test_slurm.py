@@ -156,9 +156,14 @@ def test_more_gpus_than_the_allocation_fails_at_once(attached):
     assert "never" not in ran.stream()
 
 
-def test_interrupt_ends_every_rank_of_the_step_within_3_s(attached, slurm):
-    msg_id, started = attached.submit("#pragma taas --gpus 4\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)")
-    attached.wait_for_stream(msg_id, "sleeping", timeout=120)
+def test_interrupt_ends_every_rank_of_the_step_within_3_s(attached, slurm, tmp_path):
+    """Each task interrupts its rank (one SIGINT: every cell's ``finally`` has its time), then the step ends."""
+    msg_id, started = attached.submit(
+        "#pragma taas --gpus 4 --output all\nimport os, time\ntry:\n    print('sleeping', flush=True)\n    time.sleep(120)\nfinally:\n"
+        "    try:\n        time.sleep(0.5)\n        said = 'finally ran'\n    except KeyboardInterrupt:\n"
+        "        said = 'finally cut short'\n"
+        f"    open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write(said)\n")
+    attached.wait_for_stream(msg_id, tuple(f"[rank {rank}] sleeping" for rank in range(4)), timeout=120)  # each in its try
     ranks = cell_processes()
     assert len([p for p in ranks if "-m taas_magic.rank" in " ".join(p.cmdline()) and p.name() != "taas-watchdog"]) == 4
     interrupted = time.monotonic()
@@ -168,6 +173,8 @@ def test_interrupt_ends_every_rank_of_the_step_within_3_s(attached, slurm):
     gone_after = time.monotonic() - interrupted
     assert ran.reply["status"] == "error" and ran.error["ename"] == "KeyboardInterrupt"
     assert not alive and gone_after < 3.0, (gone_after, alive)
+    assert sorted((path.name, path.read_text()) for path in tmp_path.iterdir()) == [
+        (f"rank{rank}", "finally ran") for rank in range(4)]
     assert steps(slurm, job_of(attached)) == []  # the step is over in Slurm too
     again = attached.execute("#pragma taas --gpus 4\n__import__('os').environ['WORLD_SIZE']", timeout=120)
     assert again.result["text/plain"] == "'4'"  # the GPUs were free again at once

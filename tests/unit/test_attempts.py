@@ -20,10 +20,13 @@ DONE = "the outcome"
 
 
 class _Group:
-    """An attempt's ranks, as the loop sees them: only ``stop`` and ``close``, recorded."""
+    """An attempt's ranks, as the loop sees them: only ``interrupt``, ``stop`` and ``close``, recorded."""
 
     def __init__(self, attempt: int, log: list):
         self.attempt, self.log = attempt, log
+
+    def interrupt(self, ranks) -> None:
+        self.log.append(("interrupt", self.attempt, tuple(ranks)))
 
     def stop(self, graceful: bool = True) -> list[str]:
         self.log.append(("stop", self.attempt, graceful))
@@ -161,7 +164,8 @@ def test_an_interrupt_is_never_retried_and_the_group_is_still_detached_and_close
     outcome, log, lines = _run([KeyboardInterrupt(), DONE], restarts=2)
     assert isinstance(outcome, KeyboardInterrupt)
     assert log == [("show_start",), ("start", 0), ("attach", 0), ("running", True), ("watch",), ("explain_stop", True),
-                   ("detach",), ("close", 0)]  # where the ranks were (the autopsy), then they are stopped
+                   ("interrupt", 0, (0, 1)), ("detach",), ("close", 0)]  # where the ranks were (the autopsy), then
+    # SIGINT (the signal: a cell's own ranks), then the group's close: its stop ladder gives them their grace
     assert lines == []
 
 

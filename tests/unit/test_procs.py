@@ -147,3 +147,28 @@ def test_the_rank_sweep_finds_an_orphan_re_parented_while_it_looked():
     if alive:
         survivor.kill()
     assert state in ("Z", "gone") and not alive, f"the daemon {daemon} was left ({state})"
+
+
+def test_an_interrupt_before_the_stop_is_the_only_sigint_and_keeps_its_grace():
+    """A cell's ``finally`` that takes a moment: interrupted once, it finishes within the ladder's first grace; a
+    second SIGINT from the ladder would have cut it short (the launch contract's ``interrupt``, then ``stop``)."""
+    from taas_magic.launch.local.processes import LocalChild, LocalProcessGroup
+
+    slow_finally = ("import signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                    "try:\n    print('ready', flush=True)\n    time.sleep(60)\nfinally:\n    print('finally began', flush=True)\n"
+                    "    try:\n        time.sleep(0.3)\n        print('finally done', flush=True)\n"
+                    "    except KeyboardInterrupt:\n        print('finally cut short', flush=True)\n        sys.exit(3)\n")
+    processes = [subprocess.Popen([sys.executable, "-c", slow_finally], start_new_session=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    group = LocalProcessGroup([LocalChild(index, process) for index, process in enumerate(processes)])
+    try:
+        assert [process.stdout.readline() for process in processes] == ["ready\n"] * 2
+        group.interrupt([0])  # rank 0 only: rank 1 gets its SIGINT from the stop ladder
+        assert processes[0].stdout.readline() == "finally began\n"  # a second SIGINT now would cut it short
+        assert group.stop()[0] == "SIGINT"
+        said = [process.stdout.read() for process in processes]
+        assert said[0] == "finally done\n", said  # one SIGINT, and the grace to finish
+        assert said[1].startswith("finally began\n"), said  # the ladder's SIGINT, for the rank not interrupted before
+        assert processes[0].wait(timeout=5) == -2  # KeyboardInterrupt, unhandled: as SIGINT
+    finally:
+        group.close()

@@ -131,3 +131,25 @@ def test_closing_the_lifeline_ends_a_rank_stuck_in_c_code_and_what_it_started(ra
     assert child.wait(WAIT) == -9  # the watchdog's SIGKILL to the rank's group
     assert rankside.gone(sleeper)
     connected.close()
+
+
+def test_sigint_raises_in_the_process_though_it_was_started_with_sigint_blocked_and_ignored():
+    """As a Ray worker starts a host's ranks (SIGINT blocked, and ignored: Python keeps an inherited SIG_IGN):
+    ``interruptible``, ``begin``'s first step, makes the kernel's interrupt a ``KeyboardInterrupt`` again."""
+    import signal
+    import subprocess
+    import sys
+
+    child = ("import os, signal, time\nfrom taas_magic.rank import startup\n"
+             "before = (signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+             "startup.interruptible()\nprint(before, flush=True)\n"
+             "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n    print('not interrupted')\n"
+             "except KeyboardInterrupt:\n    print('interrupted')\n")
+
+    def blocked_and_ignored() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    ran = subprocess.run([sys.executable, "-c", child], preexec_fn=blocked_and_ignored, capture_output=True, text=True,
+                         timeout=60)
+    assert ran.stdout.splitlines() == ["(<Handlers.SIG_IGN: 1>, True)", "interrupted"], ran.stdout + ran.stderr

@@ -85,6 +85,9 @@ class _Group:
         self.calls: list = []
         self.closed = False
 
+    def interrupt(self, ranks) -> None:
+        self.calls.append(("interrupt", tuple(ranks)))
+
     def stop(self, graceful: bool = True) -> list[str]:
         self.calls.append(("stop", graceful))
         for child in self.children:
@@ -285,7 +288,7 @@ def test_a_stop_asked_is_an_interrupt_that_says_where_the_ranks_were_and_closes_
     assert explained == [({0: "stack of rank 0", 1: "stack of rank 1"}, (0, 1))]
     assert cell.streams["stdout"].text == "training\n"
     assert cell.streams["stderr"].text == "rank 0 was in train()\nrank 1 was in train()\n"
-    assert group.calls == ["close"]  # never restarted; the group's close ends every rank
+    assert group.calls == [("interrupt", (0, 1)), "close"]  # never restarted; SIGINT, then the close ends every rank
     assert [child.code for child in group.children] == [-9, -9]
 
 

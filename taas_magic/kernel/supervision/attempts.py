@@ -90,8 +90,9 @@ class Policy(Protocol):
     def running(self, attempt: int) -> Callable[[], None]:
         """Called once every rank of the attempt has connected."""
 
-    def interrupted(self, supervisor: Supervised) -> bool:
-        """The person's interrupt (or ``%taas stop``): said where the ranks are; whether they outlive it."""
+    def interrupted(self, supervisor: Supervised, group: ProcessGroup) -> bool:
+        """The person's interrupt (or ``%taas stop``): said where the ranks are, ``group.interrupt`` (a signal for a
+        cell's own ranks, a frame for kept ones: the group the policy started is which); whether they outlive it."""
 
     def failed(self, supervisor: Supervised, group: ProcessGroup, attempt: int, previous: RunError | None) -> Judged:
         """The attempt failed (``supervisor.verdict.failure``; ``previous``: the attempt before's, if it failed)."""
@@ -114,7 +115,7 @@ def run(supervisor: Supervised, policy: Policy) -> RunOutcome:
             try:
                 outcome = supervisor.watch()
             except KeyboardInterrupt:
-                outlived = policy.interrupted(supervisor)
+                outlived = policy.interrupted(supervisor, group)
                 raise
             if outcome is not None:
                 outlived = True

@@ -17,7 +17,9 @@ and exits (mux.py), kept from cell to cell by their rank set (kernel/runs/rankse
   then, and kept if they all end it within :data:`FAILURE_INTERRUPT_SECONDS` (a rank in Python code does);
   a rank that still runs waits in a collective for the one that failed (or in C code), so every rank is
   stopped, and their state is lost: the cell says so. A kept rank that exits, even with 0, has failed;
-- an interrupt (``%taas stop``, the person's) is sent to every rank as SIGINT (an ``Interrupt`` frame):
+- an interrupt (``%taas stop``, the person's) is sent to every rank as SIGINT, by an ``Interrupt`` frame (the
+  process group a kept cell sees, :class:`FramedInterrupts`, interrupts by frame where a cell's own ranks' group
+  signals: the frame names the cell, so one that comes late interrupts nothing):
   a cell stopped in Python code ends on every rank within :data:`INTERRUPT_WAIT_SECONDS` and the ranks are
   kept (no autopsy: each rank's traceback says where it was); one stuck in C code or a collective gets the
   autopsy (where it is), then is stopped with the others, and their state is lost;
@@ -33,14 +35,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from types import TracebackType
+from typing import Callable, Sequence
 
 from taas_magic import protocol
 from taas_magic.errors import PeerFailed, RunError, RunTimeout, describe_exit
 from taas_magic.kernel.supervision.attempts import Judged, Supervised
 from taas_magic.kernel.supervision.mux import Mux
 from taas_magic.kernel.supervision.supervisor import RunParts
-from taas_magic.launch.contract import ProcessGroup
+from taas_magic.launch.contract import ChildProcess, ProcessGroup
 from taas_magic.peers import RANK, Peer
 
 KEEP_WAIT_SECONDS = 1.0  # after a rank's error, how long the others may take to end their cell before they are interrupted
@@ -132,15 +135,15 @@ class Keeping:
         supervisor.show_start()
         if self.fresh:
             self.ranks.group = self._start(0)
-        assert self.ranks.group is not None
-        return self.ranks.group
+        assert self.ranks.group is not None and self.ranks.mux is not None
+        return FramedInterrupts(self.ranks.group, self.ranks.mux, self.run_id)
 
     def running(self, attempt: int) -> Callable[[], None]:
         return _nothing
 
-    def interrupted(self, supervisor: Supervised) -> bool:
+    def interrupted(self, supervisor: Supervised, group: ProcessGroup) -> bool:
         """Every rank interrupted; where those that did not stop are (the autopsy: in C code or a collective)."""
-        kept = self._interrupt_every_rank(supervisor, INTERRUPT_WAIT_SECONDS)
+        kept = _interrupt_every_rank(supervisor, group, self.ranks, INTERRUPT_WAIT_SECONDS)
         if not kept:
             supervisor.explain_stop()
         supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
@@ -153,7 +156,7 @@ class Keeping:
         assert verdict.failure is not None, "only a failed attempt is judged"
         supervisor.relay.notice(f"taas: {str(verdict.failure).splitlines()[0]}")
         kept = (not isinstance(verdict.failure, RunTimeout) and _wait_for_every_cell(supervisor, self.ranks, KEEP_WAIT_SECONDS)
-                or self._interrupt_every_rank(supervisor))
+                or _interrupt_every_rank(supervisor, group, self.ranks, FAILURE_INTERRUPT_SECONDS))
         failure = supervisor.last_words(
             (KEPT_LINE,) if kept else (lost_line("not every rank ended its cell after the failure, even interrupted"),))
         return Judged(failure.on_kept_ranks() if kept and isinstance(failure, (PeerFailed, RunTimeout)) else failure,
@@ -176,12 +179,47 @@ class Keeping:
             self.ranks.lost = self.ranks.lost or "every rank was stopped"
             self.ranks.close()
 
-    def _interrupt_every_rank(self, supervisor: Supervised, seconds: float = FAILURE_INTERRUPT_SECONDS) -> bool:
-        """SIGINT in every rank still in its cell (an ``Interrupt`` frame); whether each ended it within ``seconds``."""
-        assert self.ranks.mux is not None
-        for rank in supervisor.verdict.running():
-            self.ranks.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt(self.run_id)))
-        return _wait_for_every_cell(supervisor, self.ranks, seconds)
+
+
+class FramedInterrupts:
+    """Kept ranks' process group as one cell of theirs sees it (launch/contract.py's ``ProcessGroup``): the engine's
+    processes, stacks and stop, but :meth:`interrupt` is an ``Interrupt`` frame naming the cell's run, sent on each
+    rank's channel behind the cell's own frames (rank/betweencells.py: SIGINT to its process group), where a cell's
+    own ranks are signalled: a signal that came late would interrupt the next cell, a frame for an old run is
+    dropped. Closing it leaves the ranks running (their rank set closes them)."""
+
+    def __init__(self, group: ProcessGroup, mux: Mux, run_id: str):
+        self.group, self.mux, self.run_id = group, mux, run_id
+
+    @property
+    def children(self) -> Sequence[ChildProcess]:
+        return self.group.children
+
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            self.mux.send(Peer(RANK, rank), protocol.encode(protocol.Interrupt(self.run_id)))
+
+    def stop(self, graceful: bool = True) -> list[str]:
+        return self.group.stop(graceful)
+
+    def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+        return self.group.stacks(ranks)
+
+    def close(self) -> None:
+        """Nothing: kept ranks outlive their cell's attempt (:meth:`Keeping.close` decides)."""
+
+    def __enter__(self) -> FramedInterrupts:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+
+def _interrupt_every_rank(supervisor: Supervised, group: ProcessGroup, ranks: KeptGroup, seconds: float) -> bool:
+    """Every rank still in its cell interrupted (``group``'s way); whether each ended it within ``seconds``."""
+    group.interrupt(supervisor.verdict.running())
+    return _wait_for_every_cell(supervisor, ranks, seconds)
 
 
 def _nothing() -> None:

@@ -105,8 +105,11 @@ class Restarting:
     def running(self, attempt: int) -> Callable[[], None]:
         return functools.partial(self.attempts.running, attempt < self.attempts.restarts)
 
-    def interrupted(self, supervisor: Supervised) -> bool:
+    def interrupted(self, supervisor: Supervised, group: ProcessGroup) -> bool:
+        """Where they are first (the autopsy), then SIGINT: each cell's ``finally`` runs within the stop ladder's first
+        grace, which sends no second SIGINT (:meth:`attempt_over` closes the group)."""
         supervisor.explain_stop()
+        group.interrupt(supervisor.verdict.running())
         return False
 
     def failed(self, supervisor: Supervised, group: ProcessGroup, attempt: int, previous: RunError | None) -> Judged:

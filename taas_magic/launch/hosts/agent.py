@@ -59,7 +59,7 @@ class HostAgent:
     """The ranks of one run on one host."""
 
     def __init__(self) -> None:
-        self.group: LocalProcessGroup | None = None
+        self.group = LocalProcessGroup([])  # this attempt's processes: none before start and after end_ranks
         self._port: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
@@ -67,7 +67,7 @@ class HostAgent:
         self._away: list[str] = []  # this attempt's folders for a repository this host does not see (writes/away.py)
         self._mirror: tuple[CacheDirs, SegmentWriter] | None = None  # records copied to this host
         self._owners: set[str] = set()  # the TAAS_OWNER tags of what this agent started
-        self._first_rank = 0
+        self._ranks = range(0)  # the (global) ranks of this attempt on this host
 
     def describe(self) -> dict:
         import ray
@@ -101,7 +101,6 @@ class HostAgent:
         layers = [place.layer for place in plan.places if place.layer]
         stacks = {os.path.dirname(path) for path in plan.stack_files}
         self._owners = {env[OWNER_VARIABLE] for env in plan.envs if env.get(OWNER_VARIABLE)}
-        self._first_rank = first_rank
         for path in [*layers, *stacks, *dirs]:
             made = _make_owner_only(path)  # another host: its scratch layer or cache lives here
             if made is not None:
@@ -111,6 +110,7 @@ class HostAgent:
             self.group = LocalProcessGroup.start(local_plan, command, "data worker")
         else:
             self.group = LocalProcessGroup.start(local_plan)
+        self._ranks = range(first_rank, first_rank + len(self.group.children))
         outputs = []
         for local in self.group.children:
             for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
@@ -129,7 +129,6 @@ class HostAgent:
         self._threads = [thread for threads in pumps.values() for thread in threads] + [reporter]
 
     def _report_exits(self, pumps: dict[int, list[threading.Thread]], control: socket.socket) -> None:
-        assert self.group is not None
         pending = {local.index: local for local in self.group.children}
         try:
             while pending:
@@ -164,26 +163,26 @@ class HostAgent:
             self._mirror = (dirs, SegmentWriter(dirs, 0, ram_budget))
         return [self._mirror[1].append_raw(record) for record in records]
 
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to those of these (global) ranks that run on this host."""
+        self.group.interrupt([rank - self._ranks.start for rank in ranks if rank in self._ranks])
+
     def stop(self, graceful: bool = True) -> list[str]:
-        return self.group.stop(graceful) if self.group is not None else []
+        return self.group.stop(graceful)
 
     def stacks(self, ranks: list[int]) -> dict[int, str]:
-        """The autopsy of these (global) ranks of this host (stacks.py), read here and sent back."""
-        if self.group is None:
-            return {}
-        local = [rank - self._first_rank for rank in ranks if 0 <= rank - self._first_rank < len(self.group.children)]
-        return {rank + self._first_rank: dump for rank, dump in self.group.stacks(local).items()}
+        """The autopsy of those of these (global) ranks that run on this host (stacks.py), read here and sent back."""
+        local = [rank - self._ranks.start for rank in ranks if rank in self._ranks]
+        return {rank + self._ranks.start: dump for rank, dump in self.group.stacks(local).items()}
 
     def end_ranks(self) -> None:
         """This attempt's processes are stopped and reaped, with what they left (a restart follows, or
         :meth:`close`); the master port, the element copies and the made folders stay."""
-        if self.group is not None:
-            self.group.stop()  # the pumps see end of file before their pipes are closed
+        self.group.stop()  # the pumps see end of file before their pipes are closed
         for thread in self._threads:
             thread.join(timeout=5)
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.group.close()
+        self.group, self._ranks = LocalProcessGroup([]), range(0)
         for owner in self._owners:
             kill_tagged(owner)  # what they started and left, on this host
         for path in self._away:  # what they wrote for the repository was sent as each ended; Ray kills agents unclosed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -26,7 +27,7 @@ from taas_magic.errors import LaunchError
 from taas_magic.launch.contract import RANK_COMMAND, LaunchPlan
 from taas_magic.launch.local.spares import SparePool
 from taas_magic.launch.rankenv import Binding
-from taas_magic.procs import LADDER, RESTART_LADDER, Process, exit_fd, kill_leftovers, reap, stop_groups
+from taas_magic.procs import LADDER, RESTART_LADDER, Process, exit_fd, kill_leftovers, reap, signal_group, stop_groups
 
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -75,6 +76,7 @@ class LocalProcessGroup:
     def __init__(self, ranks: list[LocalChild], stack_files: Sequence[str] = ()):
         self.children = ranks
         self.stack_files = list(stack_files)  # where each rank's autopsy lands (autopsy/dump.py)
+        self._interrupted: set[int] = set()  # pids sent SIGINT by interrupt(): the stop ladder does not send another
         self._closed = False
 
     @classmethod
@@ -119,8 +121,16 @@ class LocalProcessGroup:
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
         return cls(ranks, plan.stack_files)
 
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            process = self.children[rank].process
+            if process.poll() is None and process.pid not in self._interrupted:
+                self._interrupted.add(process.pid)
+                signal_group(process.pid, signal.SIGINT)  # its own session: the group is the rank's pid
+
     def stop(self, graceful: bool = True) -> list[str]:
-        return stop_groups([rank.process for rank in self.children], LADDER if graceful else RESTART_LADDER).signals
+        processes = [rank.process for rank in self.children]
+        return stop_groups(processes, LADDER if graceful else RESTART_LADDER, self._interrupted).signals
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         from taas_magic.autopsy.stacks import take
@@ -139,7 +149,7 @@ class LocalProcessGroup:
         if self._closed:
             return
         self._closed = True
-        stop_groups([rank.process for rank in self.children])
+        stop_groups([rank.process for rank in self.children], interrupted=self._interrupted)
         for rank in self.children:
             reap(rank.process)
             rank.close_exit_fd()

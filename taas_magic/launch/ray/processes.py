@@ -125,6 +125,13 @@ class RayProcessGroup:
             raise
         return group
 
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        """Each host's agent signals its ranks among them (one that does not answer: its ranks are stopped later)."""
+        try:
+            self._ray.get([agent.interrupt.remote(list(ranks)) for agent in self._agents], timeout=SHUTDOWN_PATIENCE)
+        except Exception:  # noqa: BLE001 - an agent (or its host) is gone: the stop after this finds its ranks gone
+            pass
+
     def stop(self, graceful: bool = True) -> list[str]:
         signals: list[str] = []
         try:

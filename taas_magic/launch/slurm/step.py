@@ -300,6 +300,10 @@ class SlurmStep:
         """One task's answer to ``message`` (None: it did not answer in time, or is gone)."""
         return self._tasks.ask([task], message, patience).get(task)
 
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        """Each of those ranks' tasks signals it (one task per rank); one that does not answer is stopped later."""
+        self._tasks.ask(list(ranks), {"do": "interrupt", "ranks": list(ranks)}, COMMAND_PATIENCE)
+
     def stop(self, graceful: bool = True) -> list[str]:
         signals: list[str] = []
         for answer in self._tasks.ask(list(self._tasks.sockets), {"do": "stop", "graceful": graceful},

@@ -121,7 +121,10 @@ class Task:
         for line in self.reader:
             command = json.loads(line)
             what, number = command["do"], command.get("number")
-            if what == "stop":
+            if what == "interrupt":
+                self.agent.interrupt(command["ranks"])
+                self.send({"number": number, "interrupted": True})
+            elif what == "stop":
                 self.send({"number": number, "signals": self.agent.stop(command.get("graceful", True))})
             elif what == "stacks":
                 stacks = self.agent.stacks(command["ranks"])
