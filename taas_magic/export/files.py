@@ -81,7 +81,8 @@ def script_text(path: str, cell: int, source: str, carried: Carried, launch: Lau
         target = ", ".join(names) + ("," if len(names) == 1 else "")
         lines += ["", f"{target} = _taas.values({', '.join(repr(n) for n in names)})"]
     for name in carried.loaders:  # as the data workers prepare it: this rank's share of each pass
-        lines.append(f"{name} = _taas.feed({name}, cpus={launch.cpus}, units={launch.units!r}, seed={launch.seed})")
+        lines.append(f"{name} = _taas.feed({name}, cpus={launch.cpus}, units={launch.units!r}, seed={launch.seed}, "
+                     f"name={name!r})")
     lines += ["", f"# -- the cell: In[{cell}] " + "-" * 80, "_taas.begin_cell(globals())", source.rstrip("\n"), "",
               "_taas.finish(globals())", ""]
     return "\n".join(lines)

@@ -62,9 +62,10 @@ class Job:
         saved = torch.load(os.path.join(job_folder(self.script), VALUES), weights_only=False)
         return tuple(saved[name] for name in names)
 
-    def feed(self, loader: Any, *, cpus: int = 1, units: int | None = None, seed: int = 0) -> JobFeed:
-        """A registered loader as this rank sees it under taas's data workers: its share of each pass."""
-        return JobFeed(loader, self.rank, self.world, cpus // self.world, units, seed)
+    def feed(self, loader: Any, *, cpus: int = 1, units: int | None = None, seed: int = 0, name: str = "") -> JobFeed:
+        """A registered loader as this rank sees it under taas's data workers: its share of each pass (``name``: the
+        notebook's name for it, which a refusal says, as a cell's does)."""
+        return JobFeed(loader, self.rank, self.world, cpus // self.world, units, seed, name)
 
     def begin_cell(self, namespace: dict) -> None:
         """What the script's globals hold before the cell: :meth:`finish` saves only what the cell bound."""

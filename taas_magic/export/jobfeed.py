@@ -50,8 +50,9 @@ class JobFeed:
     Raises (when made): :class:`~taas_magic.errors.DataPlanError`, as a cell would: no ``len`` and no ``units``, or
     fewer elements than ranks."""
 
-    def __init__(self, loader: Any, rank: int, world: int, workers: int, units: int | None, seed: int):
-        self.plan = plan_feed(0, type(loader).__name__, loader, FeedTerms(units, world, workers, seed, ahead=1))
+    def __init__(self, loader: Any, rank: int, world: int, workers: int, units: int | None, seed: int, name: str = ""):
+        terms = FeedTerms(units, world, workers, seed, ahead=1)
+        self.plan = plan_feed(0, name or type(loader).__name__, loader, terms)
         self.loader, self.rank, self.world, self.workers, self.units, self.seed = loader, rank, world, workers, units, seed
         self.passes = 0  # passes begun
         self._fresh: list[list[Any]] = []  # an iterable's fresh passes, this rank's share of each, for the replays

@@ -77,7 +77,7 @@ def test_the_script_starts_the_job_then_defines_loads_feeds_and_runs_the_cell():
         "    return helper(steps)",
         "",
         "loader, lr, scale = _taas.values('loader', 'lr', 'scale')",
-        "loader = _taas.feed(loader, cpus=4, units=64, seed=7)",
+        "loader = _taas.feed(loader, cpus=4, units=64, seed=7, name='loader')",
         "",
         "# -- the cell: In[7] " + "-" * 80,
         "_taas.begin_cell(globals())",
