@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from taas_magic.export import launcher
-from taas_magic.export.jobfeed import JobFeed
+from taas_magic.export.jobfeed import JobFeed, job_feed
+from taas_magic.feed.plan import FeedTerms
 
 RESULTS = "results.pt"
 VALUES = "values.pt"
@@ -65,7 +66,7 @@ class Job:
     def feed(self, loader: Any, *, cpus: int = 1, units: int | None = None, seed: int = 0, name: str = "") -> JobFeed:
         """A registered loader as this rank sees it under taas's data workers: its share of each pass (``name``: the
         notebook's name for it, which a refusal says, as a cell's does)."""
-        return JobFeed(loader, self.rank, self.world, cpus // self.world, units, seed, name)
+        return job_feed(loader, self.rank, FeedTerms(units, self.world, cpus // self.world, seed, ahead=1), name)
 
     def begin_cell(self, namespace: dict) -> None:
         """What the script's globals hold before the cell: :meth:`finish` saves only what the cell bound."""

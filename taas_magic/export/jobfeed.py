@@ -22,7 +22,7 @@ from typing import Any, Iterator, cast
 
 from taas_magic.feed.extract import pass_indices
 from taas_magic.feed.plan import FeedTerms, plan_feed
-from taas_magic.runspec import MAP, delivered_length
+from taas_magic.runspec import MAP, FeedPlan, delivered_length
 
 
 class _Elements:
@@ -44,16 +44,22 @@ class _Elements:
         return self.loader.collate_fn([dataset[i] for i in index])
 
 
+def job_feed(loader: Any, rank: int, terms: FeedTerms, name: str = "") -> JobFeed:
+    """``loader`` as rank ``rank`` sees it in a job: planned as a cell's registered loader is, on ``terms`` (its
+    ranks, workers, ``--units``, seed); ``name``, the notebook's name for it, is what a refusal says.
+
+    Raises:
+        DataPlanError: as a cell would: no ``len`` and no ``units``, or fewer elements than ranks.
+    """
+    return JobFeed(loader, rank, plan_feed(0, name or type(loader).__name__, loader, terms))
+
+
 class JobFeed:
-    """A registered loader as rank ``rank`` of ``world`` sees it in a job (see the module docstring).
+    """A registered loader as rank ``rank`` of ``plan.ranks`` sees it in a job (see the module docstring)."""
 
-    Raises (when made): :class:`~taas_magic.errors.DataPlanError`, as a cell would: no ``len`` and no ``units``, or
-    fewer elements than ranks."""
-
-    def __init__(self, loader: Any, rank: int, world: int, workers: int, units: int | None, seed: int, name: str = ""):
-        terms = FeedTerms(units, world, workers, seed, ahead=1)
-        self.plan = plan_feed(0, name or type(loader).__name__, loader, terms)
-        self.loader, self.rank, self.world, self.workers, self.units, self.seed = loader, rank, world, workers, units, seed
+    def __init__(self, loader: Any, rank: int, plan: FeedPlan):
+        self.loader, self.rank, self.plan = loader, rank, plan
+        self.world, self.seed = plan.ranks, plan.seed
         self.passes = 0  # passes begun
         self._fresh: list[list[Any]] = []  # an iterable's fresh passes, this rank's share of each, for the replays
         self._extracted = 0  # an iterable's elements read so far
@@ -89,7 +95,7 @@ class JobFeed:
         import torch
 
         mine = _Elements(self.loader, indices[self.rank::self.world])
-        yield from torch.utils.data.DataLoader(cast(Any, mine), batch_size=None, num_workers=self.workers)
+        yield from torch.utils.data.DataLoader(cast(Any, mine), batch_size=None, num_workers=self.plan.workers)
 
     def _indices(self, fresh: int) -> list[Any]:
         data = sys.modules.get("torch.utils.data")

@@ -10,11 +10,16 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from taas_magic.errors import DataPlanError
 from taas_magic.export.job import Job
-from taas_magic.export.jobfeed import JobFeed
+from taas_magic.export.jobfeed import job_feed
 from taas_magic.feed.coordinator import FeedCoordinator
 from taas_magic.feed.extract import make_source
 from taas_magic.feed.plan import FeedTerms, plan_feed
 from taas_magic.protocol import Elements, End, Exhausted, Ready, Want
+
+
+def JobFeed(loader, rank: int, world: int, workers: int, units: int | None, seed: int, name: str = ""):  # noqa: N802
+    """The job's feed of ``loader`` for ``rank`` of ``world`` (export/jobfeed.py's ``job_feed``, as ``Job.feed`` makes it)."""
+    return job_feed(loader, rank, FeedTerms(units, world, workers, seed, ahead=1), name)
 
 
 def shuffled(size: int = 16, batch_size: int | None = 2) -> DataLoader:
@@ -170,5 +175,5 @@ def test_a_loader_a_cell_would_refuse_is_refused_in_the_job_with_the_cells_words
 
 def test_feed_shares_the_cpus_among_the_ranks():
     made = [Job("/j/t.py", rank=1, world=2).feed([1, 2, 3], cpus=cpus, units=4, seed=9) for cpus in (5, 1)]
-    assert [(feed.rank, feed.world, feed.workers, feed.units, feed.seed) for feed in made] == [
+    assert [(feed.rank, feed.plan.ranks, feed.plan.workers, feed.plan.units, feed.plan.seed) for feed in made] == [
         (1, 2, 2, 4, 9), (1, 2, 0, 4, 9)]
