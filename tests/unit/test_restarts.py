@@ -122,11 +122,25 @@ def test_an_earlier_cells_function_and_a_rank_that_did_not_answer():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux: /proc says whose a process is")
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            return environ.read()
+    except OSError:
+        return b""
+
+
 def test_what_carries_a_runs_tag_is_ended_and_nothing_else():
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     tagged = subprocess.Popen(sleeper, env={**os.environ, "TAAS_OWNER": "1-abc-ranks"}, start_new_session=True)
     other = subprocess.Popen(sleeper, env={**os.environ, "TAAS_OWNER": "1-abd-ranks"}, start_new_session=True)
     try:
+        # Popen returns once the child's exec closed its pipe, which is before the kernel has set up the new
+        # program's environment: /proc shows it empty for a moment (seen once on a loaded machine)
+        deadline = time.monotonic() + 10
+        while (b"TAAS_OWNER=1-abc-ranks" not in _environ(tagged.pid) or b"TAAS_OWNER=1-abd-ranks" not in _environ(other.pid)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert kill_tagged("1-abc-") == [tagged.pid]
         assert tagged.wait(timeout=60) == -signal.SIGKILL
         assert psutil.Process(other.pid).is_running() and other.poll() is None
