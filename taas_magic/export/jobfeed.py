@@ -20,28 +20,23 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterator, cast
 
-from taas_magic.feed.extract import pass_indices
+from taas_magic.feed.extract import MapSource, pass_indices
 from taas_magic.feed.plan import FeedTerms, plan_feed
 from taas_magic.runspec import MAP, FeedPlan, delivered_length
 
 
 class _Elements:
-    """Elements of a map-style loader by position: fetched and collated as ``for x in loader`` would."""
+    """Elements of a map-style loader by position, fetched as the data workers fetch them (feed/extract.py's
+    :class:`MapSource`: a DataLoader's own fetcher and collate, a plain sequence's items)."""
 
-    def __init__(self, loader: Any, indices: list[Any]):
-        self.loader, self.indices = loader, indices
+    def __init__(self, source: MapSource, indices: list[Any]):
+        self.source, self.indices = source, indices
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, position: int) -> Any:
-        index = self.indices[position]
-        dataset = getattr(self.loader, "dataset", None)
-        if dataset is None:  # a plain sequence: its own items
-            return self.loader[index]
-        if getattr(self.loader, "batch_sampler", None) is None:
-            return self.loader.collate_fn(dataset[index])
-        return self.loader.collate_fn([dataset[i] for i in index])
+        return self.source.fetch(self.indices[position])
 
 
 def job_feed(loader: Any, rank: int, terms: FeedTerms, name: str = "") -> JobFeed:
@@ -59,11 +54,15 @@ class JobFeed:
 
     def __init__(self, loader: Any, rank: int, plan: FeedPlan):
         self.loader, self.rank, self.plan = loader, rank, plan
-        self.world, self.seed = plan.ranks, plan.seed
+        self._source = MapSource(plan, loader, 0) if plan.kind == MAP else None  # only its fetch is used
         self.passes = 0  # passes begun
         self._fresh: list[list[Any]] = []  # an iterable's fresh passes, this rank's share of each, for the replays
         self._extracted = 0  # an iterable's elements read so far
         self._fresh_done = False  # an iterable: K read, or a pass gave nothing; every pass after replays
+
+    @property
+    def world(self) -> int:
+        return self.plan.ranks
 
     def __len__(self) -> int:
         """This rank's elements in its next pass (an iterable's fresh pass: once read, or from its ``len``)."""
@@ -94,13 +93,14 @@ class JobFeed:
             indices = [indices[k] for k in order]
         import torch
 
-        mine = _Elements(self.loader, indices[self.rank::self.world])
+        assert self._source is not None
+        mine = _Elements(self._source, indices[self.rank::self.world])
         yield from torch.utils.data.DataLoader(cast(Any, mine), batch_size=None, num_workers=self.plan.workers)
 
     def _indices(self, fresh: int) -> list[Any]:
         data = sys.modules.get("torch.utils.data")
         if data is not None and isinstance(self.loader, data.DataLoader):
-            return pass_indices(self.loader, self.seed, fresh)
+            return pass_indices(self.loader, self.plan.seed, fresh)
         return list(range(len(self.loader)))
 
     def _read_fresh(self) -> list[Any] | None:
