@@ -106,38 +106,32 @@ def _reference(value: object) -> Callable[[], object]:
         return lambda: value
 
 
-class Lifetime:
+class Lifetime(Protocol):
     """How long a rank set lives, as a policy: what it does when a cell's run on it ends. The two are
     :data:`ONE_CELL` (fresh ranks) and :data:`SESSION` (``--keep``); only they ask which one a set has."""
 
-    fate = ""  # what became of a rank's diverted writes, in the write rule's report
+    fate: str  # what became of a rank's diverted writes, in the write rule's report
 
     def tag(self, name: str) -> str:
         """What names the set's owner tag and stacks folder, from its ``name``."""
-        raise NotImplementedError
 
     def peers_beyond_ranks(self, workers: int) -> int:
         """How many data workers its rank server admits besides the ranks."""
-        raise NotImplementedError
 
     def cell_gone(self, ranks: "RankSet", run_id: str, workers: int) -> None:
         """A cell's ranks (and its ``workers``) are gone, its run not yet released."""
-        raise NotImplementedError
 
     def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
         """Of the write rule's report after a cell, the lines to say."""
-        raise NotImplementedError
 
     def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str) -> Policy:
         """What a failure costs run ``run_id``'s ranks (kernel/supervision/attempts.py), each attempt's from ``start``."""
-        raise NotImplementedError
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
         """A run borrows the set: what the run's ``releases`` (its plan step's, then its own) do with it."""
-        raise NotImplementedError
 
 
-class _OneCell(Lifetime):
+class _OneCell:
     fate = "diverted and discarded"
 
     def tag(self, name: str) -> str:
@@ -159,7 +153,7 @@ class _OneCell(Lifetime):
         releases.callback(ranks.release)  # the run's own: released with it
 
 
-class _Session(Lifetime):
+class _Session:
     fate = "diverted, kept in its layer until %taas release"
 
     def tag(self, name: str) -> str:
