@@ -8,11 +8,13 @@ what it started, never pytest), given the handshake line ``HOST PORT KEY`` on it
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -175,3 +177,13 @@ def gone(pid: int, timeout: float = WAIT) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def said_by(prologue: str, code: str, *args: str, timeout: float = WAIT) -> dict:
+    """``prologue`` then ``code`` (dedented) run as ``python -c`` with ``args``, this checkout importable; the JSON
+    of the ``said`` dict it fills, printed last. A child that fails fails the test with its stderr."""
+    script = prologue + textwrap.dedent(code) + "\nprint(json.dumps(said))\n"
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])

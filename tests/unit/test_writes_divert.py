@@ -8,17 +8,14 @@ reads back its own writes, the repository never changes, and what was written is
 
 from __future__ import annotations
 
-import json
 import os
 import stat
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from taas_magic.writes.divert import Diversion
+from tests.unit.rankside import said_by
 
 PROLOGUE = """
 import errno, io, json, os, pathlib, shutil, stat, sys
@@ -38,11 +35,7 @@ os.chdir(repo)
 
 def _rank(repo, layer, code: str) -> dict:
     """Run ``code`` in a rank whose writes under ``repo`` are diverted to ``layer``; what it put in ``said``."""
-    script = PROLOGUE + textwrap.dedent(code) + "\nprint(json.dumps(said))\n"
-    done = subprocess.run([sys.executable, "-c", script, str(repo), str(layer)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    return said_by(PROLOGUE, code, str(repo), str(layer), timeout=120)
 
 
 @pytest.fixture()

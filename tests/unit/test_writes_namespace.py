@@ -10,15 +10,14 @@ the scratch layer and its own mount table. Skipped where the host forbids user n
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from taas_magic.writes.namespace import mount_view, scratch_dir
+from tests.unit.rankside import said_by
 
 PROLOGUE = """
 import json, os, subprocess, sys, threading
@@ -29,11 +28,7 @@ said = {}
 
 
 def _rank(repo, scratch, code: str) -> dict:
-    script = PROLOGUE + textwrap.dedent(code) + "\nprint(json.dumps(said))\n"
-    done = subprocess.run([sys.executable, "-c", script, str(repo), str(scratch)], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    return said_by(PROLOGUE, code, str(repo), str(scratch), timeout=60)
 
 
 def _probe(repo, scratch) -> subprocess.CompletedProcess:
