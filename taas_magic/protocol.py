@@ -24,6 +24,7 @@ Kernel -> peer::
     Answer          the person's line at a rank's pdb prompt, or None: nobody can be prompted   a rank
     Hold            a rank is in pdb: raise every group's timeout (or put them back)  the other ranks
     Interrupt       the person interrupted a kept cell: SIGINT, as a terminal's ^C     every kept rank
+    Abandon         a kept cell failed or was interrupted: its collectives end, its groups are renewed  every kept rank
 
 Peer -> kernel::
 
@@ -157,6 +158,16 @@ class Answer(ToPeer, kind="answer"):
 class Interrupt(ToPeer, kind="interrupt"):
     """A kept rank's cell of run ``run`` is interrupted: SIGINT to the rank's process group (rank/betweencells.py)."""
     run: str = ""  # one that comes late, for an earlier cell's run, interrupts nothing
+
+
+@dataclass(frozen=True)
+class Abandon(ToPeer, kind="abandon"):
+    """Kept run ``run``'s cell failed (``why``) or was interrupted: a rank still in it is interrupted, then every
+    collective of its process groups ends and the groups get a new communicator before the next cell
+    (rank/betweencells.py, rank/abortable.py). Every kept rank gets it, those whose cell is over too."""
+
+    run: str
+    why: str
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ Nothing here imports IPython or torch eagerly: a rank pays for what its cell use
   (``--factory``).
 - ``main.py``: a rank's program: lifeline, handshake, the cell, what goes back, exit.
 - ``betweencells.py``: a kept rank (``--keep``) between cells: ``CellDone``, then the next cell's spec
-  and closure; the kernel's interrupt as SIGINT.
+  and closure; the kernel's interrupt as SIGINT; a failed cell's ``Abandon``.
+- ``abortable.py``: kept ranks' gloo process group, whose collectives a failed cell ends and whose
+  communicator is renewed under the same group object.
 - ``startup.py``: how every process the kernel starts begins and ends (a rank, a warm spare, a data
   worker): watchdog, handshake, write rule, lifeline, channel, exit.
 - ``execute.py``: the cell, run as a module's body, the way IPython would but not interactively.
@@ -21,7 +23,8 @@ Nothing here imports IPython or torch eagerly: a rank pays for what its cell use
 - ``cellpdb.py``: ``breakpoint()``, ``pdb.set_trace()``, ``dist.breakpoint`` and ``%pdb on``'s
   post-mortem -> pdb prompting through the kernel.
 - ``lightning.py``: the ``Trainer``'s extra logger, for the live chart.
-- ``groups.py``: the default process group outlives the cell while its sharded names are gathered.
+- ``groups.py``: the default process group outlives the cell while its sharded names are gathered;
+  kept ranks keep theirs (abortable on CPU).
 - ``identity.py``: whether this process is a rank, its device, seed and report; what ``import taas``
   answers by.
 """

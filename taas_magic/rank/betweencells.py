@@ -9,12 +9,15 @@ agent, and may come after its ``CellDone``; the kernel ends the cell once it has
 pauses its reports (nobody reads them between cells, and no health alarm may fire over a long pause),
 says ``CellDone`` and waits for the next cell's spec and closure, which arrive on its channel as the
 first cell's did; frames the last cell left (elements sent ahead to a loop that stopped early) are
-dropped. The kernel interrupts a kept cell with an ``Interrupt`` frame (the ranks of a cluster are not its
-children): while the cell's code runs, the rank sends SIGINT to its process group, as a terminal's ^C
-does, so the cell raises ``KeyboardInterrupt`` and the rank lives on; outside the cell's code SIGINT is
-ignored (its set-up, what follows it, the wait between cells), and an interrupt that came during the
-set-up is raised as the code begins. The kernel lets the ranks go by closing their channels (``%taas release``, another shape,
-unloading); a kernel that dies ends them through their lifeline (rank/lifeline.py).
+dropped. After a kept cell failed or was interrupted the kernel sends every rank ``Abandon`` (:func:`abandoned`): a
+rank still in that cell is interrupted, then every collective of the rank's process groups ends with an error, and
+before the next cell's code the groups get their new communicator (rank/abortable.py): a rank that waited in a
+collective for one that raised keeps its globals and its groups. The kernel interrupts a kept cell with an
+``Interrupt`` frame (the ranks of a cluster are not its children): while the cell's code runs, the rank sends SIGINT
+to its process group, as a terminal's ^C does, so the cell raises ``KeyboardInterrupt`` and the rank lives on; outside
+the cell's code SIGINT is ignored (its set-up, what follows it, the wait between cells), and an interrupt that came
+during the set-up is raised as the code begins. The kernel lets the ranks go by closing their channels (``%taas
+release``, another shape, unloading); a kernel that dies ends them through their lifeline (rank/lifeline.py).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 
 from taas_magic.output import reports
 from taas_magic.output.relay import CELL_END
-from taas_magic.protocol import CellDone, Interrupt, Spec, ToKernel, ToPeer
+from taas_magic.protocol import Abandon, CellDone, Interrupt, Spec, ToKernel, ToPeer
 from taas_magic.rank import startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
@@ -35,6 +39,8 @@ from taas_magic.writes import outbox
 _cell_running = False  # the cell's own code runs now: an interrupt is SIGINT to the process group
 _cell_run = ""  # the run whose cell this is (its spec's), once its code began
 _interrupted_run: str | None = None  # the run whose cell the kernel interrupted last (perhaps before its code began)
+_abandoned_run: str | None = None  # the last failed cell's run, whose groups' communicators are renewed before the next
+ABORTABLE = "taas_magic.rank.abortable"  # imported by the groups only (rank/groups.py): no torch for cells without one
 
 
 class InboxChannel:
@@ -64,6 +70,28 @@ def interrupted(frame: Interrupt) -> None:
             os.killpg(os.getpgrp(), signal.SIGINT)
         except OSError:
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def abandoned(frame: Abandon) -> None:
+    """On the inbox's reader: kept run ``frame.run``'s cell failed or was interrupted. If the rank is still in it,
+    SIGINT first (DDP's backward, released below, ends into a ``KeyboardInterrupt`` before the optimizer's step),
+    then every collective of its groups ends; :func:`renew_groups` makes them new communicators."""
+    global _abandoned_run
+    interrupted(Interrupt(frame.run))
+    _abandoned_run = frame.run
+    abortable = sys.modules.get(ABORTABLE)
+    if abortable is not None:
+        abortable.abort_all(frame.why)
+
+
+def renew_groups() -> None:
+    """Before a kept cell's code: the groups a failed cell abandoned get their new communicator, on every rank in
+    the order they were made (each a rendezvous of every rank, as the cell that made it was)."""
+    global _abandoned_run
+    abortable = sys.modules.get(ABORTABLE)
+    run, _abandoned_run = _abandoned_run, None
+    if abortable is not None and run is not None:
+        abortable.renew_all(run)
 
 
 def cell_starts(run: str) -> None:
@@ -103,6 +131,7 @@ def between_cells(inbox: Inbox, raised: bool, rank: int) -> tuple[RunSpec, Recei
         frame = inbox.take(lambda frame: isinstance(frame, Spec), drop_older=True)  # the last cell's leftovers go
         assert isinstance(frame, Spec)
         spec = outbox.here(frame.spec)
+        renew_groups()  # every rank had the failed cell's Abandon before this Spec (one reader, in order)
         # an InboxChannel reads as a PeerChannel does
         received = receive_closure(InboxChannel(inbox), keep_original=rank == 0, own_gpu=spec.device == "cuda")  # type: ignore[arg-type]  # duck-typed
     except Exception:  # the channel ended: the kernel let us go; else the next cell cannot come (raised)

@@ -11,7 +11,9 @@ imported DTensor, is destroyed at once, as without taas.
 
 Kept ranks (``--keep``, :func:`keep_across_cells`) keep their default group from cell to cell: there a
 cell's ``init_process_group`` while the group exists and its ``destroy_process_group`` of the default
-group do nothing, so a cell written for fresh ranks runs unchanged in kept ones.
+group do nothing, so a cell written for fresh ranks runs unchanged in kept ones. On CPU their gloo group is
+rank/abortable.py's, which a failed cell does not end (``init_process_group('gloo')``, or with no backend, makes
+it; so do the subgroups of its default backend: ``new_group``, a ``DeviceMesh``).
 
 A group made while another rank is at a pdb prompt is held at once, as the groups made before (rank/cellpdb.py).
 
@@ -31,12 +33,15 @@ DTENSOR = "torch.distributed.tensor"
 
 _destroy: Callable[[], Any] | None = None  # the default group's destroy, asked for and deferred
 _kept = False  # the ranks are kept across cells: the default group stays
+_abortable = False  # kept ranks on CPU: gloo is rank/abortable.py's group
+GLOO_NAMES = (None, "gloo", "cpu:gloo")  # what init_process_group's backend may be for gloo on CPU
 
 
-def keep_across_cells() -> None:
-    """From now on the cells' init and destroy of the default group do no harm (see the module docstring)."""
-    global _kept
-    _kept = True
+def keep_across_cells(abortable: bool) -> None:
+    """From now on the cells' init and destroy of the default group do no harm, and (``abortable``: on CPU) their
+    gloo groups outlive a failed cell (see the module docstring)."""
+    global _kept, _abortable
+    _kept, _abortable = True, abortable
 
 
 def defer_destroy(dist: ModuleType) -> None:
@@ -60,6 +65,8 @@ def defer_destroy(dist: ModuleType) -> None:
         if _kept and dist.is_initialized():
             return None  # made by an earlier cell of these kept ranks: the same group
         finish_destroy()
+        if _abortable:
+            args, kwargs = _abortable_gloo(args, kwargs)
         made = init(*args, **kwargs)
         cellpdb.group_made()  # held at once if another rank is at a prompt
         return made
@@ -67,6 +74,19 @@ def defer_destroy(dist: ModuleType) -> None:
     destroy_process_group.__taas_deferred__ = True  # type: ignore[attr-defined]  # a marker: wrapped once only
     for name, wrapper in (("destroy_process_group", destroy_process_group), ("init_process_group", init_process_group)):
         setattr(dist, name, wrapper)  # on the module the cell calls them from, as rank/devices.py does
+
+
+def _abortable_gloo(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``init_process_group``'s arguments with gloo (named, or the default on CPU) as rank/abortable.py's backend."""
+    from taas_magic.rank import abortable
+
+    named = kwargs.get("backend", args[0] if args else None)
+    if not (named is None or isinstance(named, str) and named.lower() in GLOO_NAMES):
+        return args, kwargs
+    abortable.register()
+    if args:
+        return (abortable.BACKEND, *args[1:]), kwargs
+    return args, {**kwargs, "backend": abortable.BACKEND}
 
 
 def finish_destroy() -> None:

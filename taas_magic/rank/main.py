@@ -40,7 +40,7 @@ from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
-from taas_magic.protocol import Hold, Interrupt, PeerChannel, RankError, Spec
+from taas_magic.protocol import Abandon, Hold, Interrupt, PeerChannel, RankError, Spec
 from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
@@ -96,7 +96,7 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     reports.start(channel, functools.partial(waiting.figures, away=outbox.away()))  # and the hang line's figures
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
-        groups.keep_across_cells()  # the cells' init and destroy of the default group do no harm
+        groups.keep_across_cells(abortable=spec.device != "cuda")  # their groups outlive a cell, even a failed one
     when_imported("torch.distributed", groups.defer_destroy)  # the default group outlives the cell's sharded names' gather
     when_imported("torch.distributed", refresh.follow_collectives)  # past a collective, rank 0's writes are seen here
     module = types.ModuleType("__main__")
@@ -274,7 +274,8 @@ def main() -> None:
     sys.path[:] = spec.sys_path
     sys.argv = ["taas-rank"]
     _own_output()
-    inbox = Inbox(channel, {Hold: cellpdb.on_hold, Interrupt: betweencells.interrupted})  # its one reader (rank/inbox.py)
+    inbox = Inbox(channel, {Hold: cellpdb.on_hold, Interrupt: betweencells.interrupted,  # its one reader (rank/inbox.py)
+                            Abandon: betweencells.abandoned})
     if spec.keep:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the cell's code begins (rank/betweencells.py)
     module = _rank_module(spec, channel, rank)

@@ -31,6 +31,19 @@ RUN = "run00000001"
 INTERRUPT = protocol.encode(protocol.Interrupt(RUN))  # this cell's run, named
 
 
+def _abandoned(log: list) -> list[int]:
+    """The ranks sent ``Abandon`` for this cell's run (rank/betweencells.py: interrupted if in it, collectives ended)."""
+    return [entry[1] for entry in log if entry[0] == "send" and isinstance(entry[2], bytes)
+            and (frame := _decoded(entry[2])) is not None and isinstance(frame, protocol.Abandon) and frame.run == RUN]
+
+
+def _decoded(body: bytes) -> object:
+    try:
+        return protocol.decode_body(body, protocol.ToPeer)
+    except Exception:  # noqa: BLE001 - a test's stand-in body (b"spec"), not a frame
+        return None
+
+
 def _done(rank: int, raised: bool = False) -> FrameArrived:
     return FrameArrived(Peer(RANK, rank), CellDone(raised=raised))
 
@@ -212,10 +225,11 @@ def test_a_rank_that_raised_while_the_others_end_their_cell_is_the_cells_error_a
     assert failure.notes == (KEPT_LINE,) and failure.last_lines == ("its last line",)
     assert supervised.lines == ["taas: rank 1 on host-a raised ValueError: x"]  # said at once, before the others' time
     assert not [entry for entry in log if entry[0] == "send" and entry[2] == INTERRUPT]
+    assert _abandoned(log) == [0, 1, 2]  # every rank: their groups get a new communicator before the next cell
     assert log[-1] == "forget workers" and ranks.lost is None
 
 
-def test_ranks_still_in_their_cell_after_the_wait_are_interrupted_and_kept_when_they_end_it(clock):
+def test_ranks_still_in_their_cell_after_the_wait_are_abandoned_and_kept_when_they_end_it(clock):
     log: list = []
     ranks = _kept(log)
     ended = [_done(0, raised=True), _done(2, raised=True)]  # each one's KeyboardInterrupt ends its cell
@@ -223,7 +237,7 @@ def test_ranks_still_in_their_cell_after_the_wait_are_interrupted_and_kept_when_
                              later={clock.now + KEEP_WAIT_SECONDS + 0.5: ended})
     failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
     assert isinstance(failure, RankFailed) and failure.notes == (KEPT_LINE,)
-    assert [entry[1] for entry in log if entry[0] == "send" and entry[2] == INTERRUPT] == [0, 2]  # not rank 1
+    assert _abandoned(log) == [0, 1, 2]  # ranks 0 and 2 are interrupted by it, in their cell; rank 1's is over
     assert ("stop everything", False) not in log and ranks.lost is None
 
 
@@ -248,14 +262,14 @@ def test_a_rank_that_exits_even_with_0_fails_the_cell_and_costs_every_ranks_stat
     assert ("stop everything", False) in log and ranks.lost == "every rank was stopped"
 
 
-def test_a_timeout_interrupts_the_ranks_at_once_and_keeps_them_if_they_end_their_cell(clock):
+def test_a_timeout_abandons_the_ranks_at_once_and_keeps_them_if_they_end_their_cell(clock):
     log: list = []
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [_done(0), TimedOut(5.0, (1, 2), ("rank 1 waits in all_reduce",))],
                              later={clock.now + 0.1: [_done(1, raised=True), _done(2, raised=True)]})
     failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
     assert isinstance(failure, RunTimeout) and not failure.stopped and failure.notes[-1] == KEPT_LINE
-    assert [entry[1] for entry in log if entry[0] == "send" and entry[2] == INTERRUPT] == [1, 2]
+    assert _abandoned(log) == [0, 1, 2]
     assert clock.now < 1000.0 + KEEP_WAIT_SECONDS  # no wait for the others before the interrupt
 
 
@@ -266,13 +280,26 @@ def test_an_interrupt_that_every_rank_obeys_keeps_them_with_no_autopsy(clock):
                              later={clock.now + 0.2: [_done(rank, raised=True) for rank in range(RANKS)]})
     assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
     assert supervised.lines == [KEPT_LINE] and "explain stop" not in log and ranks.lost is None
+    assert _abandoned(log) == [0, 1, 2]  # a collective an interrupt left half done is not used again
 
 
-def test_an_interrupt_a_rank_does_not_obey_gets_the_autopsy_and_costs_every_ranks_state(clock):
+def test_an_interrupt_a_rank_does_not_obey_gets_the_autopsy_then_abandon_and_the_ranks_are_kept(clock):
+    """A rank in a collective ends its cell only once it is abandoned: after the autopsy says where it is."""
+    log: list = []
+    ranks = _kept(log)
+    supervised = _Supervised(clock, log, [KeyboardInterrupt()], later={
+        clock.now + 0.2: [_done(0, raised=True)],
+        clock.now + keptcell.INTERRUPT_WAIT_SECONDS + 0.3: [_done(1, raised=True), _done(2, raised=True)]})
+    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
+    assert "explain stop" in log and log.index("explain stop") < [entry[0] if isinstance(entry, tuple) else entry
+                                                                  for entry in log].index("send", log.index("explain stop"))
+    assert supervised.lines == [KEPT_LINE] and _abandoned(log) == [0, 1, 2] and ranks.lost is None
+
+
+def test_an_interrupt_a_rank_does_not_obey_even_abandoned_costs_every_ranks_state(clock):
     log: list = []
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [KeyboardInterrupt()], later={clock.now + 0.2: [_done(0, raised=True)]})
     assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
-    assert "explain stop" in log and supervised.lines == [
-        keptcell.lost_line("a rank did not stop in time (in C code or a collective)")]
+    assert "explain stop" in log and supervised.lines == [keptcell.lost_line("a rank did not stop in time (in C code)")]
     assert ("stop everything", False) in log and ranks.group is None and ranks.lost == "every rank was stopped"

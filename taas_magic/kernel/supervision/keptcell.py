@@ -11,20 +11,21 @@ and exits (mux.py), kept from cell to cell by their rank set (kernel/runs/rankse
   over the channel it already has, and the mux goes on watching them where the last cell left off;
 - it ends when every rank said ``CellDone`` (rank/betweencells.py), after what it printed, rank 0 after its
   results; its output is read up to there, and the ranks stay;
-- a rank that raised sends its report and then ``CellDone``: the cell fails with that error. If every
-  rank's cell is over within :data:`KEEP_WAIT_SECONDS` (they all raised, or the others were done), the
-  ranks are kept, globals and group: as IPython keeps a kernel. Those still in their cell are interrupted
-  then, and kept if they all end it within :data:`FAILURE_INTERRUPT_SECONDS` (a rank in Python code does);
-  a rank that still runs waits in a collective for the one that failed (or in C code), so every rank is
-  stopped, and their state is lost: the cell says so. A kept rank that exits, even with 0, has failed;
+- a rank that raised sends its report and then ``CellDone``: the cell fails with that error. The others may end
+  their cell within :data:`KEEP_WAIT_SECONDS` (they all raised, or were done); then every rank is sent ``Abandon``
+  (:func:`_abandon_every_rank`): a rank still in the cell is interrupted, and every collective of its process groups
+  ends with an error (rank/abortable.py: a rank that waits in one for the rank that raised leaves it), and the
+  groups get a new communicator before the next cell. The ranks are kept, globals and groups, if every cell ended
+  within :data:`FAILURE_INTERRUPT_SECONDS` of that; a rank that still runs is in C code that is not a collective,
+  so every rank is stopped, and their state is lost: the cell says so. A kept rank that exits, even with 0, has failed;
 - an interrupt (``%taas stop``, the person's) is sent to every rank as SIGINT, by an ``Interrupt`` frame (the
   process group a kept cell sees, :class:`FramedInterrupts`, interrupts by frame where a cell's own ranks' group
-  signals: the frame names the cell, so one that comes late interrupts nothing):
-  a cell stopped in Python code ends on every rank within :data:`INTERRUPT_WAIT_SECONDS` and the ranks are
-  kept (no autopsy: each rank's traceback says where it was); one stuck in C code or a collective gets the
-  autopsy (where it is), then is stopped with the others, and their state is lost;
-- ``--timeout`` names the ranks still running and where they were, as in any run, then interrupts them:
-  ranks stopped in Python code are kept;
+  signals: the frame names the cell, so one that comes late interrupts nothing): a cell stopped in Python code ends
+  on every rank within :data:`INTERRUPT_WAIT_SECONDS`; one stuck in C code or a collective gets the autopsy (where
+  it is), then ``Abandon`` as after a failure. Either way the ranks are kept if every cell ended, and their groups
+  renewed (a collective left half done is not used again);
+- ``--timeout`` names the ranks still running and where they were, as in any run, then abandons them as after a
+  failure: their state is kept;
 - a rank that dies is named as in any run; the others are stopped with it.
 
 A cell's data workers are its own: started with it, stopped when its ranks end it, then forgotten by the
@@ -46,9 +47,9 @@ from taas_magic.kernel.supervision.supervisor import RunParts
 from taas_magic.launch.contract import ChildProcess, ProcessGroup
 from taas_magic.peers import RANK, Peer
 
-KEEP_WAIT_SECONDS = 1.0  # after a rank's error, how long the others may take to end their cell before they are interrupted
-INTERRUPT_WAIT_SECONDS = 3.0  # after the person's interrupt, how long every rank may take to end its cell
-FAILURE_INTERRUPT_SECONDS = 1.5  # after a failure, how long the interrupted ranks may take (the error waits for it)
+KEEP_WAIT_SECONDS = 0.5  # after a rank's error, how long the others may take to end their cell before they are abandoned
+INTERRUPT_WAIT_SECONDS = 1.0  # after the person's interrupt, how long every rank may take to end its cell before the autopsy
+FAILURE_INTERRUPT_SECONDS = 1.5  # after Abandon, how long the ranks may take to end their cell (the error waits for it)
 STEP_SECONDS = 0.02
 ALIVE_RECHECK_SECONDS = 0.05  # kept ranks seen alive this recently are not polled again (KeptGroup.running)
 KEPT_LINE = "taas: the ranks are kept, with their globals and their process group: the next --keep cell runs in them"
@@ -142,21 +143,26 @@ class Keeping:
         return _nothing
 
     def interrupted(self, supervisor: Supervised, group: ProcessGroup) -> bool:
-        """Every rank interrupted; where those that did not stop are (the autopsy: in C code or a collective)."""
-        kept = _interrupt_every_rank(supervisor, group, self.ranks, INTERRUPT_WAIT_SECONDS)
-        if not kept:
+        """Every rank interrupted; where those that did not stop are (the autopsy: in C code or a collective), then
+        every rank's collectives abandoned (:func:`_abandon_every_rank`)."""
+        group.interrupt(supervisor.verdict.running())
+        if not _wait_for_every_cell(supervisor, self.ranks, INTERRUPT_WAIT_SECONDS):
             supervisor.explain_stop()
-        supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code or a collective)"))
+        kept = _abandon_every_rank(supervisor, self.ranks, self.run_id, "the cell was interrupted")
+        supervisor.relay.notice(KEPT_LINE if kept else lost_line("a rank did not stop in time (in C code)"))
         return kept
 
     def failed(self, supervisor: Supervised, group: ProcessGroup, attempt: int, previous: RunError | None) -> Judged:
-        """Said at once, as a fact (the others' time takes seconds); then the others end their cell (they all raised),
-        or are interrupted: a rank in Python code then ends it too, and the ranks are kept."""
+        """Said at once, as a fact (the others' time takes seconds); then the others may end their cell (they all
+        raised), and every rank's collectives are abandoned: a rank still in its cell is interrupted, one in a
+        collective leaves it, and the ranks are kept."""
         verdict = supervisor.verdict
         assert verdict.failure is not None, "only a failed attempt is judged"
-        supervisor.relay.notice(f"taas: {str(verdict.failure).splitlines()[0]}")
-        kept = (not isinstance(verdict.failure, RunTimeout) and _wait_for_every_cell(supervisor, self.ranks, KEEP_WAIT_SECONDS)
-                or _interrupt_every_rank(supervisor, group, self.ranks, FAILURE_INTERRUPT_SECONDS))
+        summary = str(verdict.failure).splitlines()[0]
+        supervisor.relay.notice(f"taas: {summary}")
+        if not isinstance(verdict.failure, RunTimeout):
+            _wait_for_every_cell(supervisor, self.ranks, KEEP_WAIT_SECONDS)
+        kept = _abandon_every_rank(supervisor, self.ranks, self.run_id, summary)
         failure = supervisor.last_words(
             (KEPT_LINE,) if kept else (lost_line("not every rank ended its cell after the failure, even interrupted"),))
         return Judged(failure.on_kept_ranks() if kept and isinstance(failure, (PeerFailed, RunTimeout)) else failure,
@@ -216,10 +222,14 @@ class FramedInterrupts:
         self.close()
 
 
-def _interrupt_every_rank(supervisor: Supervised, group: ProcessGroup, ranks: KeptGroup, seconds: float) -> bool:
-    """Every rank still in its cell interrupted (``group``'s way); whether each ended it within ``seconds``."""
-    group.interrupt(supervisor.verdict.running())
-    return _wait_for_every_cell(supervisor, ranks, seconds)
+def _abandon_every_rank(supervisor: Supervised, ranks: KeptGroup, run_id: str, why: str) -> bool:
+    """``Abandon`` to every rank (rank/betweencells.py: interrupted if still in the cell, every collective ended, the
+    groups renewed before the next cell); whether each ended its cell within :data:`FAILURE_INTERRUPT_SECONDS`."""
+    assert ranks.group is not None and ranks.mux is not None
+    frame = protocol.encode(protocol.Abandon(run_id, why))
+    for rank in range(len(ranks.group.children)):
+        ranks.mux.send(Peer(RANK, rank), frame)
+    return _wait_for_every_cell(supervisor, ranks, FAILURE_INTERRUPT_SECONDS)
 
 
 def _nothing() -> None:

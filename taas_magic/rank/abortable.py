@@ -1,0 +1,371 @@
+"""Kept ranks' process group, which a failure does not end: a rank that waits in a collective for a rank whose cell
+raised leaves it with an error, keeps its globals, and the next cell's collectives run on a new communicator under
+the same group object (what DDP, FSDP2 and a ``DeviceMesh`` hold).
+
+Runs in each kept rank: made by ``init_process_group`` (rank/groups.py maps gloo to :data:`BACKEND`), aborted on the
+inbox's reader when the kernel says a cell failed or was interrupted (rank/betweencells.py), renewed on the main
+thread before the next cell's code (:func:`renew_all`).
+
+torch 2.13 cannot abort a gloo collective: ``ProcessGroupGloo.abort()`` is a no-op, a timeout is fixed when an op
+starts, and a blocked ``wait()`` returns only when its peer's socket closes or its timeout (30 min) passes. So, as
+torchft's reconfigurable process groups do, :class:`AbortableGroup` is a Python ``dist.ProcessGroup`` that forwards
+each collective to its current communicator (a ``ProcessGroupGloo`` of one *generation*, on the rendezvous store
+under the prefix ``taas-gen{N}/``) and hands the caller its own :class:`AbortableWork`. :meth:`AbortableGroup.abort`:
+
+- fails every unfinished work of the group at once: the rank's code (its ``wait()``, DDP's backward) raises now;
+- shuts down the generation's own sockets (the ones that appeared while it was made), so gloo's stuck ops end
+  with "Connection closed" on their own threads, and the generation is destroyed once none is left (destroying
+  one whose op is stuck would wait for it forever);
+- :meth:`AbortableGroup.renew` then makes the next generation; every rank does it before the next cell.
+
+Collectives that torch issues from C++ to a group's backend without asking Python (functional collectives'
+``all_gather_into_tensor`` and ``reduce_scatter_tensor``, as DTensor's redistribution uses them) reach the first
+generation, registered as the group's backend: it is never renewed, so after a failure they raise; the cell says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import stat
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+BACKEND = "taas_gloo"
+REAP_SECONDS = 30.0  # how long an aborted generation's stuck ops may take to end before it is given up (kept, leaked)
+
+# every collective of a ProcessGroup that Python code calls (distributed_c10d.py calls them on the group object), and
+# its name on the communicator (a Backend, where some keep their older names)
+FORWARDED = {
+    "allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced", "allgather": "allgather",
+    "allgather_coalesced": "allgather_coalesced", "all_gather_single": "_allgather_base",
+    "_allgather_base": "_allgather_base", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced", "broadcast": "broadcast",
+    "barrier": "barrier", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "_reduce_scatter_base",
+    "_reduce_scatter_base": "_reduce_scatter_base", "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced", "alltoall": "alltoall",
+    "all_to_all_single": "alltoall_base", "alltoall_base": "alltoall_base", "send": "send", "recv": "recv",
+    "recv_anysource": "recv_anysource", "monitored_barrier": "monitored_barrier",
+}
+
+# coalesced collectives gloo lacks, done one tensor pair at a time
+ONE_BY_ONE = {"allgather_into_tensor_coalesced": "_allgather_base",
+              "reduce_scatter_tensor_coalesced": "_reduce_scatter_base"}
+
+# every group made here (default and subgroups), in the order they were made: the same on every rank, so they
+# are renewed in the same order everywhere (each renewal is a rendezvous)
+_groups: "list[weakref.ReferenceType[AbortableGroup]]" = []
+
+
+class Aborted(RuntimeError):
+    """A collective that another rank's failure ended."""
+
+
+class AbortableWork(dist.Work):
+    """The caller's handle of one forwarded collective: done when the communicator's ops are (one, or one per tensor
+    of a coalesced call the communicator has no coalesced form of), or ended by an abort.
+
+    An op that failed, or was abandoned, raises in :meth:`wait` (the cell's ``dist.*`` calls); its future completes
+    with the op's own tensors as they are instead of an error: C++ that waits on it (DDP's reducer) must not be
+    handed a Python exception without the GIL (that crashes the rank), and the cell is interrupted meanwhile anyway
+    (rank/betweencells.py), so DDP's backward ends and the ``KeyboardInterrupt`` comes before the optimizer's step.
+    """
+
+    def __init__(self, inner: list[dist.Work], value: Any, op_over: Callable[[], None]):
+        super().__init__()
+        self._value, self._op_over = value, op_over
+        self.error: BaseException | None = None
+        self._left = len(inner)
+        self._settling = threading.Lock()
+        self._future: torch.futures.Future = torch.futures.Future()
+        for work in inner:
+            try:
+                work.get_future().add_done_callback(self._settle)
+            except RuntimeError:  # a work without a future (gloo's send and recv): waited for on a thread of its own
+                threading.Thread(target=self._wait_inner, args=(work,), name="taas-work", daemon=True).start()
+
+    def _settle(self, done: torch.futures.Future) -> None:
+        self._op_over()
+        try:
+            done.value()
+        except Exception as error:  # noqa: BLE001 - the op's own failure becomes the caller's
+            self.end(error)
+            return
+        self._one_done()
+
+    def _wait_inner(self, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except Exception as error:  # noqa: BLE001 - the op's own failure becomes the caller's
+            self._op_over()
+            self.end(error)
+            return
+        self._op_over()
+        self._one_done()
+
+    def _one_done(self) -> None:
+        with self._settling:
+            self._left -= 1
+            if self._left or self._future.done():
+                return
+            self._future.set_result(self._value)
+            self._value = None  # the future holds it; nothing else may keep the tensors alive
+
+    def end(self, error: BaseException) -> None:
+        """Over with ``error`` (an abort, or the op's own failure): :meth:`wait` raises it."""
+        with self._settling:
+            if self._future.done():
+                return
+            self.error = error
+            self._future.set_result(self._value)
+            self._value = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self.error is None
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._future.value()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _Generation:
+    """One communicator of a group: a ``ProcessGroupGloo`` on the store under its own prefix, and its sockets."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, after: str):
+        before = _sockets()
+        self.after = after  # the failed run it renews the communicator after ("": the first)
+        prefixed = dist.PrefixStore(f"taas-after-{after}/", store) if after else store
+        self.gloo = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        self.sockets = {fd: inode for fd, inode in _sockets().items() if before.get(fd) != inode}
+        self.works: list[AbortableWork] = []  # the callers' handles, until they are done
+        self.running = 0  # the communicator's ops not over yet (an abandoned one runs on until its socket ends)
+        self._counting = threading.Lock()
+
+    def started(self, work: AbortableWork, ops: int) -> None:
+        self.works = [each for each in self.works if not each.is_completed()] + [work]
+        with self._counting:
+            self.running += ops
+
+    def op_over(self) -> None:
+        with self._counting:
+            self.running -= 1
+
+    def unfinished(self) -> list[AbortableWork]:
+        self.works = [work for work in self.works if not work.is_completed()]
+        return self.works
+
+    def shut_down(self) -> None:
+        """Its sockets shut down (each checked to be the same socket still): its ops end with an error now."""
+        for fd, inode in self.sockets.items():
+            try:
+                if os.fstat(fd).st_ino != inode:
+                    continue  # closed by gloo, and the number reused: not ours
+                with socket.socket(fileno=os.dup(fd)) as shared:
+                    if shared.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        continue  # its listener: gloo's loop ends the process if accept() fails
+                    shared.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                continue
+
+    def settled(self) -> bool:
+        """Whether no op of its communicator is left (then destroying it joins idle threads)."""
+        return self.running <= 0
+
+
+class AbortableGroup(dist.ProcessGroup):
+    """A process group whose communicator can be abandoned and renewed (see the module docstring)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know only (store, rank, size)
+        self._store, self._timeout = store, timeout
+        self._lock = threading.Lock()
+        self._current: _Generation | None = _Generation(store, rank, size, timeout, "")
+        self.renewals = 0
+        self.aborted_why: str | None = None
+        # the C++ route (functional collectives): the first generation, as this group's backend for CPU tensors
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._current.gloo)
+        _groups.append(weakref.ref(self))
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _forward(self, name: str, *args: Any) -> AbortableWork:
+        with self._lock:
+            current = self._current
+            if current is None:
+                raise Aborted(f"taas: this group's collectives were abandoned ({self.aborted_why}); "
+                              "they run again in the next cell")
+            operation = getattr(current.gloo, name, None)
+            if operation is not None:
+                ops, value = [operation(*args)], _outputs(args)
+            elif name in ONE_BY_ONE:  # gloo has no coalesced form: one op per tensor pair, one work for them all
+                outputs, inputs, options = args
+                single = getattr(current.gloo, ONE_BY_ONE[name])
+                ops, value = [single(out, into, options) for out, into in zip(outputs, inputs)], outputs
+            else:
+                raise RuntimeError(f"taas: the gloo backend has no {name}")
+            current.started(work := AbortableWork(ops, value, current.op_over), len(ops))
+        return work
+
+    def abort(self, why: str = "a rank failed") -> None:
+        """Every unfinished collective fails now; the communicator is shut down and reaped (module docstring)."""
+        with self._lock:
+            dead, self._current = self._current, None
+            if dead is None:
+                return
+            self.aborted_why = why
+            pending = list(dead.unfinished())
+        error = Aborted(f"taas: {why}: this collective was abandoned; the ranks keep their state")
+        for work in pending:
+            work.end(error)
+        dead.shut_down()
+        _reaper.take(dead)
+
+    def renew(self, after: str) -> None:
+        """A new communicator, if this one was aborted, named by the failed run ``after`` (the same on every rank):
+        every rank calls it (its rendezvous waits for them all)."""
+        if self._current is not None:
+            return
+        made = _Generation(self._store, self.rank(), self.size(), self._timeout, after)
+        with self._lock:
+            self._current, self.aborted_why = made, None
+            self.renewals += 1
+
+
+def _forwarder(name: str, inner: str) -> Callable[..., AbortableWork]:
+    def forwarded(self: AbortableGroup, *args: Any, **kwargs: Any) -> AbortableWork:
+        return self._forward(inner, *args, *kwargs.values())  # keywords are the trailing options (``opts=``)
+
+    forwarded.__name__ = name
+    return forwarded
+
+
+for _name, _inner in FORWARDED.items():
+    setattr(AbortableGroup, _name, _forwarder(_name, _inner))
+
+
+class _Reaper:
+    """Destroys aborted generations once their stuck ops have ended, on a thread of its own (destroying one joins
+    its threads, and an op that ends runs Python on them: never with the GIL held for it)."""
+
+    def __init__(self) -> None:
+        self._dead: list[tuple[_Generation, float]] = []
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.given_up: list[_Generation] = []  # stuck past REAP_SECONDS: kept, never destroyed
+
+    def take(self, generation: _Generation) -> None:
+        with self._lock:
+            self._dead.append((generation, time.monotonic() + REAP_SECONDS))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="taas-reaper", daemon=True)
+                self._thread.start()
+            self._lock.notify()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._dead)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._dead:
+                    self._thread = None
+                    return
+                dead, self._dead = self._dead, []
+            keep = []
+            for generation, deadline in dead:
+                if generation.settled():
+                    generation.works.clear()
+                    generation.gloo = None  # type: ignore[assignment]  # the last reference: destroyed here
+                elif time.monotonic() > deadline:
+                    self.given_up.append(generation)
+                else:
+                    keep.append((generation, deadline))
+            with self._lock:
+                self._dead = keep + self._dead
+                if keep:
+                    self._lock.wait(0.05)
+
+
+_reaper = _Reaper()
+
+
+def _live_groups() -> list[AbortableGroup]:
+    _groups[:] = [reference for reference in _groups if reference() is not None]
+    return [group for reference in _groups if (group := reference()) is not None]
+
+
+def abort_all(why: str) -> None:
+    """Every group of this rank aborted (the kernel's word that the cell failed or was interrupted)."""
+    for group in _live_groups():
+        group.abort(why)
+
+
+def renew_all(after: str) -> int:
+    """Every aborted group renewed after the failed run ``after``, in the order they were made, before the next
+    cell's code; how many were."""
+    aborted = [group for group in _live_groups() if group.aborted_why is not None]
+    for group in aborted:
+        group.renew(after)
+    return len(aborted)
+
+
+def create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AbortableGroup:
+    """The backend's creator (``dist.Backend.register_backend``)."""
+    return AbortableGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """:data:`BACKEND` known to ``init_process_group`` (once)."""
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
+
+
+def _outputs(args: tuple) -> Any:
+    """What a collective's future holds when it is done: its first argument, the output (or in-place) tensors, as a
+    list (gloo's futures hold a list); None for a barrier's options."""
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor):
+        return [first]
+    return first if isinstance(first, list) else None
+
+
+def _sockets() -> dict[int, int]:
+    """This process's open sockets: fd -> inode (Linux's /proc; elsewhere none are known, and abort relies on
+    failing the callers' works alone)."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            status = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if stat.S_ISSOCK(status.st_mode):
+            found[int(name)] = status.st_ino
+    return found
