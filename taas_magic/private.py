@@ -236,6 +236,20 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch._C._distributed_c10d.Backend.Options", "torch", TORCH,
             "a backend's timeout now (gloo's and NCCL's options): put back once no rank is in pdb; "
             "without it the raised timeout stays", "rank/cellpdb.py", attributes=("_timeout",)),
+    # -- torch.distributed: kept ranks' gloo group, whose communicator a failed cell abandons and the next renews
+    Private("torch.distributed.ProcessGroup._register_backend", "torch", TORCH,
+            "the first communicator registered as the Python group's CPU backend: what torch asks the group's backend "
+            "(FSDP2: whether it allocates tensors)", "rank/abortable.py"),
+    Private("torch.distributed.ProcessGroupGloo", "torch", TORCH,
+            "the all-gather and reduce-scatter of one tensor keep their older names on the backend: each collective "
+            "of the group is forwarded to the current communicator by the name it has there", "rank/abortable.py",
+            attributes=("_allgather_base", "_reduce_scatter_base", "alltoall_base", "allreduce", "broadcast")),
+    Private("torch.distributed.fsdp.FSDPModule._get_fsdp_state", "torch", TORCH,
+            "which FSDP2 modules are roots: their public reset_iter_state() is called after a failed kept cell",
+            "rank/recovery.py"),
+    Private("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "torch", TORCH,
+            "its _is_root: True on the module fully_shard was applied to last (a root), once it ran",
+            "rank/recovery.py", attributes=("_is_root",)),
     # -- accelerate and the HF Trainer: the folder of their per-rank files, written in place (the [test] extra runs them)
     Private("accelerate.accelerator.save_accelerator_state", "accelerate", ACCELERATE,
             "replaced in accelerate.accelerator's namespace: Accelerator.save_state calls it with the folder where every "

@@ -133,6 +133,11 @@ class AbortableWork(dist.Work):
             raise self.error
         return True
 
+    def forgive(self) -> None:
+        """Its group was renewed: waiting on it no longer raises (what still holds it, such as FSDP2's all-gather
+        state, is reset before the next cell: rank/recovery.py), its tensors as the abort left them."""
+        self.error = None
+
     def is_completed(self) -> bool:
         return self._future.done()
 
@@ -204,6 +209,7 @@ class AbortableGroup(dist.ProcessGroup):
         self._current: _Generation | None = _Generation(store, rank, size, timeout, "")
         self.renewals = 0
         self.aborted_why: str | None = None
+        self._abandoned: list[AbortableWork] = []  # the works the last abort ended, until the group is renewed
         # the C++ route (functional collectives): the first generation, as this group's backend for CPU tensors
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._current.gloo)
         _groups.append(weakref.ref(self))
@@ -237,6 +243,7 @@ class AbortableGroup(dist.ProcessGroup):
                 return
             self.aborted_why = why
             pending = list(dead.unfinished())
+            self._abandoned = pending
         error = Aborted(f"taas: {why}: this collective was abandoned; the ranks keep their state")
         for work in pending:
             work.end(error)
@@ -252,6 +259,9 @@ class AbortableGroup(dist.ProcessGroup):
         with self._lock:
             self._current, self.aborted_why = made, None
             self.renewals += 1
+            abandoned, self._abandoned = self._abandoned, []
+        for work in abandoned:
+            work.forgive()
 
 
 def _forwarder(name: str, inner: str) -> Callable[..., AbortableWork]:

@@ -30,7 +30,7 @@ import sys
 from taas_magic.output import reports
 from taas_magic.output.relay import CELL_END
 from taas_magic.protocol import Abandon, CellDone, Interrupt, Spec, ToKernel, ToPeer
-from taas_magic.rank import startup
+from taas_magic.rank import recovery, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer.handoff import Closure, ClosureHostCopy, ReceivedClosure, receive_closure
@@ -92,6 +92,8 @@ def renew_groups() -> None:
     run, _abandoned_run = _abandoned_run, None
     if abortable is not None and run is not None:
         abortable.renew_all(run)
+        for line in recovery.reset_models():
+            print(f"taas: after the failed cell, {line}", file=sys.stderr, flush=True)
 
 
 def cell_starts(run: str) -> None:

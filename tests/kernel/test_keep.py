@@ -465,3 +465,63 @@ print("second")
 """)
     assert "unfinished" not in second.stream() and "second" in second.stream()
     assert "\x01" not in first.stream() + second.stream()
+
+
+def test_ddp_fsdp2_and_a_device_mesh_made_before_a_failed_cell_train_in_the_next_without_being_wrapped_again(k):
+    """Rank 1 raises between DDP's forward and its backward, where rank 0 waits in the backward's all-reduce, then
+    in a second cell before FSDP2's backward: the next cell trains the same DDP model, the FSDP2-sharded model with
+    its optimizer, and uses the mesh, and the replicas agree."""
+    ok(k, f"""{KEEP}
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+sharded = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+for layer in sharded:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(sharded, mesh=mesh)
+ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+sharded_opt = torch.optim.Adam(sharded.parameters(), lr=0.01)
+def step(x):
+    loss = ddp(x).pow(2).mean()
+    loss.backward(); ddp_opt.step(); ddp_opt.zero_grad()
+    loss = sharded(x).pow(2).mean()
+    loss.backward(); sharded_opt.step(); sharded_opt.zero_grad()
+    return loss.item()
+step(torch.randn(4, 8))
+""")
+    failed = k.execute(f"""{KEEP}
+for n in range(5):
+    x = torch.randn(4, 8)
+    if n == 3 and dist.get_rank() == 1:
+        out = ddp(x)
+        raise ValueError("a bad batch on rank 1")
+    step(x)
+""")
+    assert "rank 1 on localhost raised ValueError: a bad batch on rank 1" in failed.error_text(), failed.error_text()
+    assert "the ranks are kept" in failed.error_text() + failed.stream()
+    failed = k.execute(f"""{KEEP}
+x = torch.randn(4, 8)
+ddp(x).sum().backward(); ddp_opt.zero_grad()
+out = sharded(x).pow(2).mean()
+if dist.get_rank() == 1:
+    raise ValueError("rank 1 gave up before FSDP2's backward")
+out.backward()  # rank 0 waits in the backward's reduce-scatter
+""")
+    assert "raised ValueError: rank 1 gave up before FSDP2's backward" in failed.error_text(), failed.error_text()
+    ran = ok(k, f"""{KEEP}
+losses = [step(torch.randn(4, 8) + dist.get_rank()) for _ in range(3)]
+weights = torch.cat([p.detach().flatten() for p in ddp.parameters()])
+gathered = [torch.zeros_like(weights) for _ in range(2)]
+dist.all_gather(gathered, weights)
+full = sharded[0].weight.full_tensor()
+total = torch.ones(1)
+dist.all_reduce(total, group=mesh.get_group())
+print("replicas agree", torch.equal(gathered[0], gathered[1]), "full", tuple(full.shape), "mesh", total.item(),
+      "finite", all(l == l for l in losses))
+""")
+    assert "replicas agree True full (16, 8) mesh 2.0 finite True" in ran.stream(), ran.stream()
