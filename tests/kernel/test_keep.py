@@ -525,3 +525,43 @@ print("replicas agree", torch.equal(gathered[0], gathered[1]), "full", tuple(ful
       "finite", all(l == l for l in losses))
 """)
     assert "replicas agree True full (16, 8) mesh 2.0 finite True" in ran.stream(), ran.stream()
+
+
+def _footprint(pid: int) -> tuple[int, int, int]:
+    """A process's open files, threads and resident memory (bytes)."""
+    process = psutil.Process(pid)
+    return process.num_fds(), process.num_threads(), process.memory_info().rss
+
+
+def test_ten_failed_cells_in_a_row_leak_no_files_threads_or_memory_in_the_kernel_or_the_ranks(k):
+    """Each failure abandons a communicator (its sockets, its threads) and makes a new one: after the first two
+    (what a first failure creates once: the reaper's thread), ten more leave every count where it was."""
+    ranks = pids_of(ok(k, f"""{KEEP} --output all
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+print("pid", os.getpid())
+""").stream())
+    fail = f"""{KEEP}
+if dist.get_rank() == 1:
+    raise RuntimeError("rank 1 gave up")
+model(torch.ones(8, 64)).sum().backward()  # rank 0 waits in the all-reduce
+"""
+
+    def settled() -> dict[str, tuple[int, int, int]]:
+        ok(k, f"{KEEP}\ndist.all_reduce(torch.ones(1))\n")  # renewed, and the last generation reaped meanwhile
+        time.sleep(0.5)
+        return {"kernel": _footprint(k.pid), **{f"rank {rank}": _footprint(pid) for rank, pid in ranks.items()}}
+
+    for _ in range(2):
+        assert k.execute(fail).reply["status"] == "error"
+    before = settled()
+    for _ in range(10):
+        ran = k.execute(fail)
+        assert "the ranks are kept" in ran.error_text() + ran.stream(), ran.error_text()
+    after = settled()
+    for who, (files, threads, memory) in after.items():
+        files_before, threads_before, memory_before = before[who]
+        assert files <= files_before + 2, f"{who}: {files_before} -> {files} open files after ten failures"
+        assert threads <= threads_before + 1, f"{who}: {threads_before} -> {threads} threads after ten failures"
+        assert memory - memory_before < 40 << 20, f"{who}: {(memory - memory_before) >> 20} MiB more after ten failures"
