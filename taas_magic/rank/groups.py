@@ -13,7 +13,8 @@ Kept ranks (``--keep``, :func:`keep_across_cells`) keep their default group from
 cell's ``init_process_group`` while the group exists and its ``destroy_process_group`` of the default
 group do nothing, so a cell written for fresh ranks runs unchanged in kept ones. On CPU their gloo group is
 rank/abortable.py's, which a failed cell does not end (``init_process_group('gloo')``, or with no backend, makes
-it; so do the subgroups of its default backend: ``new_group``, a ``DeviceMesh``).
+it; so do the subgroups of its default backend, ``new_group`` and a ``DeviceMesh``'s, and a ``new_group`` that
+names gloo).
 
 A group made while another rank is at a pdb prompt is held at once, as the groups made before (rank/cellpdb.py).
 
@@ -45,8 +46,9 @@ def keep_across_cells(abortable: bool) -> None:
 
 
 def defer_destroy(dist: ModuleType) -> None:
-    """Wrap ``dist.destroy_process_group`` and ``dist.init_process_group`` (see the module docstring)."""
-    original, init = dist.destroy_process_group, dist.init_process_group
+    """Wrap ``dist.destroy_process_group``, ``dist.init_process_group`` and ``dist.new_group`` (see the module
+    docstring)."""
+    original, init, new_group = dist.destroy_process_group, dist.init_process_group, dist.new_group
     if getattr(original, "__taas_deferred__", False):
         return
 
@@ -66,26 +68,34 @@ def defer_destroy(dist: ModuleType) -> None:
             return None  # made by an earlier cell of these kept ranks: the same group
         finish_destroy()
         if _abortable:
-            args, kwargs = _abortable_gloo(args, kwargs)
+            args, kwargs = _abortable_gloo(args, kwargs, 0, default_too=True)
         made = init(*args, **kwargs)
         cellpdb.group_made()  # held at once if another rank is at a prompt
         return made
 
+    @functools.wraps(new_group)
+    def new_group_of(*args: Any, **kwargs: Any) -> Any:
+        if _abortable:  # gloo named: abortable too (no backend named: the default group's, abortable already)
+            args, kwargs = _abortable_gloo(args, kwargs, 2, default_too=False)
+        return new_group(*args, **kwargs)
+
     destroy_process_group.__taas_deferred__ = True  # type: ignore[attr-defined]  # a marker: wrapped once only
-    for name, wrapper in (("destroy_process_group", destroy_process_group), ("init_process_group", init_process_group)):
+    for name, wrapper in (("destroy_process_group", destroy_process_group), ("init_process_group", init_process_group),
+                          ("new_group", new_group_of)):
         setattr(dist, name, wrapper)  # on the module the cell calls them from, as rank/devices.py does
 
 
-def _abortable_gloo(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``init_process_group``'s arguments with gloo (named, or the default on CPU) as rank/abortable.py's backend."""
+def _abortable_gloo(args: tuple, kwargs: dict, position: int, default_too: bool) -> tuple[tuple, dict]:
+    """A group maker's arguments (its backend at ``position``) with gloo (named, or none named if ``default_too``:
+    the default on CPU) as rank/abortable.py's backend."""
     from taas_magic.rank import abortable
 
-    named = kwargs.get("backend", args[0] if args else None)
-    if not (named is None or isinstance(named, str) and named.lower() in GLOO_NAMES):
+    named = kwargs.get("backend", args[position] if len(args) > position else None)
+    if named is None and not default_too or not (named is None or isinstance(named, str) and named.lower() in GLOO_NAMES):
         return args, kwargs
     abortable.register()
-    if args:
-        return (abortable.BACKEND, *args[1:]), kwargs
+    if len(args) > position:
+        return (*args[:position], abortable.BACKEND, *args[position + 1:]), kwargs
     return args, {**kwargs, "backend": abortable.BACKEND}
 
 

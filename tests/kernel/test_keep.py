@@ -477,6 +477,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,))
+pair = dist.new_group([0, 1], backend="gloo")  # gloo named: abortable too
 torch.manual_seed(0)
 ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
 sharded = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -521,10 +522,11 @@ dist.all_gather(gathered, weights)
 full = sharded[0].weight.full_tensor()
 total = torch.ones(1)
 dist.all_reduce(total, group=mesh.get_group())
+dist.all_reduce(total, group=pair)
 print("replicas agree", torch.equal(gathered[0], gathered[1]), "full", tuple(full.shape), "mesh", total.item(),
-      "finite", all(l == l for l in losses))
+      "finite", all(l == l for l in losses), type(pair).__name__)
 """)
-    assert "replicas agree True full (16, 8) mesh 2.0 finite True" in ran.stream(), ran.stream()
+    assert "replicas agree True full (16, 8) mesh 4.0 finite True AbortableGroup" in ran.stream(), ran.stream()
 
 
 def _footprint(pid: int) -> tuple[int, int, int]:
