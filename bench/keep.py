@@ -39,6 +39,15 @@ later (rank 0 waits in gloo's all_reduce), Jupyter's kernel restart and the grou
 cell; and the interrupt of a cell looping in Python. Its kernel is ended, restarts included, with its whole process
 tree. Each tool's rows are taken in blocks, as taas's kept ones: nothing else starts processes meanwhile.
 
+``--failures`` (with ``--jupyter-distributed``): what a failure costs, taas's kept ranks and jupyter-distributed's
+kernels side by side, one of each per pair (alternating which goes first), the group made and a global bound by a
+cell before: a failed collective (rank 1 raises while rank 0 waits in ``all_reduce``), its request -> the reply of
+the next working cell (an ``all_reduce`` that prints the global: taas's ranks keep it; jupyter-distributed's interrupt
+cannot end its cell, so the person restarts the kernel and makes the group again, and the global is gone), target
+at most 3 s; and the interrupt of a cell stuck in a collective (rank 1 loops in Python, rank 0 waits in
+``all_reduce``), the interrupt -> the reply (taas: the autopsy, then the ranks kept; jupyter-distributed: no reply
+within 10 s, so the restart, to the next working cell). Each with the median of the paired ratios.
+
 ``--paired`` (with ``--jupyter-distributed``): only the first two rows, taas's kept ranks and jupyter-distributed's
 side by side in ABBA pairs; the median of the paired ratios and its 95% interval (bench/intervals.py).
 """
@@ -46,37 +55,22 @@ side by side in ABBA pairs; the median of the paired ratios and its 95% interval
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import queue
-import statistics
+import re
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
 
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cells import ALL_REDUCE, FAILING, FIRST, FRESH, KEEP, LOOP, MAKE_GROUP, first_line, interrupt, reply, row  # noqa: E402
 from bench.intervals import median_interval  # noqa: E402
+from bench.othertools import JD_MORE, jd_environment, jd_recovery, jupyter_distributed, nbdistributed, other_kernel, paired  # noqa: E402
 from tests.kernel_client import Kernel  # noqa: E402
 
-KEEP = "#pragma taas --gpus 2 --device cpu --keep\n"
-FRESH = "#pragma taas --gpus 2 --device cpu\n"
-FIRST = "print('first-line', flush=True)\n"
-ALL_REDUCE = ("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-              "dist.all_reduce(torch.ones(1))\ndist.destroy_process_group()\n")
-FAILING = ("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-           "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 gave up')\ndist.all_reduce(torch.ones(1))\n")
-MAKE_GROUP = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
-# the same on a group made already: in jupyter-distributed's kernels a second init_process_group raises on every rank
-# ("trying to initialize the default process group twice"), which fails the cell before any collective
-FAILING_MADE = FAILING.replace("dist.init_process_group('gloo')\n", "")
-LOOP = "import time\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.01)\n"
 COMPILED = ("import time, torch\nif 'step' not in globals():\n"
             "    step = torch.compile(lambda x: torch.sin(x) * 2 + x.cos())\n"
             "x = torch.randn(64)\nstarted = time.perf_counter()\nstep(x)\nprint(f'call {time.perf_counter() - started:.4f}')\n")
@@ -85,45 +79,94 @@ MODEL = "import torch\nmodel = torch.nn.Linear(16384, 16384, bias=False)\n"  # 1
 USE = "print('rows', model.weight.shape[0])\n"
 
 
-def reply(kernel: Kernel, code: str, expect: str = "ok") -> float:
-    msg_id, started = kernel.submit(code)
-    ran = kernel.collect(msg_id, started, timeout=300)
-    if ran.reply["status"] != expect:
-        raise RuntimeError(f"expected {expect}: {ran.error_text() or ran.stream()}")
-    return ran.reply_at
 
 
-def wait_shown(kernel: Kernel, msg_id: str, text: str, arrived: Callable[[str, dict], bool] | None = None) -> None:
-    """Until ``text`` shows on iopub: in a stream, or where ``arrived(kind, content)`` says (another tool's display)."""
-    if arrived is None:
-        kernel.wait_for_stream(msg_id, text, timeout=120)
-    else:
-        kernel.wait_for(msg_id, arrived, text, timeout=120)
 
 
-def first_line(kernel: Kernel, code: str, arrived: Callable[[str, dict], bool] | None = None) -> float:
-    """The request -> ``first-line`` on iopub: in a stream, or where ``arrived(kind, content)`` says (a display)."""
-    msg_id, started = kernel.submit(code)
-    wait_shown(kernel, msg_id, "first-line", arrived)
-    seconds = time.monotonic() - started
-    kernel.collect(msg_id, started, timeout=120)
-    return seconds
 
 
-def in_display(text: str) -> Callable[[str, dict], bool]:
-    """Whether ``text`` arrived in another tool's rank display (anything on iopub but the code echoed)."""
-    return lambda kind, content: kind != "execute_input" and text in json.dumps(content)
 
 
-def interrupt(kernel: Kernel, code: str, arrived: Callable[[str, dict], bool] | None = None) -> tuple[float, str]:
-    """A cell looping in Python, once ``looping`` is shown (in a stream, or where ``arrived`` says): the kernel's
-    interrupt -> its reply; and what the cell printed."""
-    msg_id, started = kernel.submit(code)
-    wait_shown(kernel, msg_id, "looping", arrived)
+
+
+STATE = "state = 'kept'\n"
+NEXT = "dist.all_reduce(torch.ones(1))\nprint('state', globals().get('state', 'lost'))\n"
+STUCK = ("import time\nprint('looping', flush=True)\nif dist.get_rank() == 1:\n    while True:\n        time.sleep(0.01)\n"
+         "dist.all_reduce(torch.ones(1))\n")
+
+
+def taas_failed_to_next(kernel: Kernel) -> tuple[float, str]:
+    """taas: a failed collective's request -> the next working kept cell's reply; what that cell printed."""
+    msg_id, started = kernel.submit(KEEP + FAILING.replace("dist.init_process_group('gloo')\n", ""))
+    failed = kernel.collect(msg_id, started, timeout=120)
+    if failed.reply["status"] != "error" or "the ranks are kept" not in failed.error_text() + failed.stream():
+        raise RuntimeError(f"the failed collective did not keep the ranks: {failed.error_text()}")
+    ran = kernel.execute(KEEP + NEXT)
+    return time.monotonic() - started, ran.stream()
+
+
+def taas_stuck_interrupt(kernel: Kernel) -> float:
+    """taas: the interrupt of a kept cell stuck in a collective -> its reply, the ranks kept."""
+    msg_id, started = kernel.submit(KEEP + STUCK)
+    kernel.wait_for_stream(msg_id, "looping", timeout=120)
+    time.sleep(0.5)  # rank 0 is in its all_reduce
     asked = time.monotonic()
     kernel.manager.interrupt_kernel()
     ran = kernel.collect(msg_id, started, timeout=120)
-    return time.monotonic() - asked, ran.stream()
+    seconds = time.monotonic() - asked
+    if "the ranks are kept" not in ran.stream():
+        raise RuntimeError(f"the interrupt did not keep the ranks: {ran.stream()}")
+    return seconds
+
+
+def failures(site: str, runs: int) -> dict[str, tuple[list[float], list[float], set[str]]]:
+    """``--failures`` (see the module docstring): per row, taas's seconds, jupyter-distributed's, and what each
+    printed of the global (or how jupyter-distributed got back)."""
+    init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+    rows: dict[str, tuple[list[float], list[float], set[str]]] = {"failed": ([], [], set()), "stuck": ([], [], set())}
+    with other_kernel(jd_environment(site), "jdist") as theirs:
+        ours = Kernel()
+        try:
+            reply(ours, KEEP + init + STATE)
+            reply(theirs, init + STATE)
+            for pair in range(runs):
+                def taas_failed() -> None:
+                    seconds, printed = taas_failed_to_next(ours)
+                    rows["failed"][0].append(seconds)
+                    rows["failed"][2].add("taas: " + " ".join(sorted(set(re.findall(r"state \w+", printed)))))
+
+                def their_failed() -> None:
+                    shown, recovered, how = jd_recovery(theirs, init)
+                    rows["failed"][1].append(shown + recovered)
+                    rows["failed"][2].add(f"jupyter-distributed: {how}; "
+                                          + said_state(theirs, "print('state', globals().get('state', 'lost'))\n"))
+                    reply(theirs, STATE)  # bound again for the next pair
+
+                def taas_stuck() -> None:
+                    rows["stuck"][0].append(taas_stuck_interrupt(ours))
+
+                def their_stuck() -> None:
+                    _, recovered, how = jd_recovery(theirs, init, STUCK, "looping", interrupt_at_once=False)
+                    rows["stuck"][1].append(recovered)
+                    rows["stuck"][2].add(f"jupyter-distributed: {how}")
+                    reply(theirs, STATE)
+
+                for first, second in ((taas_failed, their_failed), (taas_stuck, their_stuck)):
+                    for cell in (first, second) if pair % 2 == 0 else (second, first):
+                        time.sleep(0.5)
+                        cell()
+            reply(ours, "%taas release")
+        finally:
+            ours.shutdown()
+    return rows
+
+
+def said_state(kernel: Kernel, code: str) -> str:
+    """``state kept`` or ``state lost``, as a cell printed it (in a stream, or another tool's rank display)."""
+    ran = kernel.execute(code)
+    found = re.findall(r"state (kept|lost)", json.dumps([message.content for message in ran.messages
+                                                         if message.type != "execute_input"]))
+    return f"state {found[0]}" if found else "state not shown"
 
 
 def kept_interrupt(kernel: Kernel) -> float:
@@ -155,151 +198,24 @@ def kept_model(kernel: Kernel, lazy_bytes: int) -> tuple[float, float, float]:
     return built, grown, used
 
 
-@contextlib.contextmanager
-def other_kernel(env: dict[str, str], kernel_name: str = "python3") -> Iterator[Kernel]:
-    """Another tool's kernel, with this interpreter first on PATH (the tools start "python" from PATH, as in an
-    activated venv); ended with its whole process tree, never by the tool's own name-pattern kills."""
-    path = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
-    kernel = Kernel(kernel_name=kernel_name, load_ext=False, env={**env, "PATH": path})
-    try:
-        yield kernel
-    finally:
-        try:
-            processes = psutil.Process(kernel.pid).children(recursive=True)  # the kernel of now (it may have restarted)
-        except psutil.Error:
-            processes = []
-        kernel.shutdown()
-        for process in processes:
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
 
 
-def two_rows(kernel: Kernel, runs: int, arrived: Callable[[str, dict], bool] | None = None) -> tuple[list[float], list[float]]:
-    """On kept processes whose cells already have ``torch`` and ``dist``: the first line ``runs`` times, then the
-    all_reduce cell ``runs`` times, each block alone."""
-    first, reduce = [], []
-    for _ in range(runs):
-        time.sleep(0.5)
-        first.append(first_line(kernel, FIRST, arrived))
-    for _ in range(runs):
-        time.sleep(0.5)
-        reduce.append(reply(kernel, "dist.all_reduce(torch.ones(1))\n"))
-    return first, reduce
 
 
-def nbdistributed(site: str, runs: int) -> tuple[list[float], list[float]]:
-    """nbdistributed's first line and all_reduce cell, ``runs`` times each (see the module docstring)."""
-    with other_kernel({"PYTHONPATH": site}) as kernel:
-        for setup in ("%load_ext nbdistributed", "%dist_init -n 2"):
-            ran = kernel.execute(setup, timeout=300)
-            if ran.reply["status"] != "ok":
-                raise RuntimeError(f"{setup}: {ran.error_text() or ran.stream()}")
-        reply(kernel, "import torch, torch.distributed as dist\n")
-        return two_rows(kernel, runs)
 
 
-def jd_recovery(kernel: Kernel, init: str) -> tuple[float, float, str]:
-    """jupyter-distributed after a failed collective: the request -> rank 1's error shown (its live display);
-    then, as a person would, the kernel's interrupt, and where the cell still has not replied within
-    ``JD_REPLY_SECONDS`` (rank 0 waits in gloo's all_reduce), Jupyter's kernel restart, the group made again
-    (``init``), and the next working cell: the error shown -> that cell's reply. And how it got there."""
-    msg_id, started = kernel.submit(FAILING_MADE)
-    kernel.wait_for(msg_id, in_display("rank 1 gave up"), "rank 1's error", timeout=120)
-    shown = time.monotonic()
-    kernel.manager.interrupt_kernel()
-    how = "interrupt"
-    try:
-        kernel.collect(msg_id, started, timeout=JD_REPLY_SECONDS)
-    except queue.Empty:
-        import psutil
-
-        before = psutil.Process(kernel.pid).children(recursive=True)
-        kernel.manager.restart_kernel(now=False)  # its proxy ends its rank kernels itself
-        kernel.client.wait_for_ready(timeout=300)
-        left = [process for process in before if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
-        for process in left:  # what the restarted kernel left running (ended here, and said)
-            process.kill()
-        how = f"interrupt, no reply in {JD_REPLY_SECONDS:g} s: kernel restart" + (
-            f" (it left {len(left)} process(es) running)" if left else "")
-        reply(kernel, init)
-    reply(kernel, "dist.all_reduce(torch.ones(1))\n")
-    return shown - started, time.monotonic() - shown, how
 
 
-JD_PRINTED = '"first-line\\n"'  # the line as jupyter-distributed's rank display carries it (not the code echoed)
 
 
-def jd_environment(site: str) -> dict[str, str]:
-    """jupyter-distributed's kernel spec (``jdist``, a folder of this run's own) made, and its kernel's environment."""
-    specs = tempfile.mkdtemp()
-    os.makedirs(os.path.join(specs, "kernels", "jdist"))
-    with open(os.path.join(specs, "kernels", "jdist", "kernel.json"), "w") as spec:
-        json.dump({"argv": [sys.executable, "-m", "jupyter_distributed.kernel", "-f", "{connection_file}"],
-                   "display_name": "jupyter-distributed", "language": "python",
-                   "interrupt_mode": "message"}, spec)  # its interrupt_request reaches every rank; a SIGINT does not
-    os.environ["JUPYTER_PATH"] = specs  # where this process's kernel manager finds the spec
-    return {"PYTHONPATH": site, "JUPYTER_DISTRIBUTED_WORLD_SIZE": "2", "JUPYTER_DISTRIBUTED_BASE_KERNEL": "python3"}
 
 
-def paired(site: str, runs: int) -> tuple[dict[str, list[float]], dict[str, tuple[list[float], list[float]]]]:
-    """taas's kept ranks and jupyter-distributed's kernels alive side by side, both idle between cells: each pair
-    is one cell of each, 0.5 s apart, in ABBA order; per pair, taas's time over jupyter-distributed's, for the
-    first line and for the all_reduce cell; and each tool's times (taas's, theirs)."""
-    init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-    ratios: dict[str, list[float]] = {"first": [], "reduce": []}
-    seconds: dict[str, tuple[list[float], list[float]]] = {"first": ([], []), "reduce": ([], [])}
-    with other_kernel(jd_environment(site), "jdist") as theirs:
-        ours = Kernel()
-        try:
-            reply(theirs, init)
-            reply(ours, KEEP + init)
-            reduce = "dist.all_reduce(torch.ones(1))\n"  # the same cell in both: their ranks have torch and dist
-            cells = {"first": (lambda: first_line(ours, KEEP + FIRST),
-                               lambda: first_line(theirs, FIRST, in_display(JD_PRINTED))),
-                     "reduce": (lambda: reply(ours, KEEP + reduce), lambda: reply(theirs, reduce))}
-            for pair in range(runs):
-                for name, (taas_cell, their_cell) in cells.items():
-                    order = (taas_cell, their_cell) if pair % 2 == 0 else (their_cell, taas_cell)
-                    times = {}
-                    for cell in order:
-                        time.sleep(0.5)
-                        times[cell] = cell()
-                    ratios[name].append(times[taas_cell] / times[their_cell])
-                    seconds[name][0].append(times[taas_cell])
-                    seconds[name][1].append(times[their_cell])
-            reply(ours, "%taas release")
-        finally:
-            ours.shutdown()
-    return ratios, seconds
 
 
-def jupyter_distributed(site: str, runs: int) -> tuple[list[float], list[float]]:
-    """jupyter-distributed's first line and all_reduce cell, ``runs`` times each: its proxy kernel (a kernelspec
-    of this run's own) over 2 rank kernels, the cells' group made by a first cell (see the module docstring);
-    then its recovery and interrupt rows (:data:`JD_MORE`)."""
-    init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-    with other_kernel(jd_environment(site), "jdist") as kernel:
-        reply(kernel, init)
-        rows = two_rows(kernel, runs, in_display(JD_PRINTED))
-        for _ in range(runs):
-            JD_MORE["failed"].append(jd_recovery(kernel, init))
-            JD_MORE["interrupt"].append(interrupt(kernel, LOOP, in_display("looping"))[0])
-            reply(kernel, "dist.all_reduce(torch.ones(1))\n")  # the group still works after the interrupt
-        return rows
 
 
-JD_REPLY_SECONDS = 10.0  # how long the failed cell is given to reply after jupyter-distributed's interrupt
-JD_MORE: dict[str, list] = {"failed": [], "interrupt": []}  # its recovery (3 values a run) and interrupt rows
 
 
-def row(name: str, values: list[float], beside: list[float] | None, target: str, unit: str = "s") -> str:
-    def shown(samples: list[float]) -> str:
-        return f"{statistics.median(samples):.3f} {unit} ({min(samples):.3f}-{max(samples):.3f})"
-
-    other = shown(beside) if beside else ""
-    return f"| {name} | {shown(values)} | {other} | {target} |"
 
 
 def main() -> None:
@@ -307,10 +223,27 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--nbdistributed", metavar="SITE", help="a folder holding nbdistributed (see above)")
     parser.add_argument("--jupyter-distributed", metavar="SITE", help="a folder holding jupyter-distributed (see above)")
+    parser.add_argument("--failures", action="store_true", help="what a failure costs, taas and jupyter-distributed "
+                        "side by side in pairs (needs --jupyter-distributed)")
     parser.add_argument("--paired", action="store_true", help="only the first two rows, taas and jupyter-distributed "
                         "side by side in pairs (needs --jupyter-distributed)")
     arguments = parser.parse_args()
     runs = arguments.runs
+    if arguments.failures:
+        failed = failures(arguments.jupyter_distributed, runs)
+        print(f"what a failure costs: taas kept / jupyter-distributed, {runs} pairs (alternating), 2 CPU ranks (gloo): "
+              "median (min-max)\n\n| row | taas kept | jupyter-distributed | taas / jupyter-distributed | target |\n"
+              + "| --- " * 5 + "|")
+        for name, title, target in (("failed", "failed collective: request to the next working cell's reply", "<= 3 s"),
+                                    ("stuck", "interrupt of a cell stuck in a collective: to its reply (jupyter-"
+                                     "distributed: to the next working cell)", "<= 3 s")):
+            ours, theirs, said = failed[name]
+            ratios = [a / b for a, b in zip(ours, theirs)]
+            print(f"| {title} | " + " | ".join(row("", values, None, "", unit).split(" | ")[1] for values, unit in (
+                (ours, "s"), (theirs, "s"), (ratios, "x"))) + f" | {target} |")
+        for name in failed:
+            print(f"\n{name}: " + "; ".join(sorted(failed[name][2])))
+        return
     if arguments.paired:
         ratios, seconds = paired(arguments.jupyter_distributed, runs)
         print(f"taas kept / jupyter-distributed, {runs} pairs (ABBA), both kept and idle between cells: median of the "

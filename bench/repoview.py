@@ -204,9 +204,9 @@ def ms(samples: list[float]) -> list[float]:
 
 
 def cell(samples: list[float], unit: str) -> str:
-    """``median (min-max)`` as the house prints it (bench/keep.py's rows; imported here, not in the children:
-    bench/keep.py imports jupyter_client)."""
-    from bench.keep import row
+    """``median (min-max)`` as the house prints it (bench/cells.py's rows; imported here, not in the children:
+    bench/cells.py imports jupyter_client)."""
+    from bench.cells import row
 
     return row("", samples, None, "", unit).split(" | ")[1]
 

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cells import ALL_REDUCE, FIRST, KEEP, first_line, reply  # noqa: E402
 from bench.intervals import median_interval  # noqa: E402
-from bench.keep import ALL_REDUCE, FIRST, KEEP, first_line, reply  # noqa: E402
 from tests.kernel_client import Kernel  # noqa: E402
 
 
