@@ -16,11 +16,18 @@ under the prefix ``taas-gen{N}/``) and hands the caller its own :class:`Abortabl
 - shuts down the generation's own sockets (the ones that appeared while it was made), so gloo's stuck ops end
   with "Connection closed" on their own threads, and the generation is destroyed once none is left (destroying
   one whose op is stuck would wait for it forever);
-- :meth:`AbortableGroup.renew` then makes the next generation; every rank does it before the next cell.
+- :meth:`AbortableGroup.renew` then makes the next communicator, named by the failed run (the same on every rank);
+  every rank does it before the next cell, every group in the order they were made.
 
-Collectives that torch issues from C++ to a group's backend without asking Python (functional collectives'
-``all_gather_into_tensor`` and ``reduce_scatter_tensor``, as DTensor's redistribution uses them) reach the first
-generation, registered as the group's backend: it is never renewed, so after a failure they raise; the cell says so.
+Every collective torch issues reaches Python first: ``dist.*`` calls the group's methods, and functional collectives
+(DTensor's redistribution) call the coalesced ones, which the C++ side of a Python group forwards; those gloo has no
+coalesced form of are done one tensor pair at a time (:data:`ONE_BY_ONE`). The first communicator is also the
+group's registered CPU backend, for what torch asks a backend (FSDP2: whether it allocates tensors).
+
+An abandoned op's future completes with its own tensors as they are, never with a Python exception: DDP's reducer
+waits on it in C++ without the GIL, and handing it a Python error crashes the rank. :meth:`AbortableWork.wait`
+raises instead, and the cell is interrupted (SIGINT) before the abort, so a DDP backward ends into a
+``KeyboardInterrupt`` before the optimizer's step.
 """
 
 from __future__ import annotations

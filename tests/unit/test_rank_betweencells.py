@@ -22,7 +22,7 @@ import pytest
 from taas_magic import protocol
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.output.relay import CELL_END
-from taas_magic.protocol import Answer, CellDone, Elements, Interrupt, Resumed, Spec, ToPeer
+from taas_magic.protocol import Abandon, Answer, CellDone, Elements, Interrupt, Resumed, Spec, ToPeer
 from taas_magic.rank import betweencells  # noqa: F401 - the module under test, run by the child below
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer.handoff import ClosureHandoff, ClosureHostCopy
@@ -32,13 +32,13 @@ from tests.unit.rankside import WAIT, KernelEnd
 RANK = r'''
 import ctypes, signal, sys, traceback
 from taas_magic import protocol, wire
-from taas_magic.protocol import Answer, Interrupt, Resumed
+from taas_magic.protocol import Abandon, Answer, Interrupt, Resumed
 from taas_magic.rank import betweencells
 from taas_magic.rank.inbox import Inbox
 
 handshake = wire.Handshake.parse(sys.stdin.readline())
 channel = protocol.PeerChannel(wire.BlockingChannel.connect(handshake.host, handshake.port, handshake.key, 0))
-inbox = Inbox(channel, {Interrupt: betweencells.interrupted})
+inbox = Inbox(channel, {Interrupt: betweencells.interrupted, Abandon: betweencells.abandoned})
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the cell's code begins, as rank/main.py does
 print("first cell", end="")  # still in Python's buffer,
 ctypes.CDLL(None).printf(b" from C")  # and in C's (stdout is a pipe: fully buffered)
@@ -187,8 +187,23 @@ def test_an_interrupt_sent_just_after_the_next_cells_spec_and_closure_interrupts
     handle this one first, and it was lost: 5 of 6 runs failed so.)"""
     rank, _, out, _ = kept
     rank.send(*next_cell("import time\ntime.sleep(30)\nprint('not interrupted')"), Interrupt(RUN))
-    assert rank.receive(timeout=5) == CellDone(True)  # the kernel waits 3 s (keptcell.INTERRUPT_WAIT_SECONDS)
+    assert rank.receive(timeout=5) == CellDone(True)  # the kernel waits 1 s (keptcell.INTERRUPT_WAIT_SECONDS)
     assert out.until("the cell raised KeyboardInterrupt\n")
+
+
+def test_abandon_interrupts_a_cell_still_running_and_between_cells_lets_the_next_run_whole(kept):
+    """The kernel's word that a kept cell failed (keptcell.py): a rank still in it is interrupted, as by Interrupt; one
+    whose cell is over only ends its groups' collectives (none here: no torch.distributed) and runs the next cell."""
+    rank, _, out, _ = kept
+    rank.send(*next_cell("import time\nprint('sleeping', flush=True)\ntime.sleep(30)\nprint('not interrupted')"))
+    assert out.until("sleeping\n")
+    rank.send(Abandon(RUN, "rank 1 raised"))
+    assert rank.receive(timeout=5) == CellDone(True)
+    assert out.until("the cell raised KeyboardInterrupt\n") and "not interrupted" not in out.text
+    rank.send(Abandon(RUN, "rank 1 raised"))  # between cells: nothing to interrupt
+    rank.send(*next_cell("import time\ntime.sleep(0.2)\nprint('ran whole')", run="run00000002"))
+    assert rank.receive(timeout=10) == CellDone(False)
+    assert out.until("ran whole\n")
 
 
 def test_what_the_last_cell_left_on_the_channel_is_dropped(kept):
