@@ -48,7 +48,7 @@ def keep_across_cells(abortable: bool) -> None:
 def defer_destroy(dist: ModuleType) -> None:
     """Wrap ``dist.destroy_process_group``, ``dist.init_process_group`` and ``dist.new_group`` (see the module
     docstring)."""
-    original, init, new_group = dist.destroy_process_group, dist.init_process_group, dist.new_group
+    original, init, new_group = dist.destroy_process_group, dist.init_process_group, getattr(dist, "new_group", None)
     if getattr(original, "__taas_deferred__", False):
         return
 
@@ -73,15 +73,18 @@ def defer_destroy(dist: ModuleType) -> None:
         cellpdb.group_made()  # held at once if another rank is at a prompt
         return made
 
-    @functools.wraps(new_group)
     def new_group_of(*args: Any, **kwargs: Any) -> Any:
         if _abortable:  # gloo named: abortable too (no backend named: the default group's, abortable already)
             args, kwargs = _abortable_gloo(args, kwargs, 2, default_too=False)
+        assert new_group is not None
         return new_group(*args, **kwargs)
 
     destroy_process_group.__taas_deferred__ = True  # type: ignore[attr-defined]  # a marker: wrapped once only
-    for name, wrapper in (("destroy_process_group", destroy_process_group), ("init_process_group", init_process_group),
-                          ("new_group", new_group_of)):
+    wrappers: dict[str, Callable[..., Any]] = {"destroy_process_group": destroy_process_group,
+                                              "init_process_group": init_process_group}
+    if new_group is not None:  # (a stand-in module may have none)
+        wrappers["new_group"] = new_group_of
+    for name, wrapper in wrappers.items():
         setattr(dist, name, wrapper)  # on the module the cell calls them from, as rank/devices.py does
 
 
