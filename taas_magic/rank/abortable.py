@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 BACKEND = "taas_gloo"
+PEER_ABORT_SECONDS = 0.5  # an op a peer's socket ended waits this long for this rank's own abort to say why
 REAP_SECONDS = 30.0  # how long an aborted generation's stuck ops may take to end before it is given up (kept, leaked)
 
 # every collective of a ProcessGroup that Python code calls (distributed_c10d.py calls them on the group object), and
@@ -103,16 +104,23 @@ class AbortableWork(dist.Work):
         try:
             done.value()
         except Exception as error:  # noqa: BLE001 - the op's own failure becomes the caller's
-            self.end(error)
+            self._failed(error)
             return
         self._one_done()
+
+    def _failed(self, error: BaseException) -> None:
+        """The op failed (a peer's socket closed: it died, or its own abort shut it): said after
+        :data:`PEER_ABORT_SECONDS`, unless this rank's abort came meanwhile and said why (gloo's own words blame
+        "a remote worker crashing")."""
+        if not self._future.done():  # (ended by this rank's abort already: nothing to say)
+            threading.Timer(PEER_ABORT_SECONDS, self.end, args=(error,)).start()
 
     def _wait_inner(self, work: dist.Work) -> None:
         try:
             work.wait()
         except Exception as error:  # noqa: BLE001 - the op's own failure becomes the caller's
             self._op_over()
-            self.end(error)
+            self._failed(error)
             return
         self._op_over()
         self._one_done()
@@ -223,6 +231,12 @@ class AbortableGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def _get_backend(self, device: Any) -> Any:
+        """The current communicator, for what Python asks a group's backend (its options and timeout: a pdb hold
+        raises it, rank/cellpdb.py; whether it allocates tensors); the first while none is current."""
+        current = self._current
+        return current.gloo if current is not None else super()._get_backend(device)
 
     def _forward(self, name: str, *args: Any) -> AbortableWork:
         with self._lock:
