@@ -242,7 +242,8 @@ PRIVATE: tuple[Private, ...] = (
             "(FSDP2: whether it allocates tensors)", "rank/abortable.py"),
     Private("torch.distributed.ProcessGroupGloo", "torch", TORCH,
             "the all-gather and reduce-scatter of one tensor keep their older names on the backend: each collective "
-            "of the group is forwarded to the current communicator by the name it has there", "rank/abortable.py",
+            "of the group is forwarded to the current communicator by the name it has there",
+            "rank/abortable.py, rank/communicator.py",
             attributes=("_allgather_base", "_reduce_scatter_base", "alltoall_base", "allreduce", "broadcast")),
     Private("torch.distributed.fsdp.FSDPModule._get_fsdp_state", "torch", TORCH,
             "which FSDP2 modules are roots: their public reset_iter_state() is called after a failed kept cell",

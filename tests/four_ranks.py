@@ -24,3 +24,18 @@ def the_hang_line_is_said_once_and_the_cell_completes(kernel: Kernel) -> None:
     said = [line for line in ran.stream().splitlines() if line.startswith("taas: ranks disagree for ")]
     assert len(said) == 1, ran.stream()
     assert said[0].endswith(": rank 0 is at line 5 in time.sleep; ranks 1, 2, 3 wait in barrier (line 6)"), said
+
+
+def a_failed_collective_costs_the_cell_not_the_kept_ranks(kernel: Kernel, keep: str, pids: dict[str, str]) -> None:
+    """rank/abortable.py on a cluster: in kept ranks (``keep``, their ``pids`` by rank, each with ``mine = 10 * rank``
+    and a default group), rank 1 raises while the others wait in all_reduce; the cell fails naming it, and the next
+    kept cell runs in the same processes, with each rank's globals and a working group."""
+    failed = kernel.execute(keep + "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 gave up')\n"
+                            "mine += 1\ndist.all_reduce(torch.ones(1))\n")
+    assert "raised RuntimeError: rank 1 gave up" in failed.error_text(), failed.error_text()
+    assert "the ranks are kept, with their globals" in failed.error_text() + failed.stream()
+    again = kernel.execute(keep + "t = torch.ones(1)\ndist.all_reduce(t)\nprint('again', os.getpid(), mine, t.item())\n")
+    assert again.reply["status"] == "ok", again.error_text()
+    for rank, pid in pids.items():
+        kept = 10 * int(rank) + (int(rank) != 1)  # the others added 1 before they waited
+        assert f"[rank {rank}] again {pid.split()[0]} {kept} 4.0" in again.stream(), again.stream()

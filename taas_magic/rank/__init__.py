@@ -9,6 +9,7 @@ Nothing here imports IPython or torch eagerly: a rank pays for what its cell use
   and closure; the kernel's interrupt as SIGINT; a failed cell's ``Abandon``.
 - ``abortable.py``: kept ranks' gloo process group, whose collectives a failed cell ends and whose
   communicator is renewed under the same group object.
+- ``communicator.py``: one communicator of an abortable group: made, its sockets shut down, reaped.
 - ``recovery.py``: what a failed kept cell left half done in its models (FSDP2's iteration state), reset.
 - ``startup.py``: how every process the kernel starts begins and ends (a rank, a warm spare, a data
   worker): watchdog, handshake, write rule, lifeline, channel, exit.

@@ -9,13 +9,13 @@ thread before the next cell's code (:func:`renew_all`).
 torch 2.13 cannot abort a gloo collective: ``ProcessGroupGloo.abort()`` is a no-op, a timeout is fixed when an op
 starts, and a blocked ``wait()`` returns only when its peer's socket closes or its timeout (30 min) passes. So, as
 torchft's reconfigurable process groups do, :class:`AbortableGroup` is a Python ``dist.ProcessGroup`` that forwards
-each collective to its current communicator (a ``ProcessGroupGloo`` of one *generation*, on the rendezvous store
-under the prefix ``taas-gen{N}/``) and hands the caller its own :class:`AbortableWork`. :meth:`AbortableGroup.abort`:
+each collective to its current communicator (rank/communicator.py: a ``ProcessGroupGloo`` on the rendezvous store,
+a renewal's under the prefix ``taas-after-{RUN}/``) and hands the caller its own :class:`AbortableWork`.
+:meth:`AbortableGroup.abort`:
 
-- fails every unfinished work of the group at once: the rank's code (its ``wait()``, DDP's backward) raises now;
-- shuts down the generation's own sockets (the ones that appeared while it was made), so gloo's stuck ops end
-  with "Connection closed" on their own threads, and the generation is destroyed once none is left (destroying
-  one whose op is stuck would wait for it forever);
+- ends every unfinished work of the group at once: the rank's code (its ``wait()``, DDP's backward) goes on now;
+- shuts down the communicator's own sockets, so gloo's stuck ops end on their own threads, and leaves it to the
+  reaper, which destroys it once none is left (destroying one whose op is stuck would wait for it forever);
 - :meth:`AbortableGroup.renew` then makes the next communicator, named by the failed run (the same on every rank);
   every rank does it before the next cell, every group in the order they were made.
 
@@ -33,20 +33,17 @@ raises instead, and the cell is interrupted (SIGINT) before the abort, so a DDP 
 from __future__ import annotations
 
 import datetime
-import os
-import socket
-import stat
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from taas_magic.rank.communicator import Communicator, reaper
+
 BACKEND = "taas_gloo"
 PEER_ABORT_SECONDS = 0.5  # an op a peer's socket ended waits this long for this rank's own abort to say why
-REAP_SECONDS = 30.0  # how long an aborted generation's stuck ops may take to end before it is given up (kept, leaked)
 
 # every collective of a ProcessGroup that Python code calls (distributed_c10d.py calls them on the group object), and
 # its name on the communicator (a Backend, where some keep their older names)
@@ -170,50 +167,6 @@ class AbortableWork(dist.Work):
         return self._future
 
 
-class _Generation:
-    """One communicator of a group: a ``ProcessGroupGloo`` on the store under its own prefix, and its sockets."""
-
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, after: str):
-        before = _sockets()
-        self.after = after  # the failed run it renews the communicator after ("": the first)
-        prefixed = dist.PrefixStore(f"taas-after-{after}/", store) if after else store
-        self.gloo = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-        self.sockets = {fd: inode for fd, inode in _sockets().items() if before.get(fd) != inode}
-        self.works: list[AbortableWork] = []  # the callers' handles, until they are done
-        self.running = 0  # the communicator's ops not over yet (an abandoned one runs on until its socket ends)
-        self._counting = threading.Lock()
-
-    def started(self, work: AbortableWork, ops: int) -> None:
-        self.works = [each for each in self.works if not each.is_completed()] + [work]
-        with self._counting:
-            self.running += ops
-
-    def op_over(self) -> None:
-        with self._counting:
-            self.running -= 1
-
-    def unfinished(self) -> list[AbortableWork]:
-        self.works = [work for work in self.works if not work.is_completed()]
-        return self.works
-
-    def shut_down(self) -> None:
-        """Its sockets shut down (each checked to be the same socket still): its ops end with an error now."""
-        for fd, inode in self.sockets.items():
-            try:
-                if os.fstat(fd).st_ino != inode:
-                    continue  # closed by gloo, and the number reused: not ours
-                with socket.socket(fileno=os.dup(fd)) as shared:
-                    if shared.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        continue  # its listener: gloo's loop ends the process if accept() fails
-                    shared.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                continue
-
-    def settled(self) -> bool:
-        """Whether no op of its communicator is left (then destroying it joins idle threads)."""
-        return self.running <= 0
-
-
 class AbortableGroup(dist.ProcessGroup):
     """A process group whose communicator can be abandoned and renewed (see the module docstring)."""
 
@@ -221,7 +174,7 @@ class AbortableGroup(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know only (store, rank, size)
         self._store, self._timeout = store, timeout
         self._lock = threading.Lock()
-        self._current: _Generation | None = _Generation(store, rank, size, timeout, "")
+        self._current: Communicator | None = Communicator(store, rank, size, timeout, "")
         self.renewals = 0
         self.aborted_why: str | None = None
         self._abandoned: list[AbortableWork] = []  # the works the last abort ended, until the group is renewed
@@ -269,14 +222,14 @@ class AbortableGroup(dist.ProcessGroup):
         for work in pending:
             work.end(error)
         dead.shut_down()
-        _reaper.take(dead)
+        reaper.take(dead)
 
     def renew(self, after: str) -> None:
         """A new communicator, if this one was aborted, named by the failed run ``after`` (the same on every rank):
         every rank calls it (its rendezvous waits for them all)."""
         if self._current is not None:
             return
-        made = _Generation(self._store, self.rank(), self.size(), self._timeout, after)
+        made = Communicator(self._store, self.rank(), self.size(), self._timeout, after)
         with self._lock:
             self._current, self.aborted_why = made, None
             self.renewals += 1
@@ -295,53 +248,6 @@ def _forwarder(name: str, inner: str) -> Callable[..., AbortableWork]:
 
 for _name, _inner in FORWARDED.items():
     setattr(AbortableGroup, _name, _forwarder(_name, _inner))
-
-
-class _Reaper:
-    """Destroys aborted generations once their stuck ops have ended, on a thread of its own (destroying one joins
-    its threads, and an op that ends runs Python on them: never with the GIL held for it)."""
-
-    def __init__(self) -> None:
-        self._dead: list[tuple[_Generation, float]] = []
-        self._lock = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self.given_up: list[_Generation] = []  # stuck past REAP_SECONDS: kept, never destroyed
-
-    def take(self, generation: _Generation) -> None:
-        with self._lock:
-            self._dead.append((generation, time.monotonic() + REAP_SECONDS))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="taas-reaper", daemon=True)
-                self._thread.start()
-            self._lock.notify()
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._dead)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._dead:
-                    self._thread = None
-                    return
-                dead, self._dead = self._dead, []
-            keep = []
-            for generation, deadline in dead:
-                if generation.settled():
-                    generation.works.clear()
-                    generation.gloo = None  # type: ignore[assignment]  # the last reference: destroyed here
-                elif time.monotonic() > deadline:
-                    self.given_up.append(generation)
-                else:
-                    keep.append((generation, deadline))
-            with self._lock:
-                self._dead = keep + self._dead
-                if keep:
-                    self._lock.wait(0.05)
-
-
-_reaper = _Reaper()
 
 
 def _live_groups() -> list[AbortableGroup]:
@@ -382,21 +288,3 @@ def _outputs(args: tuple) -> Any:
     if isinstance(first, torch.Tensor):
         return [first]
     return first if isinstance(first, list) else None
-
-
-def _sockets() -> dict[int, int]:
-    """This process's open sockets: fd -> inode (Linux's /proc; elsewhere none are known, and abort relies on
-    failing the callers' works alone)."""
-    found: dict[int, int] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:
-            status = os.stat(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if stat.S_ISSOCK(status.st_mode):
-            found[int(name)] = status.st_ino
-    return found

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.four_ranks import every_rank_sees_rank_0s_writes, the_hang_line_is_said_once_and_the_cell_completes
+from tests.four_ranks import (a_failed_collective_costs_the_cell_not_the_kept_ranks, every_rank_sees_rank_0s_writes,
+                              the_hang_line_is_said_once_and_the_cell_completes)
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
 from tests.view_cells import CHANGES
 
@@ -431,16 +432,7 @@ def test_kept_ranks_stay_on_the_cluster_across_cells_until_released(attached):
     assert "--keep: cell 2 on the kept ranks" in second.stream()
     for rank, pid in pids.items():
         assert f"[rank {rank}] pid {pid} mine {10 * int(rank)} sum 4.0" in second.stream(), second.stream()
-    # a failed collective costs the cell, not the ranks: rank 1 raises while the others wait in all_reduce
-    failed = attached.execute(keep + "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 gave up')\n"
-                              "mine += 1\ndist.all_reduce(torch.ones(1))\n")
-    assert "raised RuntimeError: rank 1 gave up" in failed.error_text(), failed.error_text()
-    assert "the ranks are kept, with their globals" in failed.error_text() + failed.stream()
-    third = attached.execute(keep + "t = torch.ones(1)\ndist.all_reduce(t)\nprint('again', os.getpid(), mine, t.item())\n")
-    assert third.reply["status"] == "ok", third.error_text()
-    for rank, pid in pids.items():
-        kept = 10 * int(rank) + (int(rank) != 1)  # the others added 1 before they waited
-        assert f"[rank {rank}] again {pid.split()[0]} {kept} 4.0" in third.stream(), third.stream()
+    a_failed_collective_costs_the_cell_not_the_kept_ranks(attached, keep, pids)
     released = attached.execute("%taas release")
     assert "released the kept ranks (4 rank(s) on auto, Ray at" in released.stream(), released.stream()
     # last in the file: Ray's free counts lag a released placement group, and test_status_shows_the_cluster

@@ -81,7 +81,7 @@ def _rank(rank: int, port: int, said) -> None:  # noqa: ANN001 - a multiprocessi
     _reaped(abortable)
     said.put((rank, first, again + (renewed,), left_after, footprint,
               (len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))),
-              dist.group.WORLD.renewals, abortable._reaper.pending()))
+              dist.group.WORLD.renewals, abortable.reaper.pending()))
     said.close()
     said.join_thread()  # what it said is sent before the process ends
     dist.barrier()
@@ -91,7 +91,7 @@ def _rank(rank: int, port: int, said) -> None:  # noqa: ANN001 - a multiprocessi
 def _reaped(abortable) -> None:  # noqa: ANN001 - the module
     """Until the aborted communicators are destroyed (a second after their abort, and their stuck ops' end)."""
     deadline = time.monotonic() + 30
-    while abortable._reaper.pending() and time.monotonic() < deadline:
+    while abortable.reaper.pending() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
