@@ -307,6 +307,32 @@ print("pid", os.getpid(), "counted", counter > 10)
     assert again.stream().count("counted True") == 2
 
 
+def test_a_timeout_that_finds_a_rank_in_a_collective_names_where_it_is_then_keeps_both(k):
+    first = ok(k, f"""{KEEP} --output all
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+made = "before"
+print("pid", os.getpid())
+""")
+    ran = k.execute(f"""{KEEP} --timeout 3
+made = "during"
+if dist.get_rank() == 1:
+    while True:
+        time.sleep(0.01)
+dist.all_reduce(torch.ones(1))  # rank 0 waits here: the timeout's interrupt cannot end it, Abandon does
+""")
+    error = ran.error_text() + ran.stream()
+    assert "RunTimeout" in error and "the ranks are kept, with their globals" in error, error
+    assert re.search(r"rank 0 waits in all_reduce", error), error
+    again = ok(k, f"""{KEEP} --output all
+total = torch.ones(1)
+dist.all_reduce(total)
+print("pid", os.getpid(), "made", made, "total", total.item())
+""")
+    assert pids_of(again.stream()) == pids_of(first.stream())
+    assert again.stream().count("made during total 2.0") == 2, again.stream()
+
+
 def test_a_detached_kept_cell_holds_its_ranks_until_it_is_waited_for(k):
     ok(k, f"""{KEEP}
 import time
