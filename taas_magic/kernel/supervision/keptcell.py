@@ -225,7 +225,8 @@ class FramedInterrupts:
 def _abandon_every_rank(supervisor: Supervised, ranks: KeptGroup, run_id: str, why: str) -> bool:
     """``Abandon`` to every rank (rank/betweencells.py: interrupted if still in the cell, every collective ended, the
     groups renewed before the next cell); whether each ended its cell within :data:`FAILURE_INTERRUPT_SECONDS`."""
-    assert ranks.group is not None and ranks.mux is not None
+    if ranks.group is None or ranks.mux is None:
+        return False  # never started, or closed: nothing to keep
     frame = protocol.encode(protocol.Abandon(run_id, why))
     for rank in range(len(ranks.group.children)):
         ranks.mux.send(Peer(RANK, rank), frame)
