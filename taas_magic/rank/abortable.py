@@ -178,7 +178,7 @@ class AbortableGroup(dist.ProcessGroup):
         self.renewals = 0
         self.aborted_why: str | None = None
         self._abandoned: list[AbortableWork] = []  # the works the last abort ended, until the group is renewed
-        # the C++ route (functional collectives): the first generation, as this group's backend for CPU tensors
+        # the group's registered CPU backend (what torch's C++ asks a group's backend): its first communicator
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._current.gloo)
         _groups.append(weakref.ref(self))
 

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.kernel_client import Kernel, assert_nothing_left, debug, wait_until_gone
+from tests.kernel_client import Execution, Kernel, assert_nothing_left, debug, wait_until_gone
 
 KEEP = "#pragma taas --gpus 2 --device cpu --keep"
 
@@ -46,6 +46,18 @@ def pids_of(text: str) -> dict[int, int]:
 def kept_pids(kernel: Kernel) -> dict[int, int]:
     """A --keep cell that only says where each rank is: its ranks' pids."""
     return pids_of(ok(kernel, f"{KEEP} --output all\nimport os\nprint('pid', os.getpid())\n").stream())
+
+
+def the_same_ranks_kept_what_the_cell_made_and_their_group_works(kernel: Kernel, first: Execution) -> None:
+    """After a kept cell that bound ``made = "during"`` and was stopped in a collective: the next kept cell runs in
+    the processes of ``first`` (a cell that printed each rank's pid), with ``made`` and a working default group."""
+    again = ok(kernel, f"""{KEEP} --output all
+total = torch.ones(1)
+dist.all_reduce(total)
+print("pid", os.getpid(), "made", made, "total", total.item())
+""")
+    assert pids_of(again.stream()) == pids_of(first.stream())
+    assert again.stream().count("made during total 2.0") == 2, again.stream()
 
 
 def test_globals_and_group_are_kept_over_three_cells_and_each_rank_keeps_its_own_values(k):
@@ -215,13 +227,7 @@ dist.all_reduce(torch.ones(1))
     assert re.search(r"rank 0 waits in all_reduce", text), text
     assert "the ranks are kept, with their globals" in text, text
     assert took < 3.0 + 1.0, f"the interrupted cell ended {took:.1f} s after the interrupt"  # 3 s, and the client's turn
-    again = ok(k, f"""{KEEP} --output all
-total = torch.ones(1)
-dist.all_reduce(total)
-print("pid", os.getpid(), "made", made, "total", total.item())
-""")
-    assert pids_of(again.stream()) == pids_of(first.stream())
-    assert again.stream().count("made during total 2.0") == 2, again.stream()
+    the_same_ranks_kept_what_the_cell_made_and_their_group_works(k, first)
 
 
 def test_no_group_timeout_fires_over_an_idle_pause_longer_than_it(k):
@@ -324,13 +330,7 @@ dist.all_reduce(torch.ones(1))  # rank 0 waits here: the timeout's interrupt can
     error = ran.error_text() + ran.stream()
     assert "RunTimeout" in error and "the ranks are kept, with their globals" in error, error
     assert re.search(r"rank 0 waits in all_reduce", error), error
-    again = ok(k, f"""{KEEP} --output all
-total = torch.ones(1)
-dist.all_reduce(total)
-print("pid", os.getpid(), "made", made, "total", total.item())
-""")
-    assert pids_of(again.stream()) == pids_of(first.stream())
-    assert again.stream().count("made during total 2.0") == 2, again.stream()
+    the_same_ranks_kept_what_the_cell_made_and_their_group_works(k, first)
 
 
 def test_a_detached_kept_cell_holds_its_ranks_until_it_is_waited_for(k):
