@@ -160,14 +160,19 @@ class Interrupt(ToPeer, kind="interrupt"):
     run: str = ""  # one that comes late, for an earlier cell's run, interrupts nothing
 
 
+JOIN_VARIABLE = "TAAS_JOIN_AFTER"  # a kept rank that replaces a dead one: the run the survivors renew their group after
+
+
 @dataclass(frozen=True)
 class Abandon(ToPeer, kind="abandon"):
     """Kept run ``run``'s cell failed (``why``) or was interrupted: a rank still in it is interrupted, then every
     collective of its process groups ends and the groups get a new communicator before the next cell
-    (rank/betweencells.py, rank/abortable.py). Every kept rank gets it, those whose cell is over too."""
+    (rank/betweencells.py, rank/abortable.py). Every kept rank gets it, those whose cell is over too. ``lost``: the
+    ranks that died, whose new processes join the default group's new communicator (its other groups are retired)."""
 
     run: str
     why: str
+    lost: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,6 +210,8 @@ class Resumed(ToKernel, kind="resumed"):
 @dataclass(frozen=True)
 class CellDone(ToKernel, kind="cell-done"):
     raised: bool  # the cell raised (its RankError went first); the rank, its globals and its group are kept
+    names: tuple[str, ...] = ()  # the names the rank's cells bound and it still holds (what its death would lose)
+    grouped: bool = False  # it has a default process group (a rank that replaces a dead one joins it)
 
 
 @dataclass(frozen=True)

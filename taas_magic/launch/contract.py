@@ -107,6 +107,10 @@ class ProcessGroup(Protocol):
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         """Each of those ranks' thread stacks, as stacks.take reads them (the hang autopsy)."""
 
+    def replace(self, rank: int, plan: LaunchPlan) -> ChildProcess:
+        """A new process in dead rank ``rank``'s place, started as ``plan`` starts that rank (a kept rank that
+        died: the others keep theirs); raises LaunchError where the engine cannot (the ranks are then lost)."""
+
     def close(self) -> None:
         """Idempotent: stop what still runs, reap everything, release every fd."""
 

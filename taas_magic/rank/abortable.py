@@ -19,6 +19,11 @@ a renewal's under the prefix ``taas-after-{RUN}/``) and hands the caller its own
 - :meth:`AbortableGroup.renew` then makes the next communicator, named by the failed run (the same on every rank);
   every rank does it before the next cell, every group in the order they were made.
 
+A rank that died is replaced by a new process (kernel/supervision/keptcell.py): the survivors renew only their
+default group, whose first communicator the new rank makes under the same prefix (:func:`join_after`), and retire
+the others (``new_group``'s, a ``DeviceMesh``'s of more than one dimension): the new rank never made them, so they
+say so when used, and the cell makes them again.
+
 Every collective torch issues reaches Python first: ``dist.*`` calls the group's methods, and functional collectives
 (DTensor's redistribution) call the coalesced ones, which the C++ side of a Python group forwards; those gloo has no
 coalesced form of are done one tensor pair at a time (:data:`ONE_BY_ONE`). The first communicator is also the
@@ -67,6 +72,7 @@ ONE_BY_ONE = {"allgather_into_tensor_coalesced": "_allgather_base",
 # every group made here (default and subgroups), in the order they were made: the same on every rank, so they
 # are renewed in the same order everywhere (each renewal is a rendezvous)
 _groups: "list[weakref.ReferenceType[AbortableGroup]]" = []
+_joining = ""  # a new rank in a dead one's place: the run its first group's first communicator is made after
 
 
 class Aborted(RuntimeError):
@@ -172,9 +178,12 @@ class AbortableGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know only (store, rank, size)
+        global _joining
         self._store, self._timeout = store, timeout
         self._lock = threading.Lock()
-        self._current: Communicator | None = Communicator(store, rank, size, timeout, "")
+        joining, _joining = _joining, ""
+        self._current: Communicator | None = Communicator(store, rank, size, timeout, joining)
+        self.retired = False  # a rank it spanned was replaced: it is never renewed
         self.renewals = 0
         self.aborted_why: str | None = None
         self._abandoned: list[AbortableWork] = []  # the works the last abort ended, until the group is renewed
@@ -195,8 +204,9 @@ class AbortableGroup(dist.ProcessGroup):
         with self._lock:
             current = self._current
             if current is None:
-                raise Aborted(f"taas: this group's collectives were abandoned ({self.aborted_why}); "
-                              "they run again in the next cell")
+                raise Aborted(f"taas: this group's collectives were abandoned ({self.aborted_why}); " + (
+                    "make it again: the rank that replaced a dead one never made it" if self.retired
+                    else "they run again in the next cell"))
             operation = getattr(current.gloo, name, None)
             if operation is not None:
                 ops, value = [operation(*args)], _outputs(args)
@@ -223,6 +233,11 @@ class AbortableGroup(dist.ProcessGroup):
             work.end(error)
         dead.shut_down()
         reaper.take(dead)
+
+    def retire(self, why: str) -> None:
+        """Never renewed: a rank it spans was replaced by a process that never made it."""
+        self.abort(why)
+        self.aborted_why, self.retired = why, True
 
     def renew(self, after: str) -> None:
         """A new communicator, if this one was aborted, named by the failed run ``after`` (the same on every rank):
@@ -261,13 +276,26 @@ def abort_all(why: str) -> None:
         group.abort(why)
 
 
-def renew_all(after: str) -> int:
+def renew_all(after: str, replaced: tuple[int, ...] = ()) -> int:
     """Every aborted group renewed after the failed run ``after``, in the order they were made, before the next
-    cell's code; how many were."""
-    aborted = [group for group in _live_groups() if group.aborted_why is not None]
+    cell's code; how many were. ``replaced``: ranks whose new processes join the default group (the first made)
+    only: every other group is retired."""
+    live = _live_groups()
+    if replaced:
+        ranks = ", ".join(map(str, replaced))
+        for group in live[1:]:
+            group.retire(f"rank {ranks} died and was replaced after this group was made")
+    aborted = [group for group in live if group.aborted_why is not None and not group.retired]
     for group in aborted:
         group.renew(after)
     return len(aborted)
+
+
+def join_after(after: str) -> None:
+    """This rank replaces a dead one: the next group made (the default group) joins the survivors' renewal of
+    theirs after ``after``."""
+    global _joining
+    _joining = after
 
 
 def create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> AbortableGroup:

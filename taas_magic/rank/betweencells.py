@@ -23,14 +23,16 @@ release``, another shape, unloading); a kernel that dies ends them through their
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import sys
+from types import ModuleType
 
 from taas_magic.output import reports
 from taas_magic.output.relay import CELL_END
 from taas_magic.protocol import Abandon, CellDone, Interrupt, Spec, ToKernel, ToPeer
-from taas_magic.rank import recovery, startup
+from taas_magic.rank import recovery, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer.handoff import Closure, ClosureHostCopy, ReceivedClosure, receive_closure
@@ -40,6 +42,7 @@ _cell_running = False  # the cell's own code runs now: an interrupt is SIGINT to
 _cell_run = ""  # the run whose cell this is (its spec's), once its code began
 _interrupted_run: str | None = None  # the run whose cell the kernel interrupted last (perhaps before its code began)
 _abandoned_run: str | None = None  # the last failed cell's run, whose groups' communicators are renewed before the next
+_replaced: tuple[int, ...] = ()  # the ranks that died since, whose new processes join the default group only
 ABORTABLE = "taas_magic.rank.abortable"  # imported by the groups only (rank/groups.py): no torch for cells without one
 
 
@@ -76,9 +79,9 @@ def abandoned(frame: Abandon) -> None:
     """On the inbox's reader: kept run ``frame.run``'s cell failed or was interrupted. If the rank is still in it,
     SIGINT first (DDP's backward, released below, ends into a ``KeyboardInterrupt`` before the optimizer's step),
     then every collective of its groups ends; :func:`renew_groups` makes them new communicators."""
-    global _abandoned_run
+    global _abandoned_run, _replaced
     interrupted(Interrupt(frame.run))
-    _abandoned_run = frame.run
+    _abandoned_run, _replaced = frame.run, frame.lost
     abortable = sys.modules.get(ABORTABLE)
     if abortable is not None:
         abortable.abort_all(frame.why)
@@ -87,11 +90,11 @@ def abandoned(frame: Abandon) -> None:
 def renew_groups() -> None:
     """Before a kept cell's code: the groups a failed cell abandoned get their new communicator, on every rank in
     the order they were made (each a rendezvous of every rank, as the cell that made it was)."""
-    global _abandoned_run
+    global _abandoned_run, _replaced
     abortable = sys.modules.get(ABORTABLE)
-    run, _abandoned_run = _abandoned_run, None
+    run, replaced, _abandoned_run, _replaced = _abandoned_run, _replaced, None, ()
     if abortable is not None and run is not None:
-        abortable.renew_all(run)
+        abortable.renew_all(run, replaced)
         for line in recovery.reset_models():
             print(f"taas: after the failed cell, {line}", file=sys.stderr, flush=True)
 
@@ -114,9 +117,20 @@ def cell_ends() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def between_cells(inbox: Inbox, raised: bool, rank: int) -> tuple[RunSpec, ReceivedClosure] | None:
-    """Say the cell is done (``raised``: it failed, its report went first), then wait for the next cell:
-    its spec and its closure (not loaded yet); None when the kernel let the ranks go.
+def held(namespace: dict) -> CellDone:
+    """What a kept rank holds as its cell ends, for what its death would lose: the names its cells bound (not its
+    imports, which a new rank's cells import again), and whether it has a default process group."""
+    hidden = shell.hidden_names() | {"get_ipython"}
+    names = tuple(sorted(name for name, value in namespace.items()
+                         if not name.startswith("_") and name not in hidden and not isinstance(value, ModuleType)))
+    distributed = sys.modules.get("torch.distributed")
+    grouped = distributed is not None and distributed.is_available() and distributed.is_initialized()
+    return CellDone(False, names, grouped)
+
+
+def between_cells(inbox: Inbox, raised: bool, rank: int, namespace: dict) -> tuple[RunSpec, ReceivedClosure] | None:
+    """Say the cell is done (``raised``: it failed, its report went first; with what ``namespace`` holds), then wait
+    for the next cell: its spec and its closure (not loaded yet); None when the kernel let the ranks go.
 
     Raises:
         whatever receiving the next cell's closure raised, the channel being alive (the rank then exits 1).
@@ -129,7 +143,7 @@ def between_cells(inbox: Inbox, raised: bool, rank: int) -> tuple[RunSpec, Recei
     reports.flush()
     reports.pause()
     try:
-        inbox.send(CellDone(raised))
+        inbox.send(dataclasses.replace(held(namespace), raised=raised))
         frame = inbox.take(lambda frame: isinstance(frame, Spec), drop_older=True)  # the last cell's leftovers go
         assert isinstance(frame, Spec)
         spec = outbox.here(frame.spec)

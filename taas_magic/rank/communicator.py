@@ -9,7 +9,8 @@ torch 2.13 cannot abort a gloo op (``ProcessGroupGloo.abort()`` does nothing, an
 socket closes or its timeout passes), and destroying a ``ProcessGroupGloo`` joins its threads, so one whose op is
 stuck cannot be destroyed. So :meth:`Communicator.shut_down` shuts down the sockets that appeared while it was made
 (``shutdown(2)`` on a duplicate of each descriptor, checked to be the same socket by its inode; never its listener,
-whose failed ``accept`` ends the process): gloo then fails its pending ops itself ("Connection closed"), and the
+whose failed ``accept`` ends the process, nor the rendezvous store's connections, which rank 0's store thread may
+have accepted meanwhile): gloo then fails its pending ops itself ("Connection closed"), and the
 :class:`Reaper` destroys it once they are over. Finding the sockets needs Linux's ``/proc``; elsewhere none are
 found, and an abandoned communicator's threads stay until its ops' timeout.
 """
@@ -64,6 +65,8 @@ class Communicator:
                 with socket.socket(fileno=os.dup(fd)) as shared:
                     if shared.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                         continue  # its listener: gloo's loop ends the process if accept() fails
+                    if _store_port() in (_port(shared.getsockname), _port(shared.getpeername)):
+                        continue  # the store's (rank 0 serves it: a new rank's connection came as this one was made)
                     shared.shutdown(socket.SHUT_RDWR)
             except OSError:
                 continue
@@ -118,6 +121,22 @@ class Reaper:
 
 
 reaper = Reaper()
+
+
+def _store_port() -> int:
+    """The rendezvous store's port (env://'s MASTER_PORT), whose connections are never a communicator's."""
+    try:
+        return int(os.environ.get("MASTER_PORT", "0"))
+    except ValueError:
+        return 0
+
+
+def _port(address: Any) -> int:
+    try:
+        found = address()
+    except OSError:
+        return -1
+    return found[1] if isinstance(found, tuple) and len(found) > 1 else -1
 
 
 def sockets() -> dict[int, int]:

@@ -45,6 +45,18 @@ def keep_across_cells(abortable: bool) -> None:
     _kept, _abortable = True, abortable
 
 
+def join_survivors(after: str) -> None:
+    """A new process in a dead kept rank's place (on CPU): its default group made now, joining the survivors' as
+    they renew it after the run ``after`` (rank/abortable.py)."""
+    import torch.distributed as dist
+
+    from taas_magic.rank import abortable
+
+    abortable.register()
+    abortable.join_after(after)
+    dist.init_process_group(backend=abortable.BACKEND)
+
+
 def defer_destroy(dist: ModuleType) -> None:
     """Wrap ``dist.destroy_process_group``, ``dist.init_process_group`` and ``dist.new_group`` (see the module
     docstring)."""

@@ -40,7 +40,7 @@ from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
-from taas_magic.protocol import Abandon, Hold, Interrupt, PeerChannel, RankError, Spec
+from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec
 from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
@@ -117,6 +117,8 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
         when_imported("torch.distributed", serve_nccl_with_gloo)
     if spec.compile_cache:  # what the session's earlier cells compiled, where this rank's caches are elsewhere
         compiled.load_when_compiling(spec.compile_cache, rank)
+    if spec.keep and JOIN_VARIABLE in os.environ:  # a new process in a dead kept rank's place: the survivors' group
+        groups.join_survivors(os.environ.pop(JOIN_VARIABLE))
     return module
 
 
@@ -292,7 +294,7 @@ def main() -> None:
         if not spec.keep:
             break
         try:
-            cell = betweencells.between_cells(inbox, raised, rank)  # None: the kernel let the kept ranks go
+            cell = betweencells.between_cells(inbox, raised, rank, module.__dict__)  # None: the kernel let the kept ranks go
         except Exception as exc:  # noqa: BLE001 - the next cell cannot come: said, and the rank ends
             _send_error(channel, f"could not receive the next cell: {type(exc).__name__}: {exc}",
                         execute.format_cell_traceback(exc, spec.filename))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 
 FSDP = "torch.distributed.fsdp"
 
@@ -32,9 +33,10 @@ def reset_models() -> list[str]:
     if module_class is None:
         return []
     problems = []
-    for found in gc.get_objects():
-        if not isinstance(found, module_class):
-            continue
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op warns
+        warnings.simplefilter("ignore")
+        roots = [found for found in gc.get_objects() if isinstance(found, module_class)]
+    for found in roots:
         state = found._get_fsdp_state()  # private API: see taas_magic/private.py
         if not getattr(state, "_is_root", False):
             continue  # a non-root module: its root resets it (a root not run yet has nothing to reset)

@@ -23,11 +23,12 @@ nothing: the run releases what it holds when its thread leaves it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable
 
-from taas_magic import wire
+from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.hangline import HangWatch
 from taas_magic.errors import LaunchError
@@ -113,6 +114,17 @@ class Execution:
         return self.run.backend.start_ranks(self.run.launch_plan(self.handshake, attempt), self.run.server.key,
                                             self.stop_asked)
 
+    def replace_rank(self, rank: int, joins: str | None) -> None:
+        """A new process in kept rank ``rank``'s place (it died), started as the first cell's was; ``joins``: the
+        run after which the survivors renew their default group, which it joins (None: they have none)."""
+        plan = self.run.launch_plan(self.handshake, 0)
+        envs = [dict(env) for env in plan.envs]
+        if joins is not None:
+            envs[rank][protocol.JOIN_VARIABLE] = joins
+        group = self.run.ranks.ranks.group
+        assert group is not None, "only a started rank dies"
+        group.replace(rank, dataclasses.replace(plan, envs=envs))
+
     def between(self, attempt: int) -> None:
         """A failed attempt's processes are gone: so is what they left."""
         kill_tagged(self.run.ranks.owner)
@@ -127,7 +139,8 @@ def execute(execution: Execution) -> RunOutcome:
             raise LaunchError("taas: the kept ranks ended after this cell was planned (a rank died): run the cell "
                               "again, and new ranks start")
         attempts = Attempts(run.settings.restarts, execution.between, run.backend.standby)
-        policy = run.ranks.lifetime.policy(run.ranks, execution.start_ranks, attempts, run.spec.run_id)
+        policy = run.ranks.lifetime.policy(run.ranks, execution.start_ranks, attempts, run.spec.run_id,
+                                           execution.replace_rank)
         return run_ranks(execution.parts(), policy, execution.start_data if run.data is not None else None)
     finally:
         run.ranks.health = health_by_rank(execution.board)  # %taas status says it of kept ranks

@@ -40,6 +40,7 @@ from taas_magic.autopsy import stacks
 from taas_magic.cell.options import MAX_CPUS
 from taas_magic.kernel.supervision.attempts import Policy
 from taas_magic.kernel.supervision.keptcell import Keeping, KeptGroup
+from taas_magic.kernel.supervision.replacement import ReplaceRank
 from taas_magic.kernel.supervision.restarts import Attempts, Restarting
 from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.launch.contract import Backend, ProcessGroup
@@ -124,8 +125,10 @@ class Lifetime(Protocol):
     def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
         """Of the write rule's report after a cell, the lines to say."""
 
-    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str) -> Policy:
-        """What a failure costs run ``run_id``'s ranks (kernel/supervision/attempts.py), each attempt's from ``start``."""
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str,
+               replace: ReplaceRank) -> Policy:
+        """What a failure costs run ``run_id``'s ranks (kernel/supervision/attempts.py), each attempt's from ``start``
+        (``replace``: a new process in a dead rank's place, for kept ranks that outlive one)."""
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
         """A run borrows the set: what the run's ``releases`` (its plan step's, then its own) do with it."""
@@ -146,7 +149,8 @@ class _OneCell:
     def new_lines(self, ranks: "RankSet", lines: list[str]) -> list[str]:
         return lines
 
-    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str) -> Policy:
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str,
+               replace: ReplaceRank) -> Policy:
         return Restarting(start, attempts)  # --restarts: new ranks for each attempt
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
@@ -171,8 +175,11 @@ class _Session:
         ranks.reported.update(fresh)
         return fresh
 
-    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str) -> Policy:
-        return Keeping(ranks.ranks, start, run_id)  # the ranks outlive the cell (--restarts with --keep is refused)
+    def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str,
+               replace: ReplaceRank) -> Policy:
+        # a dead rank is replaced where the group's abort is taas's (gloo) and the engine starts one rank (this host)
+        ranks.ranks.replaces = ranks.backend.devices.device != "cuda" and ranks.shape.cluster == 0
+        return Keeping(ranks.ranks, start, run_id, replace)  # the ranks outlive the cell (--restarts with --keep is refused)
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:
         return None  # the session's: released by %taas release, another shape, or unloading

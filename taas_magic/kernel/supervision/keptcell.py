@@ -26,7 +26,9 @@ and exits (mux.py), kept from cell to cell by their rank set (kernel/runs/rankse
   renewed (a collective left half done is not used again);
 - ``--timeout`` names the ranks still running and where they were, as in any run, then abandons them as after a
   failure: their state is kept;
-- a rank that dies is named as in any run; the others are stopped with it.
+- a rank that dies (in a cell or between cells) is named as in any run; on CPU, the others are abandoned as after a
+  failure and kept, and the next cell starts a new process in its place (replacement.py); rank 0's death, or one on
+  GPUs, stops every rank.
 
 A cell's data workers are its own: started with it, stopped when its ranks end it, then forgotten by the
 kept selector. There are no restarts here (``--restarts`` with ``--keep`` is refused).
@@ -35,17 +37,20 @@ kept selector. There are no restarts here (``--restarts`` with ``--keep`` is ref
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Callable, Sequence
 
 from taas_magic import protocol
-from taas_magic.errors import PeerFailed, RunError, RunTimeout, describe_exit
+from taas_magic.errors import LaunchError, PeerFailed, RunError, RunTimeout, describe_exit
+from taas_magic.kernel.supervision import replacement
 from taas_magic.kernel.supervision.attempts import Judged, Supervised
 from taas_magic.kernel.supervision.mux import Mux
+from taas_magic.kernel.supervision.replacement import Pending, ReplaceRank
 from taas_magic.kernel.supervision.supervisor import RunParts
-from taas_magic.launch.contract import ChildProcess, ProcessGroup
+from taas_magic.launch.contract import ChildProcess, LaunchPlan, ProcessGroup
 from taas_magic.peers import RANK, Peer
+from taas_magic.protocol import CellDone
 
 KEEP_WAIT_SECONDS = 0.5  # after a rank's error, how long the others may take to end their cell before they are abandoned
 INTERRUPT_WAIT_SECONDS = 1.0  # after the person's interrupt, how long every rank may take to end its cell before the autopsy
@@ -53,6 +58,12 @@ FAILURE_INTERRUPT_SECONDS = 1.5  # after Abandon, how long the ranks may take to
 STEP_SECONDS = 0.02
 ALIVE_RECHECK_SECONDS = 0.05  # kept ranks seen alive this recently are not polled again (KeptGroup.running)
 KEPT_LINE = "taas: the ranks are kept, with their globals and their process group: the next --keep cell runs in them"
+
+
+def replaced_line(dead: tuple[int, ...]) -> str:
+    ranks = ", ".join(map(str, dead))
+    return (f"taas: the other ranks are kept, with their globals and their process group: the next --keep cell starts "
+            f"a new rank {ranks} in its place (what it held is gone)")
 
 
 def lost_line(why: str) -> str:
@@ -67,6 +78,10 @@ class KeptGroup:
     mux: Mux | None = None
     lost: str | None = None  # why they are gone (their state with them), once they are
     seen_alive_at: float = float("-inf")  # when every rank was last seen alive (:attr:`running`)
+    replaces: bool = False  # a rank that dies is replaced while the others live on (on CPU: replacement.py)
+    held: dict[int, CellDone] = field(default_factory=dict)  # each rank's last end of a cell: the names it holds
+    pending: Pending | None = None  # ranks that died, whose new processes the next cell starts
+    replaced: list[str] = field(default_factory=list)  # what was said of each replaced rank, with when (%taas status)
 
     def ended_why(self) -> str | None:
         """Why ranks that were started no longer run (a cell stopped them, a rank died), or None."""
@@ -75,16 +90,27 @@ class KeptGroup:
         dead = [(child.index, code) for child in self.group.children if (code := child.poll()) is not None]
         return "; ".join(f"rank {index} {describe_exit(code)}" for index, code in dead) or None
 
+    def dead(self) -> dict[int, int]:
+        """Each dead rank's exit code (none: every rank lives, or none was started)."""
+        return replacement.dead_ranks(self.group) if self.group is not None else {}
+
+    def lives(self) -> bool:
+        """Every rank alive, or those that died will be replaced (:attr:`replaces`; not rank 0)."""
+        assert self.group is not None
+        dead = self.dead()
+        return not dead or self.replaces and replacement.replaceable(dead, len(self.group.children))
+
     @property
     def running(self) -> bool:
-        """Started, and every rank still alive (a rank may die between cells: the next cell starts new ones).
+        """Started, and every rank still alive or to be replaced (a rank may die between cells: the next cell
+        starts a new one, or new ranks where it cannot).
         A cell's plan asks several times within a few milliseconds; their processes are polled at most once in
         :data:`ALIVE_RECHECK_SECONDS` (a rank that dies meanwhile fails the cell as any dying rank does)."""
         if self.group is None or self.lost is not None:
             return False
         now = time.monotonic()
         if now - self.seen_alive_at > ALIVE_RECHECK_SECONDS:
-            if not _alive(self.group):
+            if not self.lives():
                 return False
             self.seen_alive_at = now
         return True
@@ -106,38 +132,68 @@ class Keeping:
 
     clean_exit: str | None = "exited in a kept cell (code 0) instead of ending it"  # a kept rank that exits has failed
 
-    def __init__(self, ranks: KeptGroup, start: Callable[[int], ProcessGroup], run_id: str):
-        self.ranks, self._start, self.run_id = ranks, start, run_id
+    def __init__(self, ranks: KeptGroup, start: Callable[[int], ProcessGroup], run_id: str, replace: ReplaceRank):
+        self.ranks, self._start, self._replace, self.run_id = ranks, start, replace, run_id
         self.fresh = not ranks.running
         self.kept = False  # whether the ranks outlive the cell (its attempt said so)
+        self._readmit: Callable[[list[int]], None] = _nothing_readmitted
 
     def mux(self, parts: RunParts) -> Mux:
         """The kept ranks' selector, its peers and frames this cell's, and the cell sent to each rank now, the
-        run's first step (they begin it while its supervision is made); new ranks' new selector."""
+        run's first step (they begin it while its supervision is made); new ranks' new selector. Ranks that died
+        since the last cell: the others are told (replacement.py), and their new processes get the cell as they
+        connect."""
         ranks = self.ranks
         if self.fresh:
             ranks.close()  # a group whose rank died between cells: what is left of it
-            ranks.lost = None
+            ranks.lost, ranks.pending = None, None
             parts.server.readmit(range(parts.ids.ranks))  # the new ranks prove the same key on the same listener
             ranks.mux = Mux(parts.server, parts.ids, parts.greeting)
         else:
             assert ranks.mux is not None and ranks.group is not None
             ranks.mux.channels.ids, ranks.mux.channels.greeting = parts.ids, parts.greeting
+            self._readmit = parts.server.readmit
+            dead = ranks.dead()
+            if dead and (ranks.pending is None or set(ranks.pending.ranks) != set(dead)):  # died since the last cell
+                ranks.pending = replacement.tell_survivors(ranks.group, ranks.mux.send, dead, ranks.held,
+                                                           f"{self.run_id}-replaced", replacement.why_dead(dead))
             for rank in range(len(ranks.group.children)):
-                for body in parts.greeting(Peer(RANK, rank)):
-                    ranks.mux.send(Peer(RANK, rank), body)
+                if rank not in dead:
+                    for body in parts.greeting(Peer(RANK, rank)):
+                        ranks.mux.send(Peer(RANK, rank), body)
         parts.server.readmit(range(parts.ids.ranks, len(parts.ids)))  # this cell's data workers, as the last cell's
         return ranks.mux
 
     def start(self, supervisor: Supervised, attempt: int) -> ProcessGroup:
         """New ranks after their displays; running ones had the cell (:meth:`mux`), then its displays go out: their
-        output is read only after them, so it comes below them."""
+        output is read only after them, so it comes below them. A dead rank's new process starts here, and the
+        header says what went with the dead one."""
         assert not attempt, "a kept cell has one attempt"
         supervisor.show_start()
         if self.fresh:
             self.ranks.group = self._start(0)
+        elif self.ranks.pending is not None:
+            self._replace_dead(supervisor, self.ranks.pending)
         assert self.ranks.group is not None and self.ranks.mux is not None
         return FramedInterrupts(self.ranks.group, self.ranks.mux, self.run_id)
+
+    def _replace_dead(self, supervisor: Supervised, pending: Pending) -> None:
+        ranks, mux = self.ranks, self.ranks.mux
+        assert mux is not None
+
+        def forget(rank: int) -> None:
+            mux.forget_rank(rank)
+            self._readmit([rank])
+
+        try:
+            lines = replacement.replace(pending, ranks.held, forget, self._replace)
+        except LaunchError as exc:
+            raise LaunchError(f"{exc}\n{lost_line('a rank died')}") from exc
+        ranks.pending = None
+        stamp = time.strftime("%H:%M:%S")
+        for line in lines:
+            supervisor.relay.notice(line)
+            ranks.replaced.append(f"{line.removeprefix('taas: ')} (at {stamp})")
 
     def running(self, attempt: int) -> Callable[[], None]:
         return _nothing
@@ -155,22 +211,33 @@ class Keeping:
     def failed(self, supervisor: Supervised, group: ProcessGroup, attempt: int, previous: RunError | None) -> Judged:
         """Said at once, as a fact (the others' time takes seconds); then the others may end their cell (they all
         raised), and every rank's collectives are abandoned: a rank still in its cell is interrupted, one in a
-        collective leaves it, and the ranks are kept."""
+        collective leaves it, and the ranks are kept. Ranks that died are replaced in the next cell, where they
+        can be (:attr:`KeptGroup.replaces`)."""
         verdict = supervisor.verdict
         assert verdict.failure is not None, "only a failed attempt is judged"
         summary = str(verdict.failure).splitlines()[0]
         supervisor.relay.notice(f"taas: {summary}")
         if not isinstance(verdict.failure, RunTimeout):
             _wait_for_every_cell(supervisor, self.ranks, KEEP_WAIT_SECONDS)
-        kept = _abandon_every_rank(supervisor, self.ranks, self.run_id, summary)
+        dead = self.ranks.dead()
+        if dead and self.ranks.lives():
+            assert self.ranks.group is not None and self.ranks.mux is not None  # dead ranks: started ones
+            self.ranks.pending = replacement.tell_survivors(self.ranks.group, self.ranks.mux.send, dead,
+                                                            self.ranks.held, self.run_id, summary)
+            kept = _wait_for_every_cell(supervisor, self.ranks, FAILURE_INTERRUPT_SECONDS)
+            kept_line = replaced_line(tuple(dead))
+        else:
+            kept = _abandon_every_rank(supervisor, self.ranks, self.run_id, summary)
+            kept_line = KEPT_LINE
         failure = supervisor.last_words(
-            (KEPT_LINE,) if kept else (lost_line("not every rank ended its cell after the failure, even interrupted"),))
+            (kept_line,) if kept else (lost_line(_why_lost(dead)),))
         return Judged(failure.on_kept_ranks() if kept and isinstance(failure, (PeerFailed, RunTimeout)) else failure,
                       outlived=kept)
 
     def attempt_over(self, supervisor: Supervised, group: ProcessGroup, outlived: bool) -> None:
         """Ranks that do not outlive the cell: TERM, then KILL (they had their SIGINT, or their time to end it)."""
         self.kept = outlived
+        self.ranks.held.update(supervisor.verdict.held)
         if not outlived:
             supervisor.stop_everything(group, graceful=False)
 
@@ -211,6 +278,9 @@ class FramedInterrupts:
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         return self.group.stacks(ranks)
 
+    def replace(self, rank: int, plan: LaunchPlan) -> ChildProcess:
+        return self.group.replace(rank, plan)
+
     def close(self) -> None:
         """Nothing: kept ranks outlive their cell's attempt (:meth:`Keeping.close` decides)."""
 
@@ -237,6 +307,18 @@ def _nothing() -> None:
     return None
 
 
+def _nothing_readmitted(ranks: list[int]) -> None:
+    return None
+
+
+def _why_lost(dead: dict[int, int]) -> str:
+    if 0 in dead:
+        return "rank 0 died, and the rendezvous store its process hosted with it"
+    if dead:
+        return f"{replacement.why_dead(dead)}, and a dead rank is replaced only among CPU ranks on this host"
+    return "not every rank ended its cell after the failure, even interrupted"
+
+
 def _no_greeting(peer: Peer) -> list[bytes]:
     return []
 
@@ -247,8 +329,4 @@ def _wait_for_every_cell(supervisor: Supervised, ranks: KeptGroup, seconds: floa
     verdict = supervisor.verdict
     while not verdict.ranks_exited() and time.monotonic() < deadline:
         supervisor.pump(STEP_SECONDS)
-    return verdict.ranks_exited() and ranks.group is not None and _alive(ranks.group)
-
-
-def _alive(group: ProcessGroup) -> bool:
-    return all(child.poll() is None for child in group.children)
+    return verdict.ranks_exited() and ranks.group is not None and ranks.lives()

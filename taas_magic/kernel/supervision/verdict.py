@@ -63,6 +63,7 @@ class Verdict:
     # what a rank's exit with code 0 is: None, the end of its cell; else the failure (kept ranks outlive their cells)
     clean_exit: str | None = None
     workers_done: set[int] = field(default_factory=set)
+    held: dict[int, CellDone] = field(default_factory=dict)  # each kept rank's end of its cell: what it holds now
 
     def saw(self, event: Event | TimedOut) -> None:
         match event:
@@ -72,8 +73,9 @@ class Verdict:
                 self._fail(PeerFailed(peer, self.host(peer), what), peer)
             case FrameArrived(peer=peer, frame=WorkerFailure() as report) if not peer.is_rank:
                 self._fail(PeerFailed.from_worker_report(peer, self.host(peer), self.loader(report.feed), report), peer)
-            case FrameArrived(peer=peer, frame=CellDone(raised=raised)) if peer.is_rank:
+            case FrameArrived(peer=peer, frame=CellDone(raised=raised) as done) if peer.is_rank:
                 self.exits[peer] = 1 if raised else 0  # a kept rank ended its cell and lives on (its report went first)
+                self.held[peer.index] = done
             case FrameArrived(peer=peer, frame=Done()) if not peer.is_rank:
                 self.workers_done.add(peer.index)
             case FrameRefused(peer=peer, why=why):

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Sequence
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.contract import RANK_COMMAND, LaunchPlan
+from taas_magic.launch.contract import RANK_COMMAND, ChildProcess, LaunchPlan
 from taas_magic.launch.local.spares import SparePool
 from taas_magic.launch.rankenv import Binding
 from taas_magic.procs import LADDER, RESTART_LADDER, Process, exit_fd, kill_leftovers, reap, signal_group, stop_groups
@@ -78,6 +78,8 @@ class LocalProcessGroup:
         self.stack_files = list(stack_files)  # where each rank's autopsy lands (autopsy/dump.py)
         self._interrupted: set[int] = set()  # pids sent SIGINT by interrupt(): the stop ladder does not send another
         self._closed = False
+        self._spares: SparePool | None = None  # where its ranks came from, for one that replaces a dead one
+        self._wanted: list[Binding] = []
 
     @classmethod
     def start(
@@ -93,33 +95,32 @@ class LocalProcessGroup:
         warm = spares.take(wanted) if spares is not None and wanted else [None] * plan.world_size
         ranks: list[LocalChild] = []
         try:
-            for rank, env in enumerate(plan.envs):
-                process = warm[rank]
-                if process is not None:
-                    settings = json.dumps({"env": dict(env), "cwd": plan.cwd})
-                    message = f"{plan.handshake}\n{settings}\n{plan.places[rank].line()}\n"
-                else:
-                    process = subprocess.Popen(
-                        command,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        env=dict(env),
-                        cwd=plan.cwd,
-                        start_new_session=True,
-                        close_fds=True,
-                    )
-                    message = f"{plan.handshake}\n{plan.places[rank].line()}\n"
-                ranks.append(LocalChild(rank, process))
-                assert process.stdin is not None  # started with PIPE
-                process.stdin.write(message.encode("utf-8"))
-                process.stdin.flush()
+            for rank in range(plan.world_size):
+                ranks.append(_launch(plan, rank, command, warm[rank]))
         except (OSError, subprocess.SubprocessError) as exc:
             cls(ranks).close()
             unused = [LocalChild(k, p) for k, p in enumerate(warm) if p is not None and k >= len(ranks)]
             cls(unused).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
-        return cls(ranks, plan.stack_files)
+        group = cls(ranks, plan.stack_files)
+        group._spares, group._wanted = spares, list(wanted)
+        return group
+
+    def replace(self, rank: int, plan: LaunchPlan) -> ChildProcess:
+        """A new process in dead rank ``rank``'s place, as ``plan`` starts that rank (from a warm spare that serves
+        it, or fresh); the dead one reaped."""
+        dead = self.children[rank]
+        reap(dead.process)
+        dead.close_exit_fd()
+        spares, wanted = self._spares, self._wanted
+        warm = spares.take([wanted[rank]])[0] if spares is not None and len(wanted) > rank else None
+        try:
+            self.children[rank] = _launch(plan, rank, RANK_COMMAND, warm)
+        except (OSError, subprocess.SubprocessError) as exc:
+            if warm is not None:
+                LocalProcessGroup([LocalChild(rank, warm)]).close()
+            raise LaunchError(f"taas: could not start a new rank {rank}: {exc}") from exc
+        return self.children[rank]
 
     def interrupt(self, ranks: Sequence[int]) -> None:
         for rank in ranks:
@@ -154,3 +155,23 @@ class LocalProcessGroup:
             reap(rank.process)
             rank.close_exit_fd()
 
+
+def _launch(plan: LaunchPlan, rank: int, command: tuple[str, ...], warm: Process | None) -> LocalChild:
+    """Rank ``rank`` of ``plan``: the spare ``warm`` told its settings, or a fresh process; then its place."""
+    env = plan.envs[rank]
+    if warm is not None:
+        settings = json.dumps({"env": dict(env), "cwd": plan.cwd})
+        process, message = warm, f"{plan.handshake}\n{settings}\n{plan.places[rank].line()}\n"
+    else:
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env=dict(env), cwd=plan.cwd, start_new_session=True, close_fds=True)
+        message = f"{plan.handshake}\n{plan.places[rank].line()}\n"
+    child = LocalChild(rank, process)
+    assert process.stdin is not None  # started with PIPE
+    try:
+        process.stdin.write(message.encode("utf-8"))
+        process.stdin.flush()
+    except OSError:
+        LocalProcessGroup([child]).close()
+        raise
+    return child

@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any, Callable, Sequence
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.contract import WORKER_COMMAND, LaunchPlan
+from taas_magic.launch.contract import WORKER_COMMAND, ChildProcess, LaunchPlan
 from taas_magic.launch.hosts.agent import HostAgent
 from taas_magic.launch.hosts.outputhub import HostControl, OutputHub
 from taas_magic.launch.placement import HostShare, Node, RankSlot, describe_free, worker_blocks
@@ -141,6 +141,10 @@ class RayProcessGroup:
         except Exception:  # noqa: BLE001 - an agent (or its host) is gone: its ranks' lifelines broke with it,
             pass  # and close() kills what is left; the run's own error is what the person must see
         return signals
+
+    def replace(self, rank: int, plan: LaunchPlan) -> ChildProcess:
+        """Not yet on Ray: its ranks' output and control channels are made once per host as the ranks start."""
+        raise LaunchError("taas: a kept rank that died is not replaced on Ray yet (only on this host)")
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         """Each host's agent signals its ranks and reads their dumps there (stacks.py)."""

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Callable, Sequence
 
 from taas_magic.errors import LaunchError
-from taas_magic.launch.contract import LaunchPlan
+from taas_magic.launch.contract import ChildProcess, LaunchPlan
 from taas_magic.launch.hosts.outputhub import HostControl, OutputHub
 from taas_magic.launch.slurm import slurmcli
 from taas_magic.launch.slurm.task import COMMAND
@@ -310,6 +310,10 @@ class SlurmStep:
                                       COMMAND_PATIENCE).values():
             signals += [name for name in answer.get("signals", []) if name not in signals]
         return signals
+
+    def replace(self, rank: int, plan: LaunchPlan) -> ChildProcess:
+        """Not yet on Slurm: its ranks' output and control channels are made once per host as the ranks start."""
+        raise LaunchError("taas: a kept rank that died is not replaced on Slurm yet (only on this host)")
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         found: dict[int, str] = {}
