@@ -291,6 +291,11 @@ def renew_all(after: str, replaced: tuple[int, ...] = ()) -> int:
     return len(aborted)
 
 
+def has_default_group() -> bool:
+    """Whether this rank's default process group is one of these."""
+    return dist.is_initialized() and bool(_live_groups()) and not _live_groups()[0].retired
+
+
 def join_after(after: str) -> None:
     """This rank replaces a dead one: the next group made (the default group) joins the survivors' renewal of
     theirs after ``after``."""

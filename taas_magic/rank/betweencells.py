@@ -32,7 +32,7 @@ from types import ModuleType
 from taas_magic.output import reports
 from taas_magic.output.relay import CELL_END
 from taas_magic.protocol import Abandon, CellDone, Interrupt, Spec, ToKernel, ToPeer
-from taas_magic.rank import recovery, shell, startup
+from taas_magic.rank import groups, recovery, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.transfer.handoff import Closure, ClosureHostCopy, ReceivedClosure, receive_closure
@@ -95,6 +95,8 @@ def renew_groups() -> None:
     run, replaced, _abandoned_run, _replaced = _abandoned_run, _replaced, None, ()
     if abortable is not None and run is not None:
         abortable.renew_all(run, replaced)
+        if replaced and abortable.has_default_group():
+            groups.match_survivors()  # as the new rank does once it joined (rank/groups.py)
         for line in recovery.reset_models():
             print(f"taas: after the failed cell, {line}", file=sys.stderr, flush=True)
 

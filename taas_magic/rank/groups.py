@@ -24,6 +24,7 @@ Runs in each rank: on the cell's thread (the wrappers), and on the rank's main t
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from types import ModuleType
 from typing import Any, Callable
@@ -55,6 +56,19 @@ def join_survivors(after: str) -> None:
     abortable.register()
     abortable.join_after(after)
     dist.init_process_group(backend=abortable.BACKEND)
+    match_survivors()
+
+
+def match_survivors() -> None:
+    """Every kept rank, once a dead rank's new process joined the default group: the new one imports DTensor if the
+    others have (after each cell a rank gathers sharded names, a collective, only once DTensor is imported:
+    transfer/sharded.py; every rank must do it alike)."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, DTENSOR in sys.modules)
+    if any(everyone):
+        importlib.import_module(DTENSOR)
 
 
 def defer_destroy(dist: ModuleType) -> None:

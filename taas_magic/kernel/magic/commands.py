@@ -106,6 +106,10 @@ def release(session: Session, settings: MagicSettings) -> None:
         raise UsageError(str(exc)) from None
 
 
+def heal(session: Session, settings: MagicSettings, text: str) -> None:
+    linecommands.heal(session, text)
+
+
 def attach(session: Session, settings: MagicSettings, run: str | None = None) -> None:
     runcommands.attach(session.runs, run, settings.viewing)
 
@@ -155,6 +159,8 @@ COMMANDS = (
                 linecommands.set_warm, "off|auto|N"),
     LineCommand(("runs",), "this kernel's runs: state, ranks, start time, last line", runs),
     LineCommand(("release",), "end the kept ranks (--keep): their processes, globals, memory and GPUs", release),
+    LineCommand(("heal",), "copy kept rank K's names into the kept ranks that lack them (a rank that replaced a dead "
+                "one); NAMEs: only those", heal, "--from K [NAME ...]", rest=True),
     LineCommand(("attach",), "show a run's live view here: what it showed so far, then live until it ends",
                 attach, "RUN", optional=True),
     LineCommand(("wait",), "wait for a (detached) run, then bind rank 0's names and return its value",

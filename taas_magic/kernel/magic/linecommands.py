@@ -25,6 +25,7 @@ from taas_magic.errors import ClusterError
 from taas_magic.feed import registry
 from taas_magic.kernel.magic import runcommands
 from taas_magic.kernel.magic.status import kept_lines, status_text
+from taas_magic.kernel.runs.rankset import heal_cell
 from taas_magic.kernel.runs.session import Session, Warm
 from taas_magic.kernel.supervision.dataplane import describe_registered
 from taas_magic.kernel.trials.searchrun import SearchRun, trials_table
@@ -149,6 +150,20 @@ def _shown_line() -> Callable[[str], None]:
             shown[0].update({"text/plain": line}, raw=True)
 
     return show
+
+
+def heal(session: Session, text: str) -> None:
+    """``%taas heal --from K [NAME ...]``: rank K's names copied into the kept ranks that lack them (rank/heal.py),
+    by a kept cell the magic runs."""
+    words = text.split()
+    if len(words) < 2 or words[0] != "--from" or not words[1].isdigit():
+        raise UsageError("taas: %taas heal --from K [NAME ...]: K is the kept rank whose names are copied")
+    kept, source, names = session.kept, int(words[1]), tuple(words[2:])
+    if kept is None or not kept.running or session.runner is None:
+        raise UsageError("taas: no kept ranks run now: %taas heal copies names between the ranks of --keep cells")
+    if source >= kept.shape.ranks:
+        raise UsageError(f"taas: the kept ranks are 0 to {kept.shape.ranks - 1}: there is no rank {source}")
+    session.runner.run_cell(heal_cell(kept.shape, source, names))
 
 
 def status(session: Session, settings: MagicSettings) -> None:

@@ -9,6 +9,7 @@ import time
 from typing import Sequence
 
 from taas_magic.cell.options import OPTIONS
+from taas_magic.errors import describe_exit
 from taas_magic.kernel.runs.rankset import RankSet, RankState
 from taas_magic.kernel.runs.summary import LastRun, RunSummary, devices_text, started_text
 
@@ -93,11 +94,16 @@ def kept_lines(kept: RankSet) -> list[str]:
     since = time.strftime("%H:%M:%S", time.localtime(kept.started))
     lines = [f"kept ranks: {kept.shape}, {kept.cells} cell(s) since {since}, {idle} (%taas release ends them)"]
     assert kept.ranks.group is not None
+    dead = kept.ranks.dead()
     for child in kept.ranks.group.children:
+        if child.index in dead:
+            lines.append(f"  rank {child.index} on {child.host} {describe_exit(dead[child.index])}: the next --keep "
+                         "cell starts a new process in its place")
+            continue
         figures = kept.health.get(child.index, {})
         memory = [f"{figures['rss'] / 2**20:.0f} MiB host"] if "rss" in figures else []
         if "gpu_memory" in figures:
             memory.append(f"{figures['gpu_memory'] / 2**20:.0f} MiB on GPU {figures.get('gpu', '?')}")
         process = f"pid {figures['pid']} on {child.host}" if "pid" in figures else f"on {child.host}"
         lines.append(f"  rank {child.index}, {process} ({kept.shape.device}): {', '.join(memory) or 'memory not reported yet'}")
-    return lines
+    return lines + [f"  {line}" for line in kept.ranks.replaced]

@@ -196,10 +196,20 @@ class CellRunner(Protocol):
     def run_cell(self, cell: str) -> object: ...
 
 
+def kept_pragma(shape: Shape) -> str:
+    """The pragma line of a cell the kernel runs on kept ranks of ``shape``."""
+    per_host = f" --per-host {shape.per_host}" if shape.per_host else ""
+    return f"#pragma taas --keep --gpus {shape.ranks} --device {shape.device}{per_host}\n"
+
+
 def fetch_cell(shape: Shape, name: str) -> str:
     """The kept cell that copies ``name`` from rank 0: run on kept ranks of ``shape``, its last line the name."""
-    per_host = f" --per-host {shape.per_host}" if shape.per_host else ""
-    return f"#pragma taas --keep --gpus {shape.ranks} --device {shape.device}{per_host}\nglobals().get({name!r})\n"
+    return f"{kept_pragma(shape)}globals().get({name!r})\n"
+
+
+def heal_cell(shape: Shape, source: int, names: tuple[str, ...]) -> str:
+    """The kept cell that copies rank ``source``'s ``names`` (none: all) into the ranks that lack them (rank/heal.py)."""
+    return f"{kept_pragma(shape)}__import__('taas_magic.rank.heal', fromlist=['heal']).heal({source}, {names!r});\n"
 
 
 class RankState(enum.Enum):

@@ -1,0 +1,161 @@
+"""``%taas heal --from K``: a kept rank's names copied into the ranks that lack them (a rank that replaced a dead one).
+
+Runs in every kept rank, in the cell the kernel sends for the command (kernel/magic/linecommands.py), over the ranks'
+default process group. Every rank says which names it holds; rank ``K`` sends each rank the names of its own that
+rank lacks (or the names given, even where it has them), pickled together so that what they share stays shared (a
+model and the optimizer over its parameters); the other ranks wait. What must not be copied is left where it is, and
+rank 0 prints one line per rank saying what it got and what it did not, and why:
+
+- a sharded value (a DTensor, an FSDP2 module, an optimizer over DTensors): rank ``K``'s shard is not this rank's;
+- a rank-specific value: a ``DistributedSampler``, or a ``DataLoader`` over one (its rank is ``K``'s);
+- a value that does not pickle (a generator, an open file, a lambda);
+- a module is imported again by its name; the cells' own functions and classes go by value (cloudpickle).
+
+A model wrapped in DDP is copied with its parameters and made a DDP of the default group again there (DDP's own
+unpickling); then every rank's DDP models rebuild their reducer, so that all ranks bucket their gradients alike from
+the next step (a reducer that has already reordered its buckets would disagree with the new one's).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Sequence
+
+import cloudpickle
+
+
+@dataclass(frozen=True)
+class Imported:
+    """A module, sent as its name: imported again on the receiving rank."""
+
+    name: str
+
+
+def heal(source: int, names: Sequence[str] = ()) -> None:
+    """Rank ``source``'s names (``names``, or every one a rank lacks) copied into the other ranks (module docstring)."""
+    import torch.distributed as dist
+
+    namespace = sys.modules["__main__"].__dict__
+    rank, world = dist.get_rank(), dist.get_world_size()
+    held: list[Any] = [None] * world
+    dist.all_gather_object(held, sorted(_user_names(namespace)))
+    said: list[str] = []
+    for target in range(world):
+        wanted = list(names) if names else [name for name in held[source] if name not in held[target]]
+        if target == source or not wanted:
+            continue
+        if rank == source:
+            data, refused = _pack(namespace, wanted, source)
+            dist.send_object_list([data, refused], dst=target)
+        elif rank == target:
+            box: list[Any] = [None, None]
+            dist.recv_object_list(box, src=source)
+            copied = _unpack(namespace, box[0])
+            said.append(_line(target, source, copied, box[1]))
+    copied_ddp = _rebuild_ddp(namespace)
+    lines: list[Any] = [None] * world
+    dist.all_gather_object(lines, said)
+    if rank == 0:
+        for line in [line for each in lines for line in each] or [f"taas: heal: every rank holds rank {source}'s names"]:
+            print(line)
+        if copied_ddp:
+            print(f"taas: heal: DDP's reducer rebuilt on every rank for {', '.join(copied_ddp)}")
+
+
+def _user_names(namespace: dict) -> list[str]:
+    return [name for name in namespace if not name.startswith("_") and name not in ("get_ipython", "In", "Out", "exit",
+                                                                                      "quit")]
+
+
+def _pack(namespace: dict, wanted: Sequence[str], source: int) -> tuple[bytes, dict[str, str]]:
+    """The names that may go, pickled together (a pickle each where together fails), and why the others may not."""
+    refused: dict[str, str] = {}
+    going: dict[str, Any] = {}
+    for name in wanted:
+        if name not in namespace:
+            refused[name] = f"rank {source} has no {name}"
+            continue
+        value = namespace[name]
+        why = _why_not(value, source)
+        if why is not None:
+            refused[name] = why
+        else:
+            going[name] = Imported(value.__name__) if isinstance(value, ModuleType) else value
+    try:  # the cells' own functions and classes by value (their __main__ is not the receiver's)
+        return cloudpickle.dumps(going, protocol=pickle.HIGHEST_PROTOCOL), refused
+    except Exception:  # noqa: BLE001 - one of them does not pickle: find which, send the rest
+        pass
+    alone: dict[str, bytes] = {}
+    for name, value in going.items():
+        try:
+            alone[name] = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:  # noqa: BLE001 - said in the line, the name named
+            refused[name] = f"it does not pickle ({type(error).__name__}: {error})"
+    return pickle.dumps({name: _Pickled(data) for name, data in alone.items()}), refused
+
+
+@dataclass(frozen=True)
+class _Pickled:
+    data: bytes
+
+
+def _unpack(namespace: dict, data: bytes) -> list[str]:
+    """The names bound here, in the order they came."""
+    received = pickle.loads(data)  # noqa: S301 - from a kept rank of this run, over its process group
+    for name, value in received.items():
+        if isinstance(value, _Pickled):
+            value = pickle.loads(value.data)  # noqa: S301 - as above
+        namespace[name] = importlib.import_module(value.name) if isinstance(value, Imported) else value
+    return list(received)
+
+
+def _why_not(value: Any, source: int) -> str | None:
+    """Why a value must not be copied from rank ``source`` to another rank, or None."""
+    if _sharded(value):
+        return f"it is sharded: rank {source}'s shard is not this rank's (make it again on every rank)"
+    sampler = getattr(value, "sampler", value)
+    if type(sampler).__name__ == "DistributedSampler":
+        return f"its DistributedSampler is rank {source}'s (make it again on this rank)"
+    return None
+
+
+def _sharded(value: Any) -> bool:
+    tensors = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(tensors, "DTensor", None)
+    if dtensor is None:
+        return False
+    if isinstance(value, dtensor):
+        return True
+    parameters = getattr(value, "parameters", None)
+    if callable(parameters):
+        try:
+            return any(isinstance(parameter, dtensor) for parameter in parameters())
+        except TypeError:
+            return False
+    groups = getattr(value, "param_groups", None)  # an optimizer
+    return isinstance(groups, list) and any(isinstance(parameter, dtensor) for group in groups
+                                            for parameter in group.get("params", ()))
+
+
+def _rebuild_ddp(namespace: dict) -> list[str]:
+    """Every DDP model bound to a name here: its reducer made again (DDP's own pickling pair), on every rank alike."""
+    parallel = sys.modules.get("torch.nn.parallel")
+    ddp = getattr(parallel, "DistributedDataParallel", None)
+    if ddp is None:
+        return []
+    rebuilt = []
+    for name, value in sorted(namespace.items()):
+        if isinstance(value, ddp) and not name.startswith("_"):
+            value.__setstate__(value.__getstate__())
+            rebuilt.append(name)
+    return rebuilt
+
+
+def _line(target: int, source: int, copied: list[str], refused: dict[str, str]) -> str:
+    got = f"copied {', '.join(copied)} from rank {source}" if copied else f"copied nothing from rank {source}"
+    kept_back = "; ".join(f"not {name}: {why}" for name, why in refused.items())
+    return f"taas: heal: rank {target}: {got}" + (f"; {kept_back}" if kept_back else "")
