@@ -251,6 +251,10 @@ PRIVATE: tuple[Private, ...] = (
     Private("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "torch", TORCH,
             "its _is_root: True on the module fully_shard was applied to last (a root), once it ran",
             "rank/recovery.py", attributes=("_is_root",)),
+    Private("torch.distributed.distributed_c10d._world", "torch", TORCH,
+            "its group_count, which names each new group (the store prefix its rendezvous uses): a rank that replaced a "
+            "dead kept one takes the survivors' count, so the next new_group has one name on every rank",
+            "rank/groups.py", attributes=("group_count",)),
     # -- accelerate and the HF Trainer: the folder of their per-rank files, written in place (the [test] extra runs them)
     Private("accelerate.accelerator.save_accelerator_state", "accelerate", ACCELERATE,
             "replaced in accelerate.accelerator's namespace: Accelerator.save_state calls it with the folder where every "

@@ -211,6 +211,7 @@ class Resumed(ToKernel, kind="resumed"):
 class CellDone(ToKernel, kind="cell-done"):
     raised: bool  # the cell raised (its RankError went first); the rank, its globals and its group are kept
     names: tuple[str, ...] = ()  # the names the rank's cells bound and it still holds (what its death would lose)
+    imports: tuple[str, ...] = ()  # of those, the modules
     grouped: bool = False  # it has a default process group (a rank that replaces a dead one joins it)
 
 

@@ -48,7 +48,10 @@ import torch.distributed as dist
 from taas_magic.rank.communicator import Communicator, reaper
 
 BACKEND = "taas_gloo"
-PEER_ABORT_SECONDS = 0.5  # an op a peer's socket ended waits this long for this rank's own abort to say why
+# an op a peer's socket ended (it died) waits this long for this rank's own abort: in kept ranks the kernel's Abandon
+# follows every failure within about a second, and its SIGINT comes first, so DDP's backward ends into a
+# KeyboardInterrupt instead of going on to the optimizer's step with this rank's own gradients (replicas that differ)
+PEER_ABORT_SECONDS = 10.0
 
 # every collective of a ProcessGroup that Python code calls (distributed_c10d.py calls them on the group object), and
 # its name on the communicator (a Backend, where some keep their older names)
@@ -114,7 +117,7 @@ class AbortableWork(dist.Work):
     def _failed(self, error: BaseException) -> None:
         """The op failed (a peer's socket closed: it died, or its own abort shut it): said after
         :data:`PEER_ABORT_SECONDS`, unless this rank's abort came meanwhile and said why (gloo's own words blame
-        "a remote worker crashing")."""
+        "a remote worker crashing"), its interrupt first."""
         if not self._future.done():  # (ended by this rank's abort already: nothing to say)
             threading.Timer(PEER_ABORT_SECONDS, self.end, args=(error,)).start()
 

@@ -120,14 +120,14 @@ def cell_ends() -> None:
 
 
 def held(namespace: dict) -> CellDone:
-    """What a kept rank holds as its cell ends, for what its death would lose: the names its cells bound (not its
-    imports, which a new rank's cells import again), and whether it has a default process group."""
+    """What a kept rank holds as its cell ends, for what its death would lose: the names its cells bound, its
+    imports apart, and whether it has a default process group."""
     hidden = shell.hidden_names() | {"get_ipython"}
-    names = tuple(sorted(name for name, value in namespace.items()
-                         if not name.startswith("_") and name not in hidden and not isinstance(value, ModuleType)))
+    names = sorted(name for name in namespace if not name.startswith("_") and name not in hidden)
+    modules = tuple(name for name in names if isinstance(namespace[name], ModuleType))
     distributed = sys.modules.get("torch.distributed")
     grouped = distributed is not None and distributed.is_available() and distributed.is_initialized()
-    return CellDone(False, names, grouped)
+    return CellDone(False, tuple(name for name in names if name not in modules), imports=modules, grouped=grouped)
 
 
 def between_cells(inbox: Inbox, raised: bool, rank: int, namespace: dict) -> tuple[RunSpec, ReceivedClosure] | None:

@@ -62,13 +62,17 @@ def join_survivors(after: str) -> None:
 def match_survivors() -> None:
     """Every kept rank, once a dead rank's new process joined the default group: the new one imports DTensor if the
     others have (after each cell a rank gathers sharded names, a collective, only once DTensor is imported:
-    transfer/sharded.py; every rank must do it alike)."""
+    transfer/sharded.py), and takes their count of groups made (which names the next one: a ``new_group`` must
+    have one name on every rank)."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
+    world = distributed_c10d._world  # private API: see taas_magic/private.py
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, DTENSOR in sys.modules)
-    if any(everyone):
+    dist.all_gather_object(everyone, (DTENSOR in sys.modules, world.group_count))
+    if any(imported for imported, _ in everyone):
         importlib.import_module(DTENSOR)
+    world.group_count = max(count for _, count in everyone)
 
 
 def defer_destroy(dist: ModuleType) -> None:

@@ -8,6 +8,7 @@ rank 0 prints one line per rank saying what it got and what it did not, and why:
 
 - a sharded value (a DTensor, an FSDP2 module, an optimizer over DTensors): rank ``K``'s shard is not this rank's;
 - a rank-specific value: a ``DistributedSampler``, or a ``DataLoader`` over one (its rank is ``K``'s);
+- a process group or a ``DeviceMesh``: every rank makes one together;
 - a value that does not pickle (a generator, an open file, a lambda);
 - a module is imported again by its name; the cells' own functions and classes go by value (cloudpickle).
 
@@ -120,6 +121,11 @@ def _why_not(value: Any, source: int) -> str | None:
     sampler = getattr(value, "sampler", value)
     if type(sampler).__name__ == "DistributedSampler":
         return f"its DistributedSampler is rank {source}'s (make it again on this rank)"
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and isinstance(value, distributed.ProcessGroup):
+        return "a process group is made by every rank together (make it again on every rank)"
+    if type(value).__name__ == "DeviceMesh":
+        return "a DeviceMesh is made by every rank together (make it again on every rank)"
     return None
 
 

@@ -36,10 +36,12 @@ class Death:
     rank: int
     code: int
     names: tuple[str, ...]
+    imports: tuple[str, ...] = ()
 
     def line(self) -> str:
         """The cell's header line once the rank is replaced."""
-        gone = f"{_listed(self.names)} {'is' if len(self.names) == 1 else 'are'} gone there" if self.names else \
+        gone = _listed([*self.names, *([f"its imports ({_listed(self.imports)})"] if self.imports else [])])
+        gone = f"{gone} {'is' if len(self.names) + bool(self.imports) == 1 else 'are'} gone there" if gone else \
             "it held no names"
         return (f"taas: rank {self.rank} {describe_exit(self.code)} and was replaced by a new process: {gone}; "
                 f"the other ranks kept theirs (%taas heal --from 0 copies rank 0's)")
@@ -72,7 +74,8 @@ def tell_survivors(group: ProcessGroup, send: Send, dead: Mapping[int, int], hel
                    after: str, why: str) -> Pending:
     """``Abandon`` naming the ``dead`` to every other rank: their collectives end, their groups are renewed after
     ``after`` before the next cell (the default one joined by the new ranks)."""
-    deaths = tuple(Death(rank, code, held[rank].names if rank in held else ()) for rank, code in sorted(dead.items()))
+    deaths = tuple(Death(rank, code, held[rank].names, held[rank].imports) if rank in held else Death(rank, code, ())
+                   for rank, code in sorted(dead.items()))
     frame = protocol.encode(protocol.Abandon(after, why, tuple(sorted(dead))))
     for child in group.children:
         if child.index not in dead:
@@ -98,5 +101,7 @@ def replace(pending: Pending, held: Mapping[int, CellDone], forget: Callable[[in
 
 
 def _listed(names: Sequence[str], most: int = 8) -> str:
+    if not names:
+        return ""
     shown = list(names[:most]) + ([f"{len(names) - most} more"] if len(names) > most else [])
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
