@@ -46,7 +46,10 @@ the next working cell (an ``all_reduce`` that prints the global: taas's ranks ke
 cannot end its cell, so the person restarts the kernel and makes the group again, and the global is gone), target
 at most 3 s; and the interrupt of a cell stuck in a collective (rank 1 loops in Python, rank 0 waits in
 ``all_reduce``), the interrupt -> the reply (taas: the autopsy, then the ranks kept; jupyter-distributed: no reply
-within 10 s, so the restart, to the next working cell). Each with the median of the paired ratios.
+within 10 s, so the restart, to the next working cell); and a rank killed (rank 1 SIGKILLs itself while rank 0 waits
+in ``all_reduce``), its request -> the next kept cell's first line, an ``all_reduce`` done with the new rank 1 (taas:
+rank 0 keeps the global; jupyter-distributed: the interrupt, then the restart, to the next working cell's reply).
+Each with the median of the paired ratios.
 
 ``--paired`` (with ``--jupyter-distributed``): only the first two rows, taas's kept ranks and jupyter-distributed's
 side by side in ABBA pairs; the median of the paired ratios and its 95% interval (bench/intervals.py).
@@ -93,6 +96,9 @@ STATE = "state = 'kept'\n"
 NEXT = "dist.all_reduce(torch.ones(1))\nprint('state', globals().get('state', 'lost'))\n"
 STUCK = ("import time\nprint('looping', flush=True)\nif dist.get_rank() == 1:\n    while True:\n        time.sleep(0.01)\n"
          "dist.all_reduce(torch.ones(1))\n")
+KILLED = ("import os, signal, time\nprint('killing', flush=True)\ntime.sleep(0.2)\nif dist.get_rank() == 1:\n"
+          "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(torch.ones(1))\n")
+FIRST_AFTER = "t = torch.ones(1)\ndist.all_reduce(t)\nprint('first', t.item(), 'state', globals().get('state', 'lost'))\n"
 
 
 def taas_failed_to_next(kernel: Kernel) -> tuple[float, str]:
@@ -119,11 +125,25 @@ def taas_stuck_interrupt(kernel: Kernel) -> float:
     return seconds
 
 
+def taas_killed_to_first_line(kernel: Kernel) -> tuple[float, str]:
+    """taas: a kept cell where rank 1 is killed (SIGKILL) while rank 0 waits in all_reduce, its request -> the next
+    kept cell's first line (an all_reduce with the new rank 1 done); what that cell printed."""
+    msg_id, started = kernel.submit(KEEP + KILLED)
+    failed = kernel.collect(msg_id, started, timeout=120)
+    if "the other ranks are kept" not in failed.error_text() + failed.stream():
+        raise RuntimeError(f"the killed rank's cell did not keep the others: {failed.error_text()}")
+    msg_id, next_started = kernel.submit(KEEP + FIRST_AFTER)
+    kernel.wait_for_stream(msg_id, "first", timeout=120)
+    seconds = time.monotonic() - started
+    return seconds, kernel.collect(msg_id, next_started, timeout=120).stream()
+
+
 def failures(site: str, runs: int) -> dict[str, tuple[list[float], list[float], set[str]]]:
     """``--failures`` (see the module docstring): per row, taas's seconds, jupyter-distributed's, and what each
     printed of the global (or how jupyter-distributed got back)."""
     init = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-    rows: dict[str, tuple[list[float], list[float], set[str]]] = {"failed": ([], [], set()), "stuck": ([], [], set())}
+    rows: dict[str, tuple[list[float], list[float], set[str]]] = {
+        "failed": ([], [], set()), "stuck": ([], [], set()), "killed": ([], [], set())}
     with other_kernel(jd_environment(site), "jdist") as theirs:
         ours = Kernel()
         try:
@@ -151,7 +171,20 @@ def failures(site: str, runs: int) -> dict[str, tuple[list[float], list[float], 
                     rows["stuck"][2].add(f"jupyter-distributed: {how}")
                     reply(theirs, STATE)
 
-                for first, second in ((taas_failed, their_failed), (taas_stuck, their_stuck)):
+                def taas_killed() -> None:
+                    seconds, printed = taas_killed_to_first_line(ours)
+                    rows["killed"][0].append(seconds)
+                    rows["killed"][2].add("taas: " + " ".join(sorted(set(re.findall(r"state \w+", printed)))))
+
+                def their_killed() -> None:
+                    shown, recovered, how = jd_recovery(theirs, init, KILLED, "killing", interrupt_at_once=False)
+                    rows["killed"][1].append(shown + recovered)
+                    rows["killed"][2].add(f"jupyter-distributed: {how}; "
+                                          + said_state(theirs, "print('state', globals().get('state', 'lost'))\n"))
+                    reply(theirs, STATE)
+
+                for first, second in ((taas_failed, their_failed), (taas_stuck, their_stuck),
+                                      (taas_killed, their_killed)):
                     for cell in (first, second) if pair % 2 == 0 else (second, first):
                         time.sleep(0.5)
                         cell()
@@ -236,7 +269,9 @@ def main() -> None:
               + "| --- " * 5 + "|")
         for name, title, target in (("failed", "failed collective: request to the next working cell's reply", "<= 3 s"),
                                     ("stuck", "interrupt of a cell stuck in a collective: to its reply (jupyter-"
-                                     "distributed: to the next working cell)", "<= 3 s")):
+                                     "distributed: to the next working cell)", "<= 3 s"),
+                                    ("killed", "rank 1 killed in a collective: request to the next kept cell's first "
+                                     "line (jupyter-distributed: to the next working cell's reply)", "")):
             ours, theirs, said = failed[name]
             ratios = [a / b for a, b in zip(ours, theirs)]
             print(f"| {title} | " + " | ".join(row("", values, None, "", unit).split(" | ")[1] for values, unit in (

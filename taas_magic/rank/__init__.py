@@ -11,6 +11,7 @@ Nothing here imports IPython or torch eagerly: a rank pays for what its cell use
   communicator is renewed under the same group object.
 - ``communicator.py``: one communicator of an abortable group: made, its sockets shut down, reaped.
 - ``recovery.py``: what a failed kept cell left half done in its models (FSDP2's iteration state), reset.
+- ``heal.py``: ``%taas heal --from K``: a kept rank's names copied into the ranks that lack them.
 - ``startup.py``: how every process the kernel starts begins and ends (a rank, a warm spare, a data
   worker): watchdog, handshake, write rule, lifeline, channel, exit.
 - ``execute.py``: the cell, run as a module's body, the way IPython would but not interactively.

@@ -21,7 +21,7 @@ from taas_magic.kernel.supervision.mux import FrameArrived, PeerExited
 from taas_magic.kernel.supervision.server import PeerServer
 from taas_magic.kernel.supervision.verdict import TimedOut, Verdict
 from taas_magic.output.relay import OutputRelay
-from taas_magic.peers import RANK, Peer, PeerIds
+from taas_magic.peers import RANK, WORKER, Peer, PeerIds
 from taas_magic.protocol import CellDone, RankError
 from tests.unit.recording import WrittenText
 
@@ -86,7 +86,8 @@ class _Mux:
         self.log.append(("send", peer.index, body))
         return True
 
-    def forget_workers(self) -> None:
+    def forget(self, which) -> None:
+        assert which(Peer(WORKER, 0)) and not which(Peer(RANK, 0)), "only a kept cell's data workers are forgotten"
         self.log.append("forget workers")
 
     def close(self) -> None:
@@ -163,6 +164,10 @@ def _parts():
                                  server=types.SimpleNamespace(readmit=lambda peers: None))
 
 
+def _no_replacement(rank: int, joins: str | None) -> None:
+    pytest.fail("no rank died: none is replaced")
+
+
 def _run(policy: Keeping, supervised: _Supervised):
     """The loop as attempts.run_ranks drives it around the selector: its outcome or the exception it raised."""
     policy.mux(_parts())
@@ -177,7 +182,7 @@ def _run(policy: Keeping, supervised: _Supervised):
 def test_a_cell_on_running_ranks_sends_each_rank_its_frames_then_shows_its_displays_and_keeps_them(clock):
     log: list = []
     ranks = _kept(log)
-    policy = Keeping(ranks, start=lambda attempt: pytest.fail("running ranks are not started again"), run_id=RUN)
+    policy = Keeping(ranks, start=lambda attempt: pytest.fail("running ranks are not started again"), run_id=RUN, replace=_no_replacement)
     outcome = _run(policy, _Supervised(clock, log, [_done(0), _done(1), _done(2), DONE]))
     assert outcome == DONE
     sends = [("send", rank, body) for rank in range(RANKS) for body in (b"spec", b"closure")]
@@ -196,7 +201,7 @@ def test_new_ranks_show_their_displays_before_they_start_and_are_kept_after_the_
         log.append(("start", attempt))
         return group
 
-    policy = Keeping(ranks, start, run_id=RUN)
+    policy = Keeping(ranks, start, run_id=RUN, replace=_no_replacement)
     assert policy.fresh
     server = PeerServer(wire.new_key(), RANKS)  # the new ranks' selector listens on it
     readmit = server.readmit
@@ -220,7 +225,7 @@ def test_a_rank_that_raised_while_the_others_end_their_cell_is_the_cells_error_a
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [_raised(1), _done(1, raised=True)],
                              later={clock.now + 0.1: [_done(0)], clock.now + 0.3: [_done(2)]})
-    failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
+    failure = _run(Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement), supervised)
     assert isinstance(failure, RankFailed) and failure.rank == 1 and not failure.stopped  # no rank was stopped
     assert failure.notes == (KEPT_LINE,) and failure.last_lines == ("its last line",)
     assert supervised.lines == ["taas: rank 1 on host-a raised ValueError: x"]  # said at once, before the others' time
@@ -235,7 +240,7 @@ def test_ranks_still_in_their_cell_after_the_wait_are_abandoned_and_kept_when_th
     ended = [_done(0, raised=True), _done(2, raised=True)]  # each one's KeyboardInterrupt ends its cell
     supervised = _Supervised(clock, log, [_raised(1), _done(1, raised=True)],
                              later={clock.now + KEEP_WAIT_SECONDS + 0.5: ended})
-    failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
+    failure = _run(Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement), supervised)
     assert isinstance(failure, RankFailed) and failure.notes == (KEPT_LINE,)
     assert _abandoned(log) == [0, 1, 2]  # ranks 0 and 2 are interrupted by it, in their cell; rank 1's is over
     assert ("stop everything", False) not in log and ranks.lost is None
@@ -244,7 +249,7 @@ def test_ranks_still_in_their_cell_after_the_wait_are_abandoned_and_kept_when_th
 def test_ranks_that_do_not_end_their_cell_even_interrupted_are_stopped_and_their_state_is_lost(clock):
     log: list = []
     ranks = _kept(log)
-    failure = _run(Keeping(ranks, start=None, run_id=RUN), _Supervised(clock, log, [_raised(1), _done(1, raised=True)]))
+    failure = _run(Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement), _Supervised(clock, log, [_raised(1), _done(1, raised=True)]))
     assert isinstance(failure, RankFailed) and failure.notes == (keptcell.lost_line(
         "not every rank ended its cell after the failure, even interrupted"),)
     assert clock.now >= 1000.0 + KEEP_WAIT_SECONDS + FAILURE_INTERRUPT_SECONDS
@@ -255,7 +260,7 @@ def test_ranks_that_do_not_end_their_cell_even_interrupted_are_stopped_and_their
 def test_a_rank_that_exits_even_with_0_fails_the_cell_and_costs_every_ranks_state(clock):
     log: list = []
     ranks = _kept(log)
-    policy = Keeping(ranks, start=None, run_id=RUN)
+    policy = Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement)
     ranks.group.children[2].code = 0  # in the cell
     failure = _run(policy, _Supervised(clock, log, [PeerExited(Peer(RANK, 2), 0)]))
     assert isinstance(failure, RankFailed) and "exited in a kept cell (code 0) instead of ending it" in str(failure)
@@ -267,7 +272,7 @@ def test_a_timeout_abandons_the_ranks_at_once_and_keeps_them_if_they_end_their_c
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [_done(0), TimedOut(5.0, (1, 2), ("rank 1 waits in all_reduce",))],
                              later={clock.now + 0.1: [_done(1, raised=True), _done(2, raised=True)]})
-    failure = _run(Keeping(ranks, start=None, run_id=RUN), supervised)
+    failure = _run(Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement), supervised)
     assert isinstance(failure, RunTimeout) and not failure.stopped and failure.notes[-1] == KEPT_LINE
     assert _abandoned(log) == [0, 1, 2]
     assert clock.now < 1000.0 + KEEP_WAIT_SECONDS  # no wait for the others before the interrupt
@@ -278,7 +283,7 @@ def test_an_interrupt_that_every_rank_obeys_keeps_them_with_no_autopsy(clock):
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [KeyboardInterrupt()],
                              later={clock.now + 0.2: [_done(rank, raised=True) for rank in range(RANKS)]})
-    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
+    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement), supervised), KeyboardInterrupt)
     assert supervised.lines == [KEPT_LINE] and "explain stop" not in log and ranks.lost is None
     assert _abandoned(log) == [0, 1, 2]  # a collective an interrupt left half done is not used again
 
@@ -290,7 +295,7 @@ def test_an_interrupt_a_rank_does_not_obey_gets_the_autopsy_then_abandon_and_the
     supervised = _Supervised(clock, log, [KeyboardInterrupt()], later={
         clock.now + 0.2: [_done(0, raised=True)],
         clock.now + keptcell.INTERRUPT_WAIT_SECONDS + 0.3: [_done(1, raised=True), _done(2, raised=True)]})
-    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
+    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement), supervised), KeyboardInterrupt)
     assert "explain stop" in log and log.index("explain stop") < [entry[0] if isinstance(entry, tuple) else entry
                                                                   for entry in log].index("send", log.index("explain stop"))
     assert supervised.lines == [KEPT_LINE] and _abandoned(log) == [0, 1, 2] and ranks.lost is None
@@ -300,6 +305,6 @@ def test_an_interrupt_a_rank_does_not_obey_even_abandoned_costs_every_ranks_stat
     log: list = []
     ranks = _kept(log)
     supervised = _Supervised(clock, log, [KeyboardInterrupt()], later={clock.now + 0.2: [_done(0, raised=True)]})
-    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN), supervised), KeyboardInterrupt)
+    assert isinstance(_run(Keeping(ranks, start=None, run_id=RUN, replace=_no_replacement), supervised), KeyboardInterrupt)
     assert "explain stop" in log and supervised.lines == [keptcell.lost_line("a rank did not stop in time (in C code)")]
     assert ("stop everything", False) in log and ranks.group is None and ranks.lost == "every rank was stopped"

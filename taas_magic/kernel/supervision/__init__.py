@@ -11,6 +11,7 @@
   again, and the restart line.
 - ``keptcell.py``: keep-on-failure (``--keep``), a policy: kept ranks, and what a failure or an
   interrupt keeps.
+- ``replacement.py``: a kept rank that died, replaced by a new process while the others keep theirs.
 - ``dataplane.py``: the data workers' kernel half, set up before any process starts.
 - ``prompts.py``: the ranks' pdb prompts between the ranks and the waiting cell; the hold.
 

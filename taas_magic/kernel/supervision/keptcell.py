@@ -153,7 +153,7 @@ class Keeping:
             assert ranks.mux is not None and ranks.group is not None
             ranks.mux.channels.ids, ranks.mux.channels.greeting = parts.ids, parts.greeting
             self._readmit = parts.server.readmit
-            dead = ranks.dead()
+            dead = ranks.dead() if ranks.lives() else {}  # (a death that cannot be replaced fails the cell)
             if dead and (ranks.pending is None or set(ranks.pending.ranks) != set(dead)):  # died since the last cell
                 ranks.pending = replacement.tell_survivors(ranks.group, ranks.mux.send, dead, ranks.held,
                                                            f"{self.run_id}-replaced", replacement.why_dead(dead))
@@ -182,7 +182,7 @@ class Keeping:
         assert mux is not None
 
         def forget(rank: int) -> None:
-            mux.forget_rank(rank)
+            mux.forget(lambda peer: peer == Peer(RANK, rank))
             self._readmit([rank])
 
         try:
@@ -247,7 +247,7 @@ class Keeping:
         if mux is not None:
             mux.channels.greeting = _no_greeting  # the mux outlives the cell: not its frames
         if self.kept and mux is not None:
-            mux.forget_workers()
+            mux.forget(_not_a_rank)
         else:
             self.ranks.lost = self.ranks.lost or "every rank was stopped"
             self.ranks.close()
@@ -305,6 +305,10 @@ def _abandon_every_rank(supervisor: Supervised, ranks: KeptGroup, run_id: str, w
 
 def _nothing() -> None:
     return None
+
+
+def _not_a_rank(peer: Peer) -> bool:
+    return not peer.is_rank  # a kept cell's data worker, stopped with it
 
 
 def _nothing_readmitted(ranks: list[int]) -> None:

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 from taas_magic import protocol, wire
 from taas_magic.kernel.supervision.server import PeerConnection, PeerServer, PendingPeer
 from taas_magic.launch.contract import ChildProcess
-from taas_magic.peers import RANK, Peer, PeerIds
+from taas_magic.peers import Peer, PeerIds
 from taas_magic.protocol import ToKernel
 
 DRAIN_READS = 256  # at most this many reads of a pipe being drained (a leftover child may still write)
@@ -289,19 +289,12 @@ class Mux:
                 self.selector.unregister(fd)
                 del self.pipes[fd]
                 yield OutputEnded(peer, stream)
-        self._forget(lambda peer: peer.is_rank)
+        self.forget(lambda peer: peer.is_rank)
         self.channels.server.readmit(range(self.channels.ids.ranks))
 
-    def forget_rank(self, rank: int) -> None:
-        """A kept rank that died, as a new process takes its place (keptcell.py): the dead one forgotten."""
-        self._forget(lambda peer: peer == Peer(RANK, rank))
-
-    def forget_workers(self) -> None:
-        """After a kept cell (keptcell.py): its data workers, stopped with it, are forgotten; the ranks stay watched."""
-        self._forget(lambda peer: not peer.is_rank)
-
-    def _forget(self, which: Callable[[Peer], bool]) -> None:
-        """Stop watching the peers ``which`` picks: their pipes, exits, processes and channels."""
+    def forget(self, which: Callable[[Peer], bool]) -> None:
+        """Stop watching the peers ``which`` picks: their pipes, exits, processes and channels (a kept cell's data
+        workers after it, stopped with it; a kept rank that died, as a new process takes its place: keptcell.py)."""
         watched = self.selector.get_map()
         for fd, (peer, _) in list(self.pipes.items()):
             if which(peer):
