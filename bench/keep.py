@@ -98,7 +98,7 @@ STUCK = ("import time\nprint('looping', flush=True)\nif dist.get_rank() == 1:\n 
          "dist.all_reduce(torch.ones(1))\n")
 KILLED = ("import os, signal, time\nprint('killing', flush=True)\ntime.sleep(0.2)\nif dist.get_rank() == 1:\n"
           "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(torch.ones(1))\n")
-FIRST_AFTER = "t = torch.ones(1)\ndist.all_reduce(t)\nprint('first', t.item(), 'state', globals().get('state', 'lost'))\n"
+FIRST_AFTER = "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('first', t.item(), 'state', globals().get('state', 'lost'))\n"
 
 
 def taas_failed_to_next(kernel: Kernel) -> tuple[float, str]:

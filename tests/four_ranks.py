@@ -1,6 +1,8 @@
 """Checks that run alike on Ray (tests/ray) and Slurm (tests/slurm): four ranks over two hosts, in a kernel
 attached to the cluster, whose working folder is a repository both hosts see."""
 
+import re
+
 from tests.kernel_client import Kernel
 from tests.view_cells import expected, gathered
 
@@ -39,3 +41,23 @@ def a_failed_collective_costs_the_cell_not_the_kept_ranks(kernel: Kernel, keep: 
     for rank, pid in pids.items():
         kept = 10 * int(rank) + (int(rank) != 1)  # the others added 1 before they waited
         assert f"[rank {rank}] again {pid.split()[0]} {kept} 4.0" in again.stream(), again.stream()
+
+
+def a_killed_rank_is_replaced_and_the_others_keep_their_state(kernel: Kernel, keep: str, pids: dict[str, str]) -> None:
+    """kernel/supervision/replacement.py on a cluster: in kept ranks (``keep``, their ``pids`` by rank, each with
+    ``mine`` and a default group), rank 3 (the second host's) is killed while the others wait in all_reduce; the
+    cell fails naming it, and the next kept cell runs with a new rank 3 there, the others in their processes with
+    their globals, and the group works across both hosts."""
+    failed = kernel.execute(keep + "import signal\nif dist.get_rank() == 3:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                            "dist.all_reduce(torch.ones(1))\n")
+    said = failed.error_text() + failed.stream()
+    assert "rank 3 on " in said and "was killed by SIGKILL" in said, said
+    assert "the next --keep cell starts a new rank 3 in its place" in said, said
+    again = kernel.execute(keep + "import os, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                           "print('again', os.getpid(), globals().get('mine'), t.item())\n")
+    assert again.reply["status"] == "ok", again.error_text()
+    assert "taas: rank 3 was killed by SIGKILL and was replaced by a new process" in again.stream(), again.stream()
+    for rank in ("0", "1", "2"):
+        assert re.search(rf"\[rank {rank}\] again {pids[rank].split()[0]} \d+ 4\.0", again.stream()), again.stream()
+    replaced = re.search(r"\[rank 3\] again (\d+) None 4\.0", again.stream())
+    assert replaced and replaced.group(1) != pids["3"].split()[0], again.stream()

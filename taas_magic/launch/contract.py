@@ -164,6 +164,7 @@ class Backend(Protocol):
     listen_host: str  # where the kernel's rank server listens
     memory_files: bool  # the ranks share this host's /dev/shm
     loopback_only: bool  # every rank runs on this host
+    replaces_ranks: bool  # a kept rank that died gets a new process in its place (ProcessGroup.replace)
 
     def layout(self) -> str | None:
         """A header line saying where the ranks run, or None when that is this host."""

@@ -21,7 +21,8 @@ import psutil
 import pytest
 
 from taas_magic.output.budget import log_dir
-from tests.four_ranks import (a_failed_collective_costs_the_cell_not_the_kept_ranks, every_rank_sees_rank_0s_writes,
+from tests.four_ranks import (a_failed_collective_costs_the_cell_not_the_kept_ranks,
+                              a_killed_rank_is_replaced_and_the_others_keep_their_state, every_rank_sees_rank_0s_writes,
                               the_hang_line_is_said_once_and_the_cell_completes)
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
 from tests.view_cells import CHANGES
@@ -196,6 +197,7 @@ def test_kept_ranks_stay_in_the_allocation_across_cells_until_released(attached,
     for rank, pid in pids.items():
         assert f"[rank {rank}] pid {pid} mine {10 * int(rank)} sum 4.0" in second.stream(), second.stream()
     a_failed_collective_costs_the_cell_not_the_kept_ranks(attached, keep, pids)
+    a_killed_rank_is_replaced_and_the_others_keep_their_state(attached, keep, pids)
     assert steps(slurm, job_of(attached)), "the kept ranks' step ended with its cell"
     released = attached.execute("%taas release")
     assert "released the kept ranks (4 rank(s) on auto, Slurm job" in released.stream(), released.stream()

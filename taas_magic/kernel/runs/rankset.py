@@ -177,8 +177,8 @@ class _Session:
 
     def policy(self, ranks: "RankSet", start: Callable[[int], ProcessGroup], attempts: Attempts, run_id: str,
                replace: ReplaceRank) -> Policy:
-        # a dead rank is replaced where the group's abort is taas's (gloo) and the engine starts one rank (this host)
-        ranks.ranks.replaces = ranks.backend.devices.device != "cuda" and ranks.shape.cluster == 0
+        # a dead rank is replaced where the group's abort is taas's (gloo) and the engine starts one rank in place
+        ranks.ranks.replaces = ranks.backend.devices.device != "cuda" and ranks.backend.replaces_ranks
         return Keeping(ranks.ranks, start, run_id, replace)  # the ranks outlive the cell (--restarts with --keep is refused)
 
     def lent(self, ranks: "RankSet", releases: ExitStack) -> None:

@@ -217,7 +217,8 @@ class Keeping:
         assert verdict.failure is not None, "only a failed attempt is judged"
         summary = str(verdict.failure).splitlines()[0]
         supervisor.relay.notice(f"taas: {summary}")
-        if not isinstance(verdict.failure, RunTimeout):
+        dead = self.ranks.dead()  # (the others wait for it in their collectives, held until Abandon: no wait)
+        if not isinstance(verdict.failure, RunTimeout) and not dead:
             _wait_for_every_cell(supervisor, self.ranks, KEEP_WAIT_SECONDS)
         dead = self.ranks.dead()
         if dead and self.ranks.lives():
@@ -319,7 +320,7 @@ def _why_lost(dead: dict[int, int]) -> str:
     if 0 in dead:
         return "rank 0 died, and the rendezvous store its process hosted with it"
     if dead:
-        return f"{replacement.why_dead(dead)}, and a dead rank is replaced only among CPU ranks on this host"
+        return f"{replacement.why_dead(dead)}, and a dead rank is replaced only among CPU ranks (gloo)"
     return "not every rank ended its cell after the failure, even interrupted"
 
 

@@ -36,14 +36,15 @@ import threading
 import time
 
 from taas_magic import wire
+from taas_magic.errors import LaunchError
 from taas_magic.feed.segments import CacheDirs, SegmentWriter
-from taas_magic.launch.contract import LaunchPlan
+from taas_magic.launch.contract import ChildProcess, LaunchPlan
 from taas_magic.launch.local.processes import LocalProcessGroup
 from taas_magic.launch.rankenv import visible_gpu_count
 from taas_magic.peers import STREAMS, HubChannels
 from taas_magic.procs import OWNER_VARIABLE, kill_tagged
 from taas_magic.tempdirs import remove_tree
-from taas_magic.writes.away import settle
+from taas_magic.writes.away import AwayHost, settle
 
 
 def connect_channel(hub: wire.Handshake, channel: int, timeout: float = 30) -> socket.socket:
@@ -68,6 +69,10 @@ class HostAgent:
         self._mirror: tuple[CacheDirs, SegmentWriter] | None = None  # records copied to this host
         self._owners: set[str] = set()  # the TAAS_OWNER tags of what this agent started
         self._ranks = range(0)  # the (global) ranks of this attempt on this host
+        self._local: tuple[str, AwayHost | None] = ("", None)  # the attempt's cwd here, and its away layers (or None)
+        self._watched: dict[int, tuple[ChildProcess, list[threading.Thread]]] = {}  # exits not reported: rank, pumps
+        self._reporter: threading.Thread | None = None
+        self._ending = threading.Event()  # end_ranks: the reporter's last look
 
     def describe(self) -> dict:
         import ray
@@ -97,7 +102,8 @@ class HostAgent:
         if away is not None:  # its ranks write in layers here, and send what is the repository's (writes/away.py)
             self._away.append(away.root)
             cwd = away.cwd
-            plan = dataclasses.replace(plan, places=[away.place(place) for place in plan.places])
+        self._local = (cwd, away)
+        plan = self._here(plan)
         layers = [place.layer for place in plan.places if place.layer]
         stacks = {os.path.dirname(path) for path in plan.stack_files}
         self._owners = {env[OWNER_VARIABLE] for env in plan.envs if env.get(OWNER_VARIABLE)}
@@ -105,39 +111,62 @@ class HostAgent:
             made = _make_owner_only(path)  # another host: its scratch layer or cache lives here
             if made is not None:
                 self._made_dirs.append(made)
-        local_plan = dataclasses.replace(plan, cwd=cwd)
         if command:
-            self.group = LocalProcessGroup.start(local_plan, command, "data worker")
+            self.group = LocalProcessGroup.start(plan, command, "data worker")
         else:
-            self.group = LocalProcessGroup.start(local_plan)
+            self.group = LocalProcessGroup.start(plan)
         self._ranks = range(first_rank, first_rank + len(self.group.children))
-        outputs = []
-        for local in self.group.children:
-            for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
-                sock = connect_channel(hub, HubChannels.stream(first_rank + local.index, stream))
-                self._sockets.append(sock)
-                outputs.append((local.index, fd, sock))
+        self._watched = {local.index: (local, self._pump_out(local, hub)) for local in self.group.children}
         control_sock = connect_channel(hub, control)
         self._sockets.append(control_sock)
-        pumps: dict[int, list[threading.Thread]] = {}
-        for rank, fd, sock in outputs:
-            pump = threading.Thread(target=_pump, args=(fd, sock), name=f"taas-pump-{rank}", daemon=True)
-            pumps.setdefault(rank, []).append(pump)
-            pump.start()
-        reporter = threading.Thread(target=self._report_exits, args=(pumps, control_sock), name="taas-exits", daemon=True)
-        reporter.start()
-        self._threads = [thread for threads in pumps.values() for thread in threads] + [reporter]
+        self._reporter = threading.Thread(target=self._report_exits, args=(control_sock,), name="taas-exits",
+                                          daemon=True)
+        self._reporter.start()
+        self._threads.append(self._reporter)
 
-    def _report_exits(self, pumps: dict[int, list[threading.Thread]], control: socket.socket) -> None:
-        pending = {local.index: local for local in self.group.children}
+    def replace(self, local: int, plan: LaunchPlan, hub: wire.Handshake) -> None:
+        """A new process in this host's dead rank ``local``'s place, as ``plan`` (this host's part of the attempt's)
+        starts it; its output pumped to the hub again and its exit reported as the others' (a kept rank that died:
+        kernel/supervision/replacement.py)."""
+        if self._reporter is None or not self._reporter.is_alive():
+            raise LaunchError("taas: this host's control channel to the kernel is closed")
+        child = self.group.replace(local, self._here(plan))
+        pumps = self._pump_out(child, hub)
+        self._watched[local] = (child, pumps)
+
+    def _here(self, plan: LaunchPlan) -> LaunchPlan:
+        """``plan`` as this host runs it: its working folder, and its places in layers where it does not see the
+        repository."""
+        cwd, away = self._local
+        if away is not None:
+            plan = dataclasses.replace(plan, places=[away.place(place) for place in plan.places])
+        return dataclasses.replace(plan, cwd=cwd)
+
+    def _pump_out(self, local: ChildProcess, hub: wire.Handshake) -> list[threading.Thread]:
+        """The rank's stdout and stderr, each pumped into its channel to the hub."""
+        pumps = []
+        rank = self._ranks.start + local.index
+        for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
+            sock = connect_channel(hub, HubChannels.stream(rank, stream))
+            self._sockets.append(sock)
+            pump = threading.Thread(target=_pump, args=(fd, sock), name=f"taas-pump-{rank}", daemon=True)
+            pump.start()
+            pumps.append(pump)
+        self._threads.extend(pumps)
+        return pumps
+
+    def _report_exits(self, control: socket.socket) -> None:
+        """Each rank's exit code once its output reached end of file, until the ranks end (a kept rank that died
+        may be replaced: its new process is watched as the first was)."""
         try:
-            while pending:
-                for index, local in list(pending.items()):
+            while self._watched or not self._ending.is_set():
+                for index, (local, pumps) in list(self._watched.items()):
                     code = local.poll()
-                    if code is None or any(pump.is_alive() for pump in pumps[index]):
+                    if code is None or any(pump.is_alive() for pump in pumps):
                         continue
                     control.sendall(f"{index} {code}\n".encode())
-                    del pending[index]
+                    if self._watched.get(index, (None,))[0] is local:  # (not replaced meanwhile)
+                        del self._watched[index]
                 time.sleep(0.02)
         except OSError:
             pass  # the kernel went away; close() (or the agent's death) stops the ranks
@@ -179,10 +208,12 @@ class HostAgent:
         """This attempt's processes are stopped and reaped, with what they left (a restart follows, or
         :meth:`close`); the master port, the element copies and the made folders stay."""
         self.group.stop()  # the pumps see end of file before their pipes are closed
+        self._ending.set()  # the reporter says the last exits, then ends
         for thread in self._threads:
             thread.join(timeout=5)
         self.group.close()
-        self.group, self._ranks = LocalProcessGroup([]), range(0)
+        self.group, self._ranks, self._watched, self._reporter = LocalProcessGroup([]), range(0), {}, None
+        self._ending = threading.Event()
         for owner in self._owners:
             kill_tagged(owner)  # what they started and left, on this host
         for path in self._away:  # what they wrote for the repository was sent as each ended; Ray kills agents unclosed

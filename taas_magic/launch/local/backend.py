@@ -35,6 +35,7 @@ class LocalBackend:
     listen_host = LOOPBACK
     memory_files = True
     loopback_only = True
+    replaces_ranks = True
 
     def __init__(self, gpus: int, spares: SparePool | None, refill: Callable[[], int] | None, device: str = "auto",
                  gpu_slice: GpuSlice | None = None):

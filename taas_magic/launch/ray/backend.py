@@ -23,6 +23,7 @@ class RayBackend:
 
     memory_files = False  # a file in this host's /dev/shm reaches no other host: bytes go in the frames
     loopback_only = False
+    replaces_ranks = True
 
     @classmethod
     def place(cls, ray: Any, nodes: Callable[[], list[Node]], gpus: int, per_host: int | None,

@@ -31,7 +31,7 @@ from taas_magic.launch.hosts.agent import HostAgent
 from taas_magic.launch.hosts.outputhub import HostControl, OutputHub
 from taas_magic.launch.placement import HostShare, Node, RankSlot, describe_free, worker_blocks
 from taas_magic.launch.ray.courier import RayCourier
-from taas_magic.peers import HubChannels
+from taas_magic.peers import STREAMS, HubChannels
 
 SHUTDOWN_PATIENCE = 10.0  # seconds for the agents to stop and reap their ranks before ray.kill
 LOST_HOST_PATIENCE = 10.0  # seconds an agent may take to answer before its host counts as gone
@@ -91,6 +91,7 @@ class RayProcessGroup:
         self._hub = hub
         self.children = ranks
         self._closed = False
+        self._shares: list[tuple[int, int]] = []  # each agent's first (global) rank and how many
 
     @classmethod
     def start(cls, ray: Any, hosts: list[tuple[Any, LaunchPlan, str]],
@@ -106,6 +107,7 @@ class RayProcessGroup:
             starting, first = [], 0
             for index, (agent, plan, _) in enumerate(hosts):
                 starting.append(agent.start.remote(plan, first, hub.handshake, channels.control(index), **start_options))
+                group._shares.append((first, plan.world_size))
                 first += plan.world_size
             hub.collect(time.monotonic() + timeout, starting, ray)
             first = 0
@@ -142,9 +144,25 @@ class RayProcessGroup:
             pass  # and close() kills what is left; the run's own error is what the person must see
         return signals
 
-    def replace(self, rank: int, plan: LaunchPlan) -> ChildProcess:
-        """Not yet on Ray: its ranks' output and control channels are made once per host as the ranks start."""
-        raise LaunchError("taas: a kept rank that died is not replaced on Ray yet (only on this host)")
+    def replace(self, rank: int, plan: LaunchPlan, timeout: float = 120.0) -> ChildProcess:
+        """Its host's agent starts a new process in dead rank ``rank``'s place (``plan``: the attempt's, every
+        rank's), whose output channels connect to the hub again; its exit comes on the host's control channel."""
+        dead = self.children[rank]
+        host = next(index for index, (first, count) in enumerate(self._shares) if first <= rank < first + count)
+        first, count = self._shares[host]
+        for stream in STREAMS:
+            old = self._hub.connected.pop(HubChannels.stream(rank, stream), None)
+            if old is not None:
+                old.close()
+        dead.control.codes.pop(dead.local_index, None)
+        self._hub.collect(time.monotonic() + timeout,
+                          [self._agents[host].replace.remote(dead.local_index, plan.part(first, count),
+                                                              self._hub.handshake)], self._ray)
+        self.children[rank] = RayChild(rank, dead.host,
+                                       self._hub.connected[HubChannels.stream(rank, "stdout")].fileno(),
+                                       self._hub.connected[HubChannels.stream(rank, "stderr")].fileno(),
+                                       dead.control, dead.local_index)
+        return self.children[rank]
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         """Each host's agent signals its ranks and reads their dumps there (stacks.py)."""

@@ -49,6 +49,7 @@ class SlurmBackend:
 
     memory_files = False  # a file in this host's /dev/shm reaches no other node: bytes go in the frames
     loopback_only = False
+    replaces_ranks = True
 
     def __init__(self, allocation: Allocation, gpus: int):
         self._allocation = allocation

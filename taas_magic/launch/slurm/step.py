@@ -39,7 +39,7 @@ from taas_magic.launch.hosts.outputhub import HostControl, OutputHub
 from taas_magic.launch.slurm import slurmcli
 from taas_magic.launch.slurm.task import COMMAND
 from taas_magic.launch.slurm.taskcommands import TaskCommands
-from taas_magic.peers import StepChannels
+from taas_magic.peers import STREAMS, StepChannels
 
 START_PATIENCE = 120.0  # seconds for Slurm to start the step's tasks and each to connect
 COMMAND_PATIENCE = 10.0  # seconds a task may take to answer a stop (its ladder takes at most 4.5 s)
@@ -205,6 +205,7 @@ class SlurmStep:
         self.step = ""
         self._tasks = TaskCommands()
         self._closed = False
+        self._gpus = False  # one GPU per task (its target's)
 
     @classmethod
     def start(cls, target: StepTarget, plan: LaunchPlan, key: bytes, command: tuple[str, ...] | None = None,
@@ -216,6 +217,7 @@ class SlurmStep:
         step = cls(OutputHub(target.listen_host, key, len(channels)))
         try:
             step._srun = srun = Srun(target.srun(count), plan.cwd)
+            step._gpus = target.gpus
             srun.tell_tasks(step._hub.handshake.line())
             deadline = time.monotonic() + START_PATIENCE
             step._collect(deadline, [channels.command(task) for task in range(count)], stop_asked)
@@ -312,8 +314,26 @@ class SlurmStep:
         return signals
 
     def replace(self, rank: int, plan: LaunchPlan) -> ChildProcess:
-        """Not yet on Slurm: its ranks' output and control channels are made once per host as the ranks start."""
-        raise LaunchError("taas: a kept rank that died is not replaced on Slurm yet (only on this host)")
+        """Task ``rank`` starts a new process in its dead rank's place (``plan``: the attempt's, every rank's), whose
+        output channels connect to the hub again; its exit comes on the task's exit channel, as the first's did."""
+        dead, channels = self.children[rank], StepChannels(len(self.children))
+        streams = [channels.stream(rank, stream) for stream in STREAMS]
+        for channel in streams:
+            old = self._hub.connected.pop(channel, None)
+            if old is not None:
+                old.close()
+        dead.control.codes.pop(0, None)
+        rank_plan = rank_plans(self.hellos, plan, self._gpus, None, ())[rank]
+        self._tasks.sockets[rank].sendall(json.dumps({"do": "replace", "plan": rank_plan, "number": -1}).encode()
+                                          + b"\n")
+        self._collect(time.monotonic() + START_PATIENCE, streams, lambda: False)  # (the task waits for these)
+        answer = self._tasks.read(rank, time.monotonic() + COMMAND_PATIENCE)
+        if "error" in answer:
+            raise LaunchError(f"taas: task {rank} on {dead.node} could not start a new rank {rank}: {answer['error']}")
+        hub = self._hub.connected
+        self.children[rank] = SlurmChild(rank, dead.node, hub[streams[0]].fileno(), hub[streams[1]].fileno(),
+                                         dead.control, dead.srun_ended, dead.srun_said)
+        return self.children[rank]
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         found: dict[int, str] = {}

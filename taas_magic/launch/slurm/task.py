@@ -31,9 +31,13 @@ import os
 import socket
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from taas_magic import wire
 from taas_magic.peers import StepChannels
+
+if TYPE_CHECKING:
+    from taas_magic.launch.contract import LaunchPlan
 
 COMMAND = (sys.executable, "-m", "taas_magic.launch.slurm.task")
 
@@ -103,17 +107,20 @@ class Task:
         self.send(where_slurm_put_me(address, port))
 
     def start(self) -> None:
-        from taas_magic.launch.contract import LaunchPlan
-
         line = self.reader.readline()
         if not line:
             raise ConnectionError("the kernel closed the command channel before sending the plan")
         plan = json.loads(line)
-        env = rank_env(plan["env"], plan.get("visible"), plan.get("threads"))
-        launch = LaunchPlan(1, [env], plan["cwd"], plan["handshake"], [wire.Placement.parse(plan["place"])],
-                            [plan["stack_file"]] if plan.get("stack_file") else [])
-        self.agent.start(launch, self.task, self.hub, self.channels.exits(self.task),
+        self.agent.start(_launch_plan(plan), self.task, self.hub, self.channels.exits(self.task),
                          command=tuple(plan["command"]) if plan.get("command") else None, dirs=tuple(plan.get("dirs", ())))
+
+    def replace(self, plan: dict) -> dict:
+        """A new process in this task's dead rank's place (a kept rank: kernel/supervision/replacement.py)."""
+        try:
+            self.agent.replace(0, _launch_plan(plan), self.hub)
+        except Exception as error:  # noqa: BLE001 - said to the kernel, which says it in the cell
+            return {"error": f"{type(error).__name__}: {error}"}
+        return {"replaced": True}
 
     def serve(self) -> None:
         """The kernel's commands, one JSON line each, each answered with its number, until ``end``
@@ -135,6 +142,8 @@ class Task:
             elif what == "mirror":  # records from another node, into this node's cache for its ranks
                 places = self.agent.mirror(command["ram"], *(decode(text) for text in command["records"]))
                 self.send({"number": number, "places": [list(place) for place in places]})
+            elif what == "replace":
+                self.send({"number": number, **self.replace(command["plan"])})
             elif what == "end":
                 self.close()
                 self.send({"number": number, "ended": True})
@@ -146,6 +155,15 @@ class Task:
             if not self.closed:
                 self.closed = True
                 self.agent.close()
+
+
+def _launch_plan(plan: dict) -> LaunchPlan:
+    """The task's one rank (or data worker) as the kernel's plan line gives it."""
+    from taas_magic.launch.contract import LaunchPlan
+
+    env = rank_env(plan["env"], plan.get("visible"), plan.get("threads"))
+    return LaunchPlan(1, [env], plan["cwd"], plan["handshake"], [wire.Placement.parse(plan["place"])],
+                      [plan["stack_file"]] if plan.get("stack_file") else [])
 
 
 def _watch_stdin(task: Task) -> None:
