@@ -253,8 +253,10 @@ PRIVATE: tuple[Private, ...] = (
             "rank/recovery.py", attributes=("_is_root",)),
     Private("torch.distributed.distributed_c10d._world", "torch", TORCH,
             "its group_count, which names each new group (the store prefix its rendezvous uses): a rank that replaced a "
-            "dead kept one takes the survivors' count, so the next new_group has one name on every rank",
-            "rank/groups.py", attributes=("group_count",)),
+            "dead kept one takes the survivors' count, so the next new_group has one name on every rank; its pg_map, "
+            "whose default group's store (PrefixStore('{group_name}/', PrefixStore('default_pg', store)), as "
+            "init_process_group makes it) a survivor of rank 0 points at the new rank 0's store",
+            "rank/groups.py", attributes=("group_count", "pg_map")),
     # -- accelerate and the HF Trainer: the folder of their per-rank files, written in place (the [test] extra runs them)
     Private("accelerate.accelerator.save_accelerator_state", "accelerate", ACCELERATE,
             "replaced in accelerate.accelerator's namespace: Accelerator.save_state calls it with the folder where every "

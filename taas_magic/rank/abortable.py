@@ -237,6 +237,14 @@ class AbortableGroup(dist.ProcessGroup):
         dead.shut_down()
         reaper.take(dead)
 
+    def rehome(self, store: dist.Store) -> None:
+        """Its next communicators are made on ``store`` (rank 0 was replaced: its new process hosts the store)."""
+        self._store = store
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self._timeout
+
     def retire(self, why: str) -> None:
         """Never renewed: a rank it spans was replaced by a process that never made it."""
         self.abort(why)
@@ -292,6 +300,12 @@ def renew_all(after: str, replaced: tuple[int, ...] = ()) -> int:
     for group in aborted:
         group.renew(after)
     return len(aborted)
+
+
+def default_group() -> AbortableGroup | None:
+    """This rank's default group, if it is one of these (the first made)."""
+    live = _live_groups()
+    return live[0] if live and dist.is_initialized() else None
 
 
 def has_default_group() -> bool:

@@ -94,6 +94,8 @@ def renew_groups() -> None:
     abortable = sys.modules.get(ABORTABLE)
     run, replaced, _abandoned_run, _replaced = _abandoned_run, _replaced, None, ()
     if abortable is not None and run is not None:
+        if 0 in replaced:
+            groups.rehome_default_group()  # rank 0's process hosted the store: its new one hosts a new one
         abortable.renew_all(run, replaced)
         if replaced and abortable.has_default_group():
             groups.match_survivors()  # as the new rank does once it joined (rank/groups.py)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 from types import ModuleType
 from typing import Any, Callable
@@ -57,6 +58,28 @@ def join_survivors(after: str) -> None:
     abortable.join_after(after)
     dist.init_process_group(backend=abortable.BACKEND)
     match_survivors()
+
+
+def rehome_default_group() -> None:
+    """Rank 0 died and was replaced: its new process hosts a new rendezvous store where the old one was
+    (MASTER_ADDR:MASTER_PORT). A survivor connects to it, and the default group's next communicator and the store
+    ``new_group`` makes groups on are made on it, under the prefixes ``init_process_group`` gives them: those the
+    new rank 0's own ``init_process_group`` uses."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from taas_magic.rank import abortable
+
+    group = abortable.default_group()
+    if group is None:
+        return
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=group.size(),
+                           is_master=False, timeout=group.timeout)
+    named = dist.PrefixStore(f"{group.group_name}/", dist.PrefixStore("default_pg", client))
+    world = distributed_c10d._world  # private API: see taas_magic/private.py
+    backend, _ = world.pg_map[group]
+    world.pg_map[group] = (backend, named)
+    group.rehome(dist.PrefixStore("cpu/", named))
 
 
 def match_survivors() -> None:

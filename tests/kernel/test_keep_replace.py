@@ -1,7 +1,7 @@
 """A kept rank that dies (SIGKILL, in a cell or between cells) in a real kernel: the others keep their state, the
 next kept cell runs with a new process in its place and says what went with the dead one, ``%taas status`` shows
-it, and ``%taas heal --from 0`` copies rank 0's names into the new rank, after which DDP trains on; rank 0's death
-still costs every rank (its process hosts the rendezvous store); ten replacements leak nothing."""
+it, and ``%taas heal --from 0`` copies rank 0's names into the new rank, after which DDP trains on; rank 0's new
+process hosts a new rendezvous store, which the others join; ten replacements leak nothing."""
 
 import os
 import re
@@ -141,16 +141,39 @@ print("pid", os.getpid(), "total", t.item(), "mine", globals().get("mine"))
     ok(k, f"{KEEP2}\npair = dist.new_group([0, 1])\ndist.all_reduce(torch.ones(1), group=pair)\n")
 
 
-def test_rank_0_killed_in_a_cell_stops_every_rank_and_the_cell_says_why(k):
-    ok(k, f"{KEEP2}\nimport os, signal, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n")
-    failed = k.execute(f"""{KEEP2}
+def test_rank_0_killed_in_a_cell_is_replaced_its_new_process_hosts_the_store_and_heal_from_1_fills_it(k):
+    """Rank 0's process hosted the rendezvous store: its new one hosts a new one where it was, the survivors
+    connect to it, and the default group and new groups work across them."""
+    pids = pids_of(ok(k, f"""{KEEP3}
+import os, signal, torch, torch.distributed as dist
+dist.init_process_group('gloo')
+mine = 10 * dist.get_rank()
+print("pid", os.getpid())
+""").stream())
+    failed = k.execute(f"""{KEEP3}
 if dist.get_rank() == 0:
     os.kill(os.getpid(), signal.SIGKILL)
 dist.all_reduce(torch.ones(1))
 """)
     said = failed.error_text() + failed.stream()
-    assert "rank 0 died, and the rendezvous store its process hosted with it: every rank was stopped and their " \
-           "state is lost; the next --keep cell starts new ranks" in said, said
+    assert "rank 0 on localhost was killed by SIGKILL" in said and "starts a new rank 0 in its place" in said, said
+    again = ok(k, f"""{KEEP3}
+import os, torch, torch.distributed as dist
+t = torch.ones(1)
+dist.all_reduce(t)
+pair = dist.new_group([0, 2])
+u = torch.ones(1)
+dist.all_reduce(u, group=pair)
+print("pid", os.getpid(), "total", t.item(), u.item(), "mine", globals().get("mine"))
+""").stream()
+    assert "taas: rank 0 was killed by SIGKILL and was replaced by a new process: mine and its imports" in again, again
+    assert "(%taas heal --from 1 copies rank 1's)" in again, again
+    now = pids_of(again)
+    assert now[0] != pids[0] and (now[1], now[2]) == (pids[1], pids[2]), (pids, now)
+    assert again.count("total 3.0 2.0") == 2 and "[rank 1] pid" in again and " total 3.0 1.0 " in again, again  # (1: not in pair)
+    assert mine_by_rank(again) == {0: "None", 1: "10", 2: "20"}, again
+    assert "rank 0: copied " in ok(k, "%taas heal --from 1 mine").stream()
+    assert "[rank 0] mine 10" in ok(k, f"{KEEP3}\nprint('mine', mine)\n").stream()
 
 
 def test_ten_replaced_ranks_in_a_row_leak_no_files_threads_or_memory_in_the_kernel_or_rank_0(k):

@@ -19,9 +19,9 @@ class _Group:
         self.children = [_Child(index, code) for index, code in enumerate(codes)]
 
 
-def test_only_ranks_other_than_0_and_never_every_rank_are_replaced():
+def test_any_rank_but_never_every_rank_is_replaced():
     assert replacement.replaceable({1: -9}, 2) and replacement.replaceable({1: -9, 2: -11}, 4)
-    assert not replacement.replaceable({0: -9}, 2)  # its process hosts the rendezvous store
+    assert replacement.replaceable({0: -9}, 2)  # its new process hosts a new rendezvous store
     assert not replacement.replaceable({}, 2)  # nothing died
     assert not replacement.replaceable({1: -9, 2: -9}, 2)  # every rank (of a world of 2 named 1 and 2: a guard)
 
@@ -46,5 +46,6 @@ def test_the_survivors_alone_are_told_naming_the_dead_and_the_line_says_what_wen
     no_group = {0: CellDone(False, (), (), False)}
     replacement.replace(pending, no_group, forgotten.append, lambda rank, joins: started.append((rank, joins)))
     assert started[-1] == (1, None)  # the survivors have no default group: nothing to join
+    assert replacement.Death(0, -9, ()).line().endswith("(%taas heal --from 1 copies rank 1's)")
     assert replacement.Death(2, -11, ()).line().startswith("taas: rank 2 was killed by SIGSEGV and was replaced by a "
                                                             "new process: it held no names;")

@@ -27,8 +27,8 @@ and exits (mux.py), kept from cell to cell by their rank set (kernel/runs/rankse
 - ``--timeout`` names the ranks still running and where they were, as in any run, then abandons them as after a
   failure: their state is kept;
 - a rank that dies (in a cell or between cells) is named as in any run; on CPU, the others are abandoned as after a
-  failure and kept, and the next cell starts a new process in its place (replacement.py); rank 0's death, or one on
-  GPUs, stops every rank.
+  failure and kept, and the next cell starts a new process in its place (replacement.py); one on GPUs stops every
+  rank.
 
 A cell's data workers are its own: started with it, stopped when its ranks end it, then forgotten by the
 kept selector. There are no restarts here (``--restarts`` with ``--keep`` is refused).
@@ -317,8 +317,6 @@ def _nothing_readmitted(ranks: list[int]) -> None:
 
 
 def _why_lost(dead: dict[int, int]) -> str:
-    if 0 in dead:
-        return "rank 0 died, and the rendezvous store its process hosted with it"
     if dead:
         return f"{replacement.why_dead(dead)}, and a dead rank is replaced only among CPU ranks (gloo)"
     return "not every rank ended its cell after the failure, even interrupted"

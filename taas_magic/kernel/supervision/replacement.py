@@ -10,8 +10,9 @@ Runs in the kernel, on the run's own thread, for the policy of kept ranks (keptc
   default group (``protocol.JOIN_VARIABLE``) when they have one; the cell's header says who died, how, and the
   names that went with it (what it said, at its last ``CellDone``, it held).
 
-Only where the group's abort is taas's: kept ranks on CPU (gloo), and never rank 0, whose process hosts the
-rendezvous store every group is made on: its death stops every rank, their state with them.
+Only where the group's abort is taas's: kept ranks on CPU (gloo). Rank 0's process hosts the rendezvous store every
+group is made on: its new process hosts a new one at the same address, which the survivors connect to
+(rank/groups.py).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class Death:
         gone = _listed([*self.names, *([f"its imports ({_listed(self.imports)})"] if self.imports else [])])
         gone = f"{gone} {'is' if len(self.names) + bool(self.imports) == 1 else 'are'} gone there" if gone else \
             "it held no names"
+        source = 1 if self.rank == 0 else 0
         return (f"taas: rank {self.rank} {describe_exit(self.code)} and was replaced by a new process: {gone}; "
-                f"the other ranks kept theirs (%taas heal --from 0 copies rank 0's)")
+                f"the other ranks kept theirs (%taas heal --from {source} copies rank {source}'s)")
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,9 @@ def dead_ranks(group: ProcessGroup) -> dict[int, int]:
 
 
 def replaceable(dead: Mapping[int, int], world: int) -> bool:
-    """Whether those dead ranks can be replaced while the others live on: not rank 0 (its process hosts the
-    rendezvous store), and not every rank."""
-    return bool(dead) and 0 not in dead and len(dead) < world
+    """Whether those dead ranks can be replaced while the others live on: not every rank (rank 0 too: its new
+    process hosts a new rendezvous store, rank/groups.py)."""
+    return bool(dead) and len(dead) < world
 
 
 def tell_survivors(group: ProcessGroup, send: Send, dead: Mapping[int, int], held: Mapping[int, CellDone],
