@@ -56,23 +56,86 @@ def connect_channel(hub: wire.Handshake, channel: int, timeout: float = 30) -> s
     return sock
 
 
+class KernelLink:
+    """One attempt's way back to the kernel from this host: each rank's stdout and stderr pumped into a channel of
+    the hub, and each rank's exit said on the control channel once its output reached end of file, until the ranks
+    end (a kept rank that died may be replaced: its new process is watched as the first was)."""
+
+    def __init__(self, hub: wire.Handshake, first_rank: int):
+        self.hub, self.first_rank = hub, first_rank
+        self.threads: list[threading.Thread] = []
+        self.sockets: list[socket.socket] = []
+        self._watched: dict[int, tuple[ChildProcess, list[threading.Thread]]] = {}  # exits not said yet: rank, pumps
+        self._reporter: threading.Thread | None = None
+        self._ending = threading.Event()  # the ranks are ending: the reporter's last look
+
+    def watch(self, local: ChildProcess) -> None:
+        """This host's rank ``local.index``: its output pumped, its exit to be said."""
+        pumps = []
+        rank = self.first_rank + local.index
+        for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
+            sock = connect_channel(self.hub, HubChannels.stream(rank, stream))
+            self.sockets.append(sock)
+            pump = threading.Thread(target=_pump, args=(fd, sock), name=f"taas-pump-{rank}", daemon=True)
+            pump.start()
+            pumps.append(pump)
+        self.threads.extend(pumps)
+        self._watched[local.index] = (local, pumps)
+
+    def report(self, control: int) -> None:
+        """The exits, said on channel ``control`` from now on."""
+        sock = connect_channel(self.hub, control)
+        self.sockets.append(sock)
+        self._reporter = threading.Thread(target=self._report_exits, args=(sock,), name="taas-exits", daemon=True)
+        self._reporter.start()
+        self.threads.append(self._reporter)
+
+    @property
+    def open(self) -> bool:
+        """The control channel still carries exits (a new process may be watched)."""
+        return self._reporter is not None and self._reporter.is_alive()
+
+    def _report_exits(self, control: socket.socket) -> None:
+        try:
+            while self._watched or not self._ending.is_set():
+                for index, (local, pumps) in list(self._watched.items()):
+                    code = local.poll()
+                    if code is None or any(pump.is_alive() for pump in pumps):
+                        continue
+                    control.sendall(f"{index} {code}\n".encode())
+                    if self._watched.get(index, (None,))[0] is local:  # (not replaced meanwhile)
+                        del self._watched[index]
+                time.sleep(0.02)
+        except OSError:
+            pass  # the kernel went away; close() (or the agent's death) stops the ranks
+        finally:
+            try:
+                control.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Once the ranks were stopped: the last exits said, every thread joined, every channel closed."""
+        self._ending.set()
+        for thread in self.threads:
+            thread.join(timeout=5)
+        for sock in self.sockets:
+            sock.close()
+
+
 class HostAgent:
     """The ranks of one run on one host."""
 
     def __init__(self) -> None:
         self.group = LocalProcessGroup([])  # this attempt's processes: none before start and after end_ranks
         self._port: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
-        self._sockets: list[socket.socket] = []
+        self._link: KernelLink | None = None  # this attempt's output and exits to the kernel
         self._made_dirs: list[str] = []
         self._away: list[str] = []  # this attempt's folders for a repository this host does not see (writes/away.py)
         self._mirror: tuple[CacheDirs, SegmentWriter] | None = None  # records copied to this host
         self._owners: set[str] = set()  # the TAAS_OWNER tags of what this agent started
         self._ranks = range(0)  # the (global) ranks of this attempt on this host
         self._local: tuple[str, AwayHost | None] = ("", None)  # the attempt's cwd here, and its away layers (or None)
-        self._watched: dict[int, tuple[ChildProcess, list[threading.Thread]]] = {}  # exits not reported: rank, pumps
-        self._reporter: threading.Thread | None = None
-        self._ending = threading.Event()  # end_ranks: the reporter's last look
 
     def describe(self) -> dict:
         import ray
@@ -116,23 +179,19 @@ class HostAgent:
         else:
             self.group = LocalProcessGroup.start(plan)
         self._ranks = range(first_rank, first_rank + len(self.group.children))
-        self._watched = {local.index: (local, self._pump_out(local, hub)) for local in self.group.children}
-        control_sock = connect_channel(hub, control)
-        self._sockets.append(control_sock)
-        self._reporter = threading.Thread(target=self._report_exits, args=(control_sock,), name="taas-exits",
-                                          daemon=True)
-        self._reporter.start()
-        self._threads.append(self._reporter)
+        self._link = KernelLink(hub, first_rank)
+        for local in self.group.children:
+            self._link.watch(local)
+        self._link.report(control)
 
     def replace(self, local: int, plan: LaunchPlan, hub: wire.Handshake) -> None:
         """A new process in this host's dead rank ``local``'s place, as ``plan`` (this host's part of the attempt's)
         starts it; its output pumped to the hub again and its exit reported as the others' (a kept rank that died:
         kernel/supervision/replacement.py)."""
-        if self._reporter is None or not self._reporter.is_alive():
+        if self._link is None or not self._link.open:
             raise LaunchError("taas: this host's control channel to the kernel is closed")
-        child = self.group.replace(local, self._here(plan))
-        pumps = self._pump_out(child, hub)
-        self._watched[local] = (child, pumps)
+        self._link.hub = hub
+        self._link.watch(self.group.replace(local, self._here(plan)))
 
     def _here(self, plan: LaunchPlan) -> LaunchPlan:
         """``plan`` as this host runs it: its working folder, and its places in layers where it does not see the
@@ -141,40 +200,6 @@ class HostAgent:
         if away is not None:
             plan = dataclasses.replace(plan, places=[away.place(place) for place in plan.places])
         return dataclasses.replace(plan, cwd=cwd)
-
-    def _pump_out(self, local: ChildProcess, hub: wire.Handshake) -> list[threading.Thread]:
-        """The rank's stdout and stderr, each pumped into its channel to the hub."""
-        pumps = []
-        rank = self._ranks.start + local.index
-        for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
-            sock = connect_channel(hub, HubChannels.stream(rank, stream))
-            self._sockets.append(sock)
-            pump = threading.Thread(target=_pump, args=(fd, sock), name=f"taas-pump-{rank}", daemon=True)
-            pump.start()
-            pumps.append(pump)
-        self._threads.extend(pumps)
-        return pumps
-
-    def _report_exits(self, control: socket.socket) -> None:
-        """Each rank's exit code once its output reached end of file, until the ranks end (a kept rank that died
-        may be replaced: its new process is watched as the first was)."""
-        try:
-            while self._watched or not self._ending.is_set():
-                for index, (local, pumps) in list(self._watched.items()):
-                    code = local.poll()
-                    if code is None or any(pump.is_alive() for pump in pumps):
-                        continue
-                    control.sendall(f"{index} {code}\n".encode())
-                    if self._watched.get(index, (None,))[0] is local:  # (not replaced meanwhile)
-                        del self._watched[index]
-                time.sleep(0.02)
-        except OSError:
-            pass  # the kernel went away; close() (or the agent's death) stops the ranks
-        finally:
-            try:
-                control.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
 
     # -- prepared elements through Ray's object store -----------------------------------
     def publish(self, path: str, offset: int) -> bytes:
@@ -208,20 +233,16 @@ class HostAgent:
         """This attempt's processes are stopped and reaped, with what they left (a restart follows, or
         :meth:`close`); the master port, the element copies and the made folders stay."""
         self.group.stop()  # the pumps see end of file before their pipes are closed
-        self._ending.set()  # the reporter says the last exits, then ends
-        for thread in self._threads:
-            thread.join(timeout=5)
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()  # the last exits said
         self.group.close()
-        self.group, self._ranks, self._watched, self._reporter = LocalProcessGroup([]), range(0), {}, None
-        self._ending = threading.Event()
+        self.group, self._ranks = LocalProcessGroup([]), range(0)
         for owner in self._owners:
             kill_tagged(owner)  # what they started and left, on this host
         for path in self._away:  # what they wrote for the repository was sent as each ended; Ray kills agents unclosed
             remove_tree(path)
         self._away = []
-        for sock in self._sockets:
-            sock.close()
-        self._threads, self._sockets = [], []
 
     def close(self) -> None:
         self.end_ranks()

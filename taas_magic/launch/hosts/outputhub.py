@@ -11,11 +11,11 @@ the host's ranks' exit codes as ``INDEX CODE`` lines (:class:`HostControl`).
 
 from __future__ import annotations
 
-import selectors
+import select
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from taas_magic import wire
 from taas_magic.errors import LaunchError
@@ -41,24 +41,36 @@ class OutputHub:
         return wire.Handshake(self.address[0], self.address[1], self.key)
 
     def collect(self, deadline: float, starting: list, ray: Any) -> None:
-        """Accept until every channel has connected; fail if an agent's start fails or the deadline passes."""
-        selector = selectors.DefaultSelector()
-        selector.register(self.listener, selectors.EVENT_READ)
-        try:
-            while len(self.connected) < self.channels:
-                done, starting[:] = ray.wait(starting, timeout=0, num_returns=len(starting)) if starting else ([], [])
-                for ref in done:
-                    ray.get(ref)  # raises the agent's own error if its start failed
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LaunchError(
-                        f"taas: {self.channels - len(self.connected)} rank output channel(s) did not connect "
-                        "to the kernel; is the kernel's address reachable from the other hosts?"
-                    )
-                if selector.select(min(left, 0.05)):
-                    self._accept_one(deadline)
-        finally:
-            selector.close()
+        """Ray's: accept until every channel has connected; fail if an agent's start fails or the deadline passes."""
+        def started() -> None:
+            done, starting[:] = ray.wait(starting, timeout=0, num_returns=len(starting)) if starting else ([], [])
+            for ref in done:
+                ray.get(ref)  # raises the agent's own error if its start failed
+
+        self.accept(deadline, range(self.channels), started, lambda missing: (
+            f"taas: {missing} rank output channel(s) did not connect to the kernel; is the kernel's address "
+            "reachable from the other hosts?"))
+
+    def accept(self, deadline: float, wanted: Iterable[int], check: Callable[[], None],
+               late: Callable[[int], str]) -> None:
+        """Accept until the channels ``wanted`` are connected (each proves the run's key), ``check`` called between
+        looks (it raises: a start failed); ``LaunchError(late(missing))`` once ``deadline`` passes."""
+        wanted = list(wanted)
+        while missing := [channel for channel in wanted if channel not in self.connected]:
+            check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaunchError(late(len(missing)))
+            ready, _, _ = select.select([self.listener], [], [], min(left, 0.05))
+            if ready:
+                self._accept_one(deadline)
+
+    def reopen(self, channels: Iterable[int]) -> None:
+        """Those channels closed, to be connected again (a kept rank's new process, where the dead one's were)."""
+        for channel in channels:
+            old = self.connected.pop(channel, None)
+            if old is not None:
+                old.close()
 
     def _accept_one(self, deadline: float) -> None:
         accepted = wire.accept(self.listener, self.key, lambda claimed: claimed < self.channels and claimed not in self.connected,

@@ -150,10 +150,7 @@ class RayProcessGroup:
         dead = self.children[rank]
         host = next(index for index, (first, count) in enumerate(self._shares) if first <= rank < first + count)
         first, count = self._shares[host]
-        for stream in STREAMS:
-            old = self._hub.connected.pop(HubChannels.stream(rank, stream), None)
-            if old is not None:
-                old.close()
+        self._hub.reopen(HubChannels.stream(rank, stream) for stream in STREAMS)
         dead.control.codes.pop(dead.local_index, None)
         self._hub.collect(time.monotonic() + timeout,
                           [self._agents[host].replace.remote(dead.local_index, plan.part(first, count),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import threading
 import time
@@ -221,7 +220,9 @@ class SlurmStep:
             srun.tell_tasks(step._hub.handshake.line())
             deadline = time.monotonic() + START_PATIENCE
             step._collect(deadline, [channels.command(task) for task in range(count)], stop_asked)
-            step._hellos(count, deadline)
+            step.hellos = step._tasks.greet([step._hub.connected[channels.command(task)] for task in range(count)],
+                                            deadline, srun.said)
+            step.step = step.hellos[0]["step"]
             for task, rank_plan in enumerate(rank_plans(step.hellos, plan, target.gpus, command, dirs)):
                 step._tasks.sockets[task].sendall(json.dumps(rank_plan).encode() + b"\n")
             step._collect(deadline, list(range(len(channels))), stop_asked)
@@ -242,46 +243,19 @@ class SlurmStep:
         a task that fails to start its rank, or srun ending, fails the start at once."""
         hub, srun = self._hub, self._srun
         assert srun is not None
-        while any(channel not in hub.connected for channel in wanted):
+
+        def starting() -> None:
             if stop_asked():
                 raise KeyboardInterrupt  # as the person's interrupt, while Slurm starts the step
             if srun.process.poll() is not None:
                 time.sleep(0.1)  # its last words
                 raise LaunchError(f"taas: the srun step ended before its tasks connected "
                                   f"(exit {srun.process.returncode}): {srun.said()}")
-            self._check_tasks()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LaunchError(f"taas: the step's tasks did not connect to the kernel within {START_PATIENCE:g} s "
-                                  f"(is this host's address {hub.address[0]} reachable from the nodes? "
-                                  "TAAS_SLURM_ADDRESS sets it); srun said: " + srun.said())
-            ready, _, _ = select.select([hub.listener], [], [], min(left, 0.05))
-            if ready:
-                hub._accept_one(deadline)
+            self._tasks.started(self.hellos)
 
-    def _check_tasks(self) -> None:
-        """A task that said something unasked while starting: its rank could not be started."""
-        for hello in self.hellos:
-            task = hello["task"]
-            if self._tasks.pending(task):
-                try:
-                    said = self._tasks.read(task, time.monotonic() + 1.0).get("error", "it said nothing more")
-                except (ConnectionError, TimeoutError, ValueError, OSError):
-                    said = "it exited"
-                raise LaunchError(f"taas: the Slurm task of rank {task} on {hello['node']} could not start the rank: {said}")
-
-    def _hellos(self, count: int, deadline: float) -> None:
-        channels = StepChannels(count)
-        for task in range(count):
-            self._tasks.add(task, self._hub.connected[channels.command(task)])
-            try:
-                self.hellos.append(self._tasks.read(task, deadline))
-            except (ConnectionError, TimeoutError, ValueError) as exc:
-                assert self._srun is not None
-                raise LaunchError(f"taas: a task of the srun step did not say where it runs ({exc}); "
-                                  f"srun said: {self._srun.said()}") from None
-        self.hellos.sort(key=lambda hello: hello["task"])
-        self.step = self.hellos[0]["step"]
+        hub.accept(deadline, wanted, starting, lambda missing: (
+            f"taas: the step's tasks did not connect to the kernel within {START_PATIENCE:g} s (is this host's address "
+            f"{hub.address[0]} reachable from the nodes? TAAS_SLURM_ADDRESS sets it); srun said: " + srun.said()))
 
     # -- the supervisor's contract ------------------------------------------------------------
     def nodes(self) -> list[str]:
@@ -318,10 +292,7 @@ class SlurmStep:
         output channels connect to the hub again; its exit comes on the task's exit channel, as the first's did."""
         dead, channels = self.children[rank], StepChannels(len(self.children))
         streams = [channels.stream(rank, stream) for stream in STREAMS]
-        for channel in streams:
-            old = self._hub.connected.pop(channel, None)
-            if old is not None:
-                old.close()
+        self._hub.reopen(streams)
         dead.control.codes.pop(0, None)
         rank_plan = rank_plans(self.hellos, plan, self._gpus, None, ())[rank]
         self._tasks.sockets[rank].sendall(json.dumps({"do": "replace", "plan": rank_plan, "number": -1}).encode()

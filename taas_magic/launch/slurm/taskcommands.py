@@ -14,7 +14,9 @@ import json
 import select
 import socket
 import time
-from typing import Sequence
+from typing import Callable, Sequence
+
+from taas_magic.errors import LaunchError
 
 
 class TaskCommands:
@@ -29,6 +31,29 @@ class TaskCommands:
     def add(self, task: int, sock: socket.socket) -> None:
         self.sockets[task] = sock
         self._buffers[task] = bytearray()
+
+    def greet(self, sockets: Sequence[socket.socket], deadline: float, srun_said: Callable[[], str]) -> list[dict]:
+        """Each task's command channel (by task), and its first line, where Slurm put it: the hellos, by task."""
+        hellos = []
+        for task, sock in enumerate(sockets):
+            self.add(task, sock)
+            try:
+                hellos.append(self.read(task, deadline))
+            except (ConnectionError, TimeoutError, ValueError) as exc:
+                raise LaunchError(f"taas: a task of the srun step did not say where it runs ({exc}); "
+                                  f"srun said: {srun_said()}") from None
+        return sorted(hellos, key=lambda hello: hello["task"])
+
+    def started(self, hellos: Sequence[dict]) -> None:
+        """Raises LaunchError where a task said something unasked while starting: its rank could not be started."""
+        for hello in hellos:
+            task = hello["task"]
+            if self.pending(task):
+                try:
+                    said = self.read(task, time.monotonic() + 1.0).get("error", "it said nothing more")
+                except (ConnectionError, TimeoutError, ValueError, OSError):
+                    said = "it exited"
+                raise LaunchError(f"taas: the Slurm task of rank {task} on {hello['node']} could not start the rank: {said}")
 
     def read(self, task: int, deadline: float) -> dict:
         """The task's next line; ConnectionError once its channel closed, TimeoutError at ``deadline``."""
