@@ -15,6 +15,10 @@ rank 0 prints one line per rank saying what it got and what it did not, and why:
 A model wrapped in DDP is copied with its parameters and made a DDP of the default group again there (DDP's own
 unpickling); then every rank's DDP models rebuild their reducer, so that all ranks bucket their gradients alike from
 the next step (a reducer that has already reordered its buckets would disagree with the new one's).
+
+At its peak a copied value exists three times on rank ``K`` (the object, its pickle, the tensor it is sent as) and
+twice on a receiving rank (the tensor received, then the object): heal copies what a replaced rank lacks, not a
+model larger than a third of a host's memory.
 """
 
 from __future__ import annotations
@@ -40,31 +44,39 @@ def heal(source: int, names: Sequence[str] = ()) -> None:
     """Rank ``source``'s names (``names``, or every one a rank lacks) copied into the other ranks (module docstring)."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        print("taas: heal: the kept ranks have no default process group, which heal copies over: make it "
+              "(init_process_group) in a kept cell first")
+        return
     namespace = sys.modules["__main__"].__dict__
     rank, world = dist.get_rank(), dist.get_world_size()
     held: list[Any] = [None] * world
     dist.all_gather_object(held, sorted(_user_names(namespace)))
     said: list[str] = []
+    packed: dict[tuple[str, ...], tuple[bytes, dict[str, str]]] = {}  # pickled once for the ranks that lack the same
     for target in range(world):
         wanted = list(names) if names else [name for name in held[source] if name not in held[target]]
         if target == source or not wanted:
             continue
         if rank == source:
-            data, refused = _pack(namespace, wanted, source)
+            if tuple(wanted) not in packed:
+                packed[tuple(wanted)] = _pack(namespace, wanted, source)
+            data, refused = packed[tuple(wanted)]
             dist.send_object_list([data, refused], dst=target)
         elif rank == target:
             box: list[Any] = [None, None]
             dist.recv_object_list(box, src=source)
             copied = _unpack(namespace, box[0])
             said.append(_line(target, source, copied, box[1]))
-    copied_ddp = _rebuild_ddp(namespace)
+    packed.clear()
+    rebuilt = _rebuild_ddp(namespace)  # on every rank alike
+    if rank == 0:
+        said += rebuilt
     lines: list[Any] = [None] * world
     dist.all_gather_object(lines, said)
     if rank == 0:
         for line in [line for each in lines for line in each] or [f"taas: heal: every rank holds rank {source}'s names"]:
             print(line)
-        if copied_ddp:
-            print(f"taas: heal: DDP's reducer rebuilt on every rank for {', '.join(copied_ddp)}")
 
 
 def _user_names(namespace: dict) -> list[str]:
@@ -148,17 +160,22 @@ def _sharded(value: Any) -> bool:
 
 
 def _rebuild_ddp(namespace: dict) -> list[str]:
-    """Every DDP model bound to a name here: its reducer made again (DDP's own pickling pair), on every rank alike."""
+    """Every DDP model bound to a name here: its reducer made again (DDP's own pickling pair), on every rank alike;
+    the line that says so (and one for a model that could not be)."""
     parallel = sys.modules.get("torch.nn.parallel")
     ddp = getattr(parallel, "DistributedDataParallel", None)
     if ddp is None:
         return []
-    rebuilt = []
+    rebuilt, lines = [], []
     for name, value in sorted(namespace.items()):
         if isinstance(value, ddp) and not name.startswith("_"):
-            value.__setstate__(value.__getstate__())
+            try:
+                value.__setstate__(value.__getstate__())
+            except Exception as error:  # noqa: BLE001 - alike on every rank (a group not the default): said
+                lines.append(f"taas: heal: {name}'s DDP reducer kept as it was ({type(error).__name__}: {error})")
+                continue
             rebuilt.append(name)
-    return rebuilt
+    return ([f"taas: heal: DDP's reducer rebuilt on every rank for {', '.join(rebuilt)}"] if rebuilt else []) + lines
 
 
 def _line(target: int, source: int, copied: list[str], refused: dict[str, str]) -> str:

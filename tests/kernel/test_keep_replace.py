@@ -176,6 +176,16 @@ print("pid", os.getpid(), "total", t.item(), u.item(), "mine", globals().get("mi
     assert "[rank 0] mine 10" in ok(k, f"{KEEP3}\nprint('mine', mine)\n").stream()
 
 
+def test_ranks_without_a_process_group_get_a_new_rank_without_one_and_heal_says_it_needs_one(k):
+    pids = pids_of(ok(k, f"{KEEP2}\nimport os\nmine = 1\nprint('pid', os.getpid())\n").stream())
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.5)
+    again = ok(k, f"{KEEP2}\nimport os\nprint('pid', os.getpid(), 'mine', globals().get('mine'))\n").stream()
+    assert "taas: rank 1 was killed by SIGKILL and was replaced" in again and mine_by_rank(again) == {0: "1", 1: "None"}
+    healed = ok(k, "%taas heal --from 0").stream()
+    assert "taas: heal: the kept ranks have no default process group" in healed, healed
+
+
 def test_ten_replaced_ranks_in_a_row_leak_no_files_threads_or_memory_in_the_kernel_or_rank_0(k):
     """Each replacement abandons rank 0's communicator and makes a new one with the new rank, and the kernel
     forgets the dead process's pipes and pidfd: after the first (what a first one creates once), ten leave every
