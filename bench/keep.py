@@ -172,9 +172,9 @@ def failures(site: str, runs: int) -> dict[str, tuple[list[float], list[float], 
                     reply(theirs, STATE)
 
                 def taas_killed() -> None:
-                    seconds, printed = taas_killed_to_first_line(ours)
+                    seconds, _ = taas_killed_to_first_line(ours)
                     rows["killed"][0].append(seconds)
-                    rows["killed"][2].add("taas: " + " ".join(sorted(set(re.findall(r"state \w+", printed)))))
+                    rows["killed"][2].add("taas: rank 0's " + said_state(ours, KEEP + "print('state', globals().get('state', 'lost'))\n"))
 
                 def their_killed() -> None:
                     shown, recovered, how = jd_recovery(theirs, init, KILLED, "killing", interrupt_at_once=False)

@@ -87,17 +87,23 @@ def jd_recovery(kernel: Kernel, init: str, cell: str = FAILING_MADE, shown_text:
     try:
         kernel.collect(msg_id, started, timeout=JD_REPLY_SECONDS)
     except queue.Empty:
-        before = psutil.Process(kernel.pid).children(recursive=True)
-        kernel.manager.restart_kernel(now=False)  # its proxy ends its rank kernels itself
-        kernel.client.wait_for_ready(timeout=300)
-        left = [process for process in before if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
-        for process in left:  # what the restarted kernel left running (ended here, and said)
-            process.kill()
-        how = f"interrupt, no reply in {JD_REPLY_SECONDS:g} s: kernel restart" + (
-            f" (it left {len(left)} process(es) running)" if left else "")
-        reply(kernel, init)
-    reply(kernel, "dist.all_reduce(torch.ones(1))\n")
+        how = _jd_restart(kernel, init, f"interrupt, no reply in {JD_REPLY_SECONDS:g} s: kernel restart")
+    if kernel.execute("dist.all_reduce(torch.ones(1))\n", timeout=120).reply["status"] != "ok":
+        how = _jd_restart(kernel, init, "interrupt, then the next cell failed (a rank kernel is gone): kernel restart")
+        reply(kernel, "dist.all_reduce(torch.ones(1))\n")
     return shown - started, time.monotonic() - shown, how
+
+
+def _jd_restart(kernel: Kernel, init: str, how: str) -> str:
+    """jupyter-distributed's way back: Jupyter's kernel restart, what it left running ended, the group made again."""
+    before = psutil.Process(kernel.pid).children(recursive=True)
+    kernel.manager.restart_kernel(now=False)  # its proxy ends its rank kernels itself
+    kernel.client.wait_for_ready(timeout=300)
+    left = [process for process in before if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
+    for process in left:  # what the restarted kernel left running (ended here, and said)
+        process.kill()
+    reply(kernel, init)
+    return how + (f" (it left {len(left)} process(es) running)" if left else "")
 
 
 JD_PRINTED = '"first-line\\n"'  # the line as jupyter-distributed's rank display carries it (not the code echoed)

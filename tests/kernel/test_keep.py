@@ -591,9 +591,14 @@ model(torch.ones(8, 64)).sum().backward()  # rank 0 waits in the all-reduce
     for _ in range(10):
         ran = k.execute(fail)
         assert "the ranks are kept" in ran.error_text() + ran.stream(), ran.error_text()
-    after = settled()
+    assert_nothing_grew(before, settled(), "ten failures")
+
+
+def assert_nothing_grew(before: dict[str, tuple[int, int, int]], after: dict[str, tuple[int, int, int]],
+                        what: str) -> None:
+    """Each process's open files, threads and memory (:func:`_footprint`) after ``what`` as they were before."""
     for who, (files, threads, memory) in after.items():
         files_before, threads_before, memory_before = before[who]
-        assert files <= files_before + 2, f"{who}: {files_before} -> {files} open files after ten failures"
-        assert threads <= threads_before + 1, f"{who}: {threads_before} -> {threads} threads after ten failures"
-        assert memory - memory_before < 40 << 20, f"{who}: {(memory - memory_before) >> 20} MiB more after ten failures"
+        assert files <= files_before + 2, f"{who}: {files_before} -> {files} open files after {what}"
+        assert threads <= threads_before + 1, f"{who}: {threads_before} -> {threads} threads after {what}"
+        assert memory - memory_before < 40 << 20, f"{who}: {(memory - memory_before) >> 20} MiB more after {what}"

@@ -9,34 +9,11 @@ import signal
 import time
 
 import psutil
-import pytest
 
-from tests.kernel.test_keep import _footprint, pids_of
-from tests.kernel_client import Kernel, assert_nothing_left
+from tests.kernel.test_keep import _footprint, assert_nothing_grew, k, keeper, ok, pids_of  # noqa: F401 - k and keeper: its fixtures
 
 KEEP3 = "#pragma taas --gpus 3 --device cpu --keep --output all"
 KEEP2 = "#pragma taas --gpus 2 --device cpu --keep --output all"
-
-
-@pytest.fixture(scope="module")
-def keeper():
-    kernel = Kernel()
-    yield kernel
-    kernel.shutdown()
-
-
-@pytest.fixture()
-def k(keeper):
-    yield keeper
-    ran = keeper.execute("%taas release")
-    assert ran.reply["status"] == "ok", ran.error_text()
-    assert_nothing_left(keeper)
-
-
-def ok(kernel: Kernel, code: str, timeout: float = 120):
-    ran = kernel.execute(code, timeout=timeout)
-    assert ran.reply["status"] == "ok", ran.error_text() + ran.stream()
-    return ran
 
 
 def mine_by_rank(text: str) -> dict[int, str]:
@@ -209,9 +186,4 @@ print("pid", os.getpid())
     before = replace_rank_1()
     for _ in range(9):
         replace_rank_1()
-    after = replace_rank_1()
-    for who, (files, threads, memory) in after.items():
-        files_before, threads_before, memory_before = before[who]
-        assert files <= files_before + 2, f"{who}: {files_before} -> {files} open files after ten replacements"
-        assert threads <= threads_before + 1, f"{who}: {threads_before} -> {threads} threads after ten replacements"
-        assert memory - memory_before < 40 << 20, f"{who}: {(memory - memory_before) >> 20} MiB more"
+    assert_nothing_grew(before, replace_rank_1(), "ten replaced ranks")
