@@ -98,7 +98,8 @@ STUCK = ("import time\nprint('looping', flush=True)\nif dist.get_rank() == 1:\n 
          "dist.all_reduce(torch.ones(1))\n")
 KILLED = ("import os, signal, time\nprint('killing', flush=True)\ntime.sleep(0.2)\nif dist.get_rank() == 1:\n"
           "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(torch.ones(1))\n")
-FIRST_AFTER = "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('first', t.item(), 'state', globals().get('state', 'lost'))\n"
+FIRST_AFTER = ("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+               "print('first', t.item(), 'state', globals().get('state', 'lost'))\n")
 
 
 def taas_failed_to_next(kernel: Kernel) -> tuple[float, str]:
@@ -174,7 +175,8 @@ def failures(site: str, runs: int) -> dict[str, tuple[list[float], list[float], 
                 def taas_killed() -> None:
                     seconds, _ = taas_killed_to_first_line(ours)
                     rows["killed"][0].append(seconds)
-                    rows["killed"][2].add("taas: rank 0's " + said_state(ours, KEEP + "print('state', globals().get('state', 'lost'))\n"))
+                    rows["killed"][2].add("taas: rank 0's " + said_state(
+                        ours, KEEP + "print('state', globals().get('state', 'lost'))\n"))
 
                 def their_killed() -> None:
                     shown, recovered, how = jd_recovery(theirs, init, KILLED, "killing", interrupt_at_once=False)
