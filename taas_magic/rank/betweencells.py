@@ -127,8 +127,8 @@ def held(namespace: dict) -> CellDone:
     hidden = shell.hidden_names() | {"get_ipython"}
     names = sorted(name for name in namespace if not name.startswith("_") and name not in hidden)
     modules = tuple(name for name in names if isinstance(namespace[name], ModuleType))
-    distributed = sys.modules.get("torch.distributed")
-    grouped = distributed is not None and distributed.is_available() and distributed.is_initialized()
+    abortable = sys.modules.get(ABORTABLE)  # a default group a new rank can join: an abortable one
+    grouped = abortable is not None and abortable.has_default_group()
     return CellDone(False, tuple(name for name in names if name not in modules), imports=modules, grouped=grouped)
 
 

@@ -57,6 +57,7 @@ INTERRUPT_WAIT_SECONDS = 1.0  # after the person's interrupt, how long every ran
 FAILURE_INTERRUPT_SECONDS = 1.5  # after Abandon, how long the ranks may take to end their cell (the error waits for it)
 STEP_SECONDS = 0.02
 ALIVE_RECHECK_SECONDS = 0.05  # kept ranks seen alive this recently are not polled again (KeptGroup.running)
+NOT_REPLACED = "no new process could take the dead rank's place"
 KEPT_LINE = "taas: the ranks are kept, with their globals and their process group: the next --keep cell runs in them"
 
 
@@ -187,8 +188,9 @@ class Keeping:
 
         try:
             lines = replacement.replace(pending, ranks.held, forget, self._replace)
-        except LaunchError as exc:
-            raise LaunchError(f"{exc}\n{lost_line('a rank died')}") from exc
+        except Exception as exc:  # an engine's own too (a Ray host's agent gone): said, the ranks lost
+            said = str(exc) if isinstance(exc, LaunchError) else f"taas: {type(exc).__name__}: {exc}"
+            raise LaunchError(f"{said}\n{lost_line(NOT_REPLACED)}") from exc
         ranks.pending = None
         stamp = time.strftime("%H:%M:%S")
         for line in lines:

@@ -64,7 +64,8 @@ class KernelLink:
     def __init__(self, hub: wire.Handshake, first_rank: int):
         self.hub, self.first_rank = hub, first_rank
         self.threads: list[threading.Thread] = []
-        self.sockets: list[socket.socket] = []
+        self.sockets: list[socket.socket] = []  # the control channel
+        self._streams: dict[int, list[socket.socket]] = {}  # each rank's output channels
         self._watched: dict[int, tuple[ChildProcess, list[threading.Thread]]] = {}  # exits not said yet: rank, pumps
         self._reporter: threading.Thread | None = None
         self._ending = threading.Event()  # the ranks are ending: the reporter's last look
@@ -73,9 +74,11 @@ class KernelLink:
         """This host's rank ``local.index``: its output pumped, its exit to be said."""
         pumps = []
         rank = self.first_rank + local.index
+        for dead in self._streams.pop(local.index, []):  # a dead rank's, whose pumps ended
+            dead.close()
         for stream, fd in zip(STREAMS, (local.stdout_fd, local.stderr_fd)):
             sock = connect_channel(self.hub, HubChannels.stream(rank, stream))
-            self.sockets.append(sock)
+            self._streams.setdefault(local.index, []).append(sock)
             pump = threading.Thread(target=_pump, args=(fd, sock), name=f"taas-pump-{rank}", daemon=True)
             pump.start()
             pumps.append(pump)
@@ -119,7 +122,7 @@ class KernelLink:
         self._ending.set()
         for thread in self.threads:
             thread.join(timeout=5)
-        for sock in self.sockets:
+        for sock in [*self.sockets, *(sock for streams in self._streams.values() for sock in streams)]:
             sock.close()
 
 

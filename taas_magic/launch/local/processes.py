@@ -99,7 +99,8 @@ class LocalProcessGroup:
                 ranks.append(_launch(plan, rank, command, warm[rank]))
         except (OSError, subprocess.SubprocessError) as exc:
             cls(ranks).close()
-            unused = [LocalChild(k, p) for k, p in enumerate(warm) if p is not None and k >= len(ranks)]
+            unused = [LocalChild(k, p) for k, p in enumerate(warm) if p is not None and k > len(ranks)]  # (not the
+            # one that failed: _launch closed it)
             cls(unused).close()
             raise LaunchError(f"taas: could not start {what} {len(ranks)}: {exc}") from exc
         group = cls(ranks, plan.stack_files)
@@ -115,10 +116,8 @@ class LocalProcessGroup:
         spares, wanted = self._spares, self._wanted
         warm = spares.take([wanted[rank]])[0] if spares is not None and len(wanted) > rank else None
         try:
-            self.children[rank] = _launch(plan, rank, RANK_COMMAND, warm)
+            self.children[rank] = _launch(plan, rank, RANK_COMMAND, warm)  # (closes what it started, failing)
         except (OSError, subprocess.SubprocessError) as exc:
-            if warm is not None:
-                LocalProcessGroup([LocalChild(rank, warm)]).close()
             raise LaunchError(f"taas: could not start a new rank {rank}: {exc}") from exc
         return self.children[rank]
 

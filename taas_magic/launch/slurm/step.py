@@ -294,13 +294,18 @@ class SlurmStep:
         streams = [channels.stream(rank, stream) for stream in STREAMS]
         self._hub.reopen(streams)
         dead.control.codes.pop(0, None)
-        rank_plan = rank_plans(self.hellos, plan, self._gpus, None, ())[rank]
-        self._tasks.sockets[rank].sendall(json.dumps({"do": "replace", "plan": rank_plan, "number": -1}).encode()
-                                          + b"\n")
-        self._collect(time.monotonic() + START_PATIENCE, streams, lambda: False)  # (the task waits for these)
-        answer = self._tasks.read(rank, time.monotonic() + COMMAND_PATIENCE)
-        if "error" in answer:
-            raise LaunchError(f"taas: task {rank} on {dead.node} could not start a new rank {rank}: {answer['error']}")
+        number = self._tasks.tell(rank, {"do": "replace", "plan": rank_plans(self.hellos, plan, self._gpus, None, ())[rank]})
+        answers: list[dict] = []
+
+        def answered(wait: bool) -> None:  # its answer (which comes once its channels are accepted, or says why not)
+            answer = answers[0] if answers else self._tasks.answer(rank, number, time.monotonic() + COMMAND_PATIENCE, wait)
+            answers[:] = [answer] if answer is not None else []
+            if answer is not None and "error" in answer:
+                raise LaunchError(f"taas: task {rank} on {dead.node} could not start a new rank {rank}: {answer['error']}")
+
+        self._hub.accept(time.monotonic() + START_PATIENCE, streams, lambda: answered(False),
+                         lambda missing: f"taas: the new rank {rank}'s output did not reach the kernel from {dead.node}")
+        answered(True)
         hub = self._hub.connected
         self.children[rank] = SlurmChild(rank, dead.node, hub[streams[0]].fileno(), hub[streams[1]].fileno(),
                                          dead.control, dead.srun_ended, dead.srun_said)

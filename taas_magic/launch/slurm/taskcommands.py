@@ -80,6 +80,21 @@ class TaskCommands:
         ready, _, _ = select.select([self.sockets[task]], [], [], 0)
         return bool(ready)
 
+    def tell(self, task: int, message: dict) -> int:
+        """Send ``message`` to the task without waiting for its answer; the number the answer will carry."""
+        self._number += 1
+        self.sockets[task].sendall(json.dumps({**message, "number": self._number}).encode() + b"\n")
+        return self._number
+
+    def answer(self, task: int, number: int, deadline: float, wait: bool = True) -> dict | None:
+        """The task's answer to request ``number`` (late answers to older ones skipped); without ``wait``, None
+        while none has come."""
+        while wait or self.pending(task):
+            answer = self.read(task, deadline)
+            if answer.get("number") == number:
+                return answer
+        return None
+
     def ask(self, tasks: Sequence[int], message: dict, patience: float) -> dict[int, dict]:
         """Send ``message`` to those tasks, then read their answers to it until ``patience`` passes."""
         self._number += 1
