@@ -309,8 +309,9 @@ def default_group() -> AbortableGroup | None:
 
 
 def has_default_group() -> bool:
-    """Whether this rank's default process group is one of these."""
-    return dist.is_initialized() and bool(_live_groups()) and not _live_groups()[0].retired
+    """Whether this rank's default process group is one of these (and not retired)."""
+    group = default_group()
+    return group is not None and not group.retired
 
 
 def join_after(after: str) -> None:

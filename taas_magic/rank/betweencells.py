@@ -124,8 +124,7 @@ def cell_ends() -> None:
 def held(namespace: dict) -> CellDone:
     """What a kept rank holds as its cell ends, for what its death would lose: the names its cells bound, its
     imports apart, and whether it has a default process group."""
-    hidden = shell.hidden_names() | {"get_ipython"}
-    names = sorted(name for name in namespace if not name.startswith("_") and name not in hidden)
+    names = shell.user_names(namespace)
     modules = tuple(name for name in names if isinstance(namespace[name], ModuleType))
     abortable = sys.modules.get(ABORTABLE)  # a default group a new rank can join: an abortable one
     grouped = abortable is not None and abortable.has_default_group()

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 import cloudpickle
 
+from taas_magic.rank import shell
+
 
 @dataclass(frozen=True)
 class Imported:
@@ -51,7 +53,7 @@ def heal(source: int, names: Sequence[str] = ()) -> None:
     namespace = sys.modules["__main__"].__dict__
     rank, world = dist.get_rank(), dist.get_world_size()
     held: list[Any] = [None] * world
-    dist.all_gather_object(held, sorted(_user_names(namespace)))
+    dist.all_gather_object(held, shell.user_names(namespace))
     said: list[str] = []
     packed: dict[tuple[str, ...], tuple[bytes, dict[str, str]]] = {}  # pickled once for the ranks that lack the same
     for target in range(world):
@@ -77,11 +79,6 @@ def heal(source: int, names: Sequence[str] = ()) -> None:
     if rank == 0:
         for line in [line for each in lines for line in each] or [f"taas: heal: every rank holds rank {source}'s names"]:
             print(line)
-
-
-def _user_names(namespace: dict) -> list[str]:
-    return [name for name in namespace if not name.startswith("_") and name not in ("get_ipython", "In", "Out", "exit",
-                                                                                      "quit")]
 
 
 def _pack(namespace: dict, wanted: Sequence[str], source: int) -> tuple[bytes, dict[str, str]]:

@@ -83,6 +83,12 @@ def hidden_names() -> set[str]:
     return set(shell.user_ns_hidden) if shell is not None else set()
 
 
+def user_names(namespace: dict) -> list[str]:
+    """The names a rank's cells bound in ``namespace``, sorted: not private, not the shell's own."""
+    hidden = hidden_names() | {"get_ipython"}
+    return sorted(name for name in namespace if not name.startswith("_") and name not in hidden)
+
+
 def after_cell() -> None:
     """What IPython does after a cell: matplotlib's inline backend shows open figures."""
     shell = _state["shell"]

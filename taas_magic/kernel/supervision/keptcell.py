@@ -42,7 +42,7 @@ from types import TracebackType
 from typing import Callable, Sequence
 
 from taas_magic import protocol
-from taas_magic.errors import LaunchError, PeerFailed, RunError, RunTimeout, describe_exit
+from taas_magic.errors import LaunchError, PeerFailed, RunError, RunTimeout
 from taas_magic.kernel.supervision import replacement
 from taas_magic.kernel.supervision.attempts import Judged, Supervised
 from taas_magic.kernel.supervision.mux import Mux
@@ -88,8 +88,7 @@ class KeptGroup:
         """Why ranks that were started no longer run (a cell stopped them, a rank died), or None."""
         if self.lost is not None or self.group is None:
             return self.lost
-        dead = [(child.index, code) for child in self.group.children if (code := child.poll()) is not None]
-        return "; ".join(f"rank {index} {describe_exit(code)}" for index, code in dead) or None
+        return replacement.why_dead(self.dead()) or None
 
     def dead(self) -> dict[int, int]:
         """Each dead rank's exit code (none: every rank lives, or none was started)."""
