@@ -184,6 +184,16 @@ PRIVATE: tuple[Private, ...] = (
             "comes back as its .module", "transfer/unwrap.py", attributes=("module",), by_path=True),
     Private("torch.nn.parallel.data_parallel.DataParallel", "torch", TORCH, "comes back as its .module",
             "transfer/unwrap.py", attributes=("module",), by_path=True),
+    # -- torch: each rank's time in collectives (the straggler line)
+    Private("torch.nn.parallel.distributed.DistributedDataParallel", "torch", TORCH,
+            "a model's registered communication hooks: none, and taas times its all-reduce with a hook of its own",
+            "output/collectives.py", attributes=("_comm_hooks",)),
+    Private("torch.nn.parallel.distributed.DistributedDataParallel._register_builtin_comm_hook", "torch", TORCH,
+            "wrapped to note that a model has a built-in hook (then its all-reduce is not timed)",
+            "output/collectives.py", params=("comm_hook_type",)),
+    Private("torch._C._distributed_c10d.ProcessGroup._register_on_completion_hook", "torch", TORCH,
+            "on CUDA, each NCCL collective's GPU time (TORCH_NCCL_ENABLE_TIMING) from NCCL's watchdog thread, "
+            "without a host sync; gloo refuses it (then the Python wrappers time)", "output/collectives.py"),
     Private("torch._dynamo", "torch", TORCH, "imported by a compiler factory (the session compiles), so its forks "
             "have it: what a new process pays before its first torch.compile", "rank/factory.py"),
     Private("torch._inductor.compile_fx", "torch", TORCH, "imported by a compiler factory, as torch._dynamo",

@@ -13,10 +13,11 @@ two displays, each updated in place (``update_display_data``):
   SVG image drawn here without any plotting library, so it costs the kernel a few
   milliseconds, needs nothing installed, stays in the saved notebook and renders in any front
   end. At most twice a second, and only when something new arrived; once more at the end.
-- the health line, about every 2 s: for each rank its reports per second, resident memory,
-  CPU use, and on CUDA the GPU memory allocated and utilisation; a rank whose time between
-  reports is more than 1.5x the ranks' median (the lower median: with two ranks, the faster
-  one's) is marked as the straggler.
+- the health line, about every 2 s (output/health.py): for each rank its reports per second, resident memory,
+  CPU use, on CUDA the GPU memory allocated and utilisation, its time per step split into working and waiting in
+  collectives, and the rank the others wait for, named (output/straggler.py). With more than one rank, the chart
+  has a last panel, each rank's share of its time spent waiting in collectives against the seconds since the
+  first health figure: rank 0's line over the band of every rank's.
 
 Both displays are published before any rank starts (:meth:`Board.start`), so they sit above
 rank 0's text: a display arriving in the middle of a ``\r`` progress line would cut it in
@@ -36,7 +37,7 @@ two ranks hold about 6 MB (tests/unit/test_board_bounded.py). The run's log on d
 report of rank 0 (output/runlog.py's ``points`` entries, given to it here as they arrive). The
 band is drawn at points every rank keeps (histories with equal bounds keep the same indices up
 to the shorter one's count, taas_magic/history.py); the health line needs each rank's last
-``HEALTH_BATCHES`` batches only.
+few batches and health figures only.
 
 ``taas.metrics()`` in the notebook returns the last run's rank-0 reports (:meth:`Board.metrics`):
 a list of dicts ``{"step": ..., metric: value, ...}`` in order, all of them up to 20,000, then
@@ -45,25 +46,23 @@ the first report, the evenly thinned past, and the last 10,000 reports exactly.
 
 from __future__ import annotations
 
-import collections
 import secrets
-import statistics
 import time
 from array import array
 from dataclasses import dataclass, field
 from html import escape
 from operator import itemgetter
-from typing import Callable, Sequence
+from typing import Callable
 
 from taas_magic.history import SeriesHistory
+from taas_magic.output.health import Health
 from taas_magic.output.relay import Display, Publish
 from taas_magic.output.reports import Report
 
 CHART_SECONDS = 0.5
 HEALTH_SECONDS = 2.0
-STRAGGLER_RATIO = 1.5
+WAITING = "waiting in collectives, % (x: seconds)"  # the chart's last panel (with more than one rank)
 MAX_POINTS = 1000  # per line drawn: a longer series is thinned evenly
-HEALTH_BATCHES = 8  # each rank's last batches, for its reports per second (about 2 s of them)
 PANEL_WIDTH, PANEL_HEIGHT, MARGIN = 560, 150, 46
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf")
 
@@ -94,14 +93,13 @@ class _Series:
 class _Rank:
     series: dict[str, _Series] = field(default_factory=dict)  # metric -> its steps and values
     reports: SeriesHistory[tuple] = field(default_factory=SeriesHistory)  # rank 0's (step, metrics), for taas.metrics()
-    # (when sent, by the rank's clock; reports) of the last batches
-    batches: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=HEALTH_BATCHES))
-    health: tuple[dict, dict] | None = None  # the last two health figures
 
 
 class Board:
     def __init__(self, ranks: int, publish: Publish, points: Callable[[list], None] | None = None):
         self.ranks, self.publish = [_Rank() for _ in range(ranks)], publish
+        self.health = Health(ranks)
+        self.started = 0.0  # the first health figure's time, by the kernel's clock (the waiting panel's x)
         self.points = points  # rank 0's reports as they arrive, for the run log's record
         token = secrets.token_hex(4)
         self.chart_id, self.health_id = f"taas-chart-{token}", f"taas-health-{token}"
@@ -113,7 +111,7 @@ class Board:
         """A rank's batch: its reports (and perhaps its health)."""
         record, reports = self.ranks[rank], batch.reports
         if reports:
-            record.batches.append((batch.at, len(reports)))
+            self.health.batch(rank, batch.at, len(reports))
             if rank == 0:
                 if self.points is not None:
                     self.points(reports)  # every report: the run log keeps them all on disk
@@ -123,8 +121,23 @@ class Board:
                 series.extend(steps, values)
             self.dirty = True
         if batch.health is not None:
-            previous = record.health[1] if record.health is not None else batch.health
-            record.health = (previous, batch.health)
+            self.health.saw(rank, batch.health)
+            self._waited(rank)
+
+    def _waited(self, rank: int) -> None:
+        """With rank 0's health, every rank's share of its last 2 s in collectives, to the chart's last panel (against
+        the seconds since the first), once any rank has been in one: each rank's n-th point is at the same moment."""
+        shares = self.health.waiting(latest=True)
+        if rank != 0 or len(shares) < max(2, len(self.ranks)):
+            return
+        if not any(figures.get("collective") for figures in self.health.last().values()):
+            return
+        now = time.monotonic()
+        self.started = self.started or now
+        for each, share in shares.items():
+            series = self.ranks[each].series.get(WAITING) or self.ranks[each].series.setdefault(WAITING, _Series(each == 0))
+            series.extend([now - self.started], [100 * share])
+        self.dirty = True
 
     def start(self) -> None:
         """The two displays above the ranks' output, before any rank runs, once (background.py's begin may go first)."""
@@ -144,9 +157,9 @@ class Board:
             svg = self.chart()
             if svg is not None:
                 self._publish(self.chart_id, {"image/svg+xml": svg, "text/plain": self._chart_text()})
-        if any(record.health for record in self.ranks) and (force or now - self.last_health >= HEALTH_SECONDS):
+        if self.health.any() and (force or now - self.last_health >= HEALTH_SECONDS):
             self.last_health = now
-            self._publish(self.health_id, {"text/plain": self.health_line()})
+            self._publish(self.health_id, {"text/plain": self.health.line()})
 
     def _publish(self, display_id: str, data: dict) -> None:
         if self.shown.get(display_id) == data:  # it shows that already: a message spared
@@ -161,7 +174,7 @@ class Board:
 
     # -- the chart ---------------------------------------------------------------------------
     def chart(self) -> str | None:
-        names = list(self.ranks[0].series)
+        names = sorted(self.ranks[0].series, key=lambda name: name == WAITING)  # the waiting panel last
         if not names:
             return None
         panels = [self._panel(name, index) for index, name in enumerate(names)]
@@ -223,38 +236,6 @@ class Board:
                 band.append((i, min(at), max(at)))
         return band
 
-    # -- the health line -----------------------------------------------------------------------
-    def health_line(self) -> str:
-        intervals = {rank: _interval(record.batches) for rank, record in enumerate(self.ranks)}
-        known = [value for value in intervals.values() if value is not None]
-        median = statistics.median_low(known) if len(known) > 1 else None  # low: with 2 ranks, the faster one's
-        parts = []
-        for rank, record in enumerate(self.ranks):
-            words = [f"rank {rank}:"]
-            interval = intervals[rank]
-            if interval is not None:
-                words.append(f"{1 / interval:,.0f} reports/s" if interval > 0 else "reports")
-            if record.health is not None:
-                before, now = record.health
-                if "rss" in now:
-                    words.append(_size(now["rss"]))
-                seconds = now["at"] - before["at"]
-                if seconds > 0:
-                    words.append(f"CPU {100 * (now['cpu'] - before['cpu']) / seconds:.0f}%")
-                if "gpu_memory" in now:
-                    words.append(f"GPU {_size(now['gpu_memory'])}")
-                if "gpu_use" in now:
-                    words.append(f"{now['gpu_use']}% busy")
-            if median and interval is not None and interval > STRAGGLER_RATIO * median:
-                words.append("← straggler")
-            parts.append(" ".join(words))
-        return "taas health · " + " | ".join(parts)
-
-
-def _size(count: int) -> str:
-    return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.0f} MB"
-
-
 def _columns(reports: list[tuple]) -> dict[str, tuple[list, list]]:
     """A batch's steps and values by metric, in report order (for a metric some reports leave
     out, the steps of those that have it)."""
@@ -275,15 +256,6 @@ def _columns(reports: list[tuple]) -> dict[str, tuple[list, list]]:
     return columns
 
 
-def _interval(batches: Sequence[tuple[float, int]], window: int = HEALTH_BATCHES) -> float | None:
-    """A rank's mean time between reports over its last batches (about 2 s); None before two batches."""
-    recent = list(batches)[-window:]
-    count = sum(reports for _, reports in recent[1:])
-    if len(recent) < 2 or not count:
-        return None
-    return (recent[-1][0] - recent[0][0]) / count
-
-
 def health_by_rank(board: Board) -> dict[int, dict]:
     """Each rank's last health figures (cpu, rss, gpu_memory), for the ranks that sent any (kept ranks' memory)."""
-    return {rank: record.health[1] for rank, record in enumerate(board.ranks) if record.health is not None}
+    return board.health.last()

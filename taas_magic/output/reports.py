@@ -275,7 +275,8 @@ def _health() -> dict:
     """What the health line shows for this rank, measured here (the kernel may be another host)."""
     times = os.times()
     now = time.monotonic()
-    figures: dict[str, Any] = {"at": now, "cpu": times.user + times.system, "pid": os.getpid()}
+    figures: dict[str, Any] = {"at": now, "cpu": times.user + times.system, "pid": os.getpid(),
+                               "reports": _sent + len(_pending)}
     if _more is not None:  # how long the cell has waited in one collective (the hang line: autopsy/hangline.py)
         figures.update(_more(now))
     try:

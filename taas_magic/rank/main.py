@@ -39,7 +39,7 @@ from taas_magic.autopsy import dump as stacks
 from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
-from taas_magic.output import reports
+from taas_magic.output import collectives, reports
 from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec
 from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
@@ -93,7 +93,9 @@ def _own_output() -> None:
 
 def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.ModuleType:
     """Once per rank: a fresh ``__main__`` for its cells, IPython's stand-ins, the rank's device, the hooks."""
-    reports.start(channel, functools.partial(waiting.figures, away=outbox.away()))  # and the hang line's figures
+    away = outbox.away()
+    reports.start(channel, lambda now: {**waiting.figures(now, away), **collectives.figures(now)})  # the lines' figures
+    collectives.install(spec.device == "cuda", when_imported)  # each rank's time in collectives: the straggler line
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
         groups.keep_across_cells(abortable=spec.device != "cuda")  # their groups outlive a cell, even a failed one

@@ -1,5 +1,5 @@
 """taas.report over a real kernel: one live chart updated in place, taas.metrics(), the health
-line with its straggler, a no-op outside a run, and a rank reporting 100,000 times."""
+line and the rank the others wait for, a no-op outside a run, and a rank reporting 100,000 times."""
 
 import re
 
@@ -38,17 +38,48 @@ def test_one_chart_updated_in_place_and_the_metrics_after_the_cell(kernel):
     assert reports == "(40, {'step': 0, 'loss': 1.0, 'lr': 0.1}, 390)"
 
 
-def test_the_health_line_names_every_rank_and_the_straggler(kernel):
-    ran = kernel.execute(REPORTING.replace("range(40)", "range(50)"))
+SLOWED = """\
+#pragma taas --device cpu --gpus 2
+import time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(32, 64)
+def step(pause):
+    time.sleep(pause)  # the rank's own work, as the straggler line sees it: time in no collective
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+for _ in range(45):
+    step(0.1 if rank == 1 else 0.03)  # rank 1 lags: about 4.5 s
+for _ in range(170):
+    step(0.03)  # then it keeps up: about 5 s
+"""
+
+
+def test_a_slowed_ddp_rank_is_named_while_it_lags_the_fast_one_never_and_the_chart_draws_the_waits(kernel):
+    ran = kernel.execute(SLOWED)
     assert ran.reply["status"] == "ok", ran.error_text()
     lines = [content["data"]["text/plain"] for _, content in _displays(ran, "taas-health-")]
     assert lines[0] == "taas health · starting 2 rank(s)"
     lines = lines[1:]
     assert lines and all(line.startswith("taas health · rank 0:") and " | rank 1:" in line for line in lines)
-    last = lines[-1]
-    assert re.search(r"rank 0: \d+ reports/s \d+ MB CPU \d+%", last), last
-    assert "rank 1:" in last and last.endswith("← straggler")  # rank 1 reports every 0.12 s, rank 0 every 0.05 s
-    assert "straggler" not in last.split(" | ")[0]
+    named = [line for line in lines if "taas straggler · " in line]
+    assert named, lines  # rank 1 lagged for about 4.5 s: the line named it
+    sentence = re.search(r"taas straggler · rank 1 is (\d+\.\d)x slower than the others; they wait (\d+)% of each "
+                         r"step for it", named[0])
+    assert sentence and float(sentence[1]) >= 1.25 and int(sentence[2]) >= 20, named[0]
+    assert not any("rank 0 is" in line or "rank 0:" in line.split("←")[0].split(" | ")[-1] for line in named)
+    assert "← straggler" in named[0].splitlines()[0].split(" | ")[1]  # rank 1's part is marked, not rank 0's
+    # every rank's step split into working and waiting, the fast rank waiting more
+    split = re.findall(r"rank (\d): .*?(\d+\.\d+ m?s)/step: (\d+\.\d+ m?s) working, (\d+\.\d+ m?s) waiting", named[0])
+    assert [rank for rank, *_ in split] == ["0", "1"], named[0]
+    assert "taas straggler" not in lines[-1], lines[-1]  # it kept up for the last 5 s: the line went away
+    charts = _displays(ran, "taas-chart-")
+    image = charts[-1][1]["data"]["image/svg+xml"]
+    assert "waiting in collectives, % (x: seconds)" in image and "every rank's min-max" in image
 
 
 def test_report_outside_a_run_does_nothing(kernel):

@@ -89,7 +89,7 @@ def test_a_million_reports_hold_a_few_mb_and_keep_the_first_the_last_and_the_las
     past = [report["step"] for report in reports[:-RECENT]]
     assert len({after - before for before, after in zip(past, past[1:])}) == 1 and len(past) >= PAST // 2
     # the health line: each rank's last batches only
-    assert all(len(rank.batches) <= 8 for rank in board.ranks) and "reports/s" in board.health_line()
+    assert all(len(rank.batches) <= 8 for rank in board.health.ranks) and "reports/s" in board.health.line()
     # about 12 s of CPU here (most of it tracemalloc's, on every allocation and free); a quadratic keep would take
     # minutes. CPU time, not wall time: on a 2-core machine beside a CPU burner the same run took 52 s of wall time
     assert seconds < 60, seconds
