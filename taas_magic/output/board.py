@@ -136,7 +136,7 @@ class Board:
         self.started = self.started or now
         for each, share in shares.items():
             series = self.ranks[each].series.get(WAITING) or self.ranks[each].series.setdefault(WAITING, _Series(each == 0))
-            series.extend([now - self.started], [100 * share])
+            series.extend([round(now - self.started, 1)], [100 * share])
         self.dirty = True
 
     def start(self) -> None:

@@ -12,7 +12,7 @@ in it only for the transfer. The kernel compares the ranks' shares (output/strag
 What is timed, on a rank whose device is the CPU (gloo):
 
 - every collective the cell, a library or taas calls through ``torch.distributed`` (``all_reduce``, ``all_gather``,
-  ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` as FSDP2 calls them, ``broadcast``, ``barrier``, the object
+  ``all_gather_single`` and ``reduce_scatter_single`` as FSDP2 calls them, ``broadcast``, ``barrier``, the object
   collectives, point to point): the module's functions are wrapped; a synchronous call is timed to its return, an
   ``async_op=True`` one until its work's future completes (a callback on gloo's thread). While torch.compile traces,
   the wrapper is the function itself (nothing to trace);
@@ -43,10 +43,12 @@ import time
 from typing import Any, Callable
 
 # torch.distributed's functions that wait for other ranks (the object collectives call others; counted once)
-WRAPPED = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
-           "reduce_scatter", "reduce_scatter_tensor", "broadcast", "barrier", "monitored_barrier", "reduce", "gather",
-           "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "all_gather_object",
-           "broadcast_object_list", "gather_object", "scatter_object_list")
+# (FSDP2 calls all_gather_single and reduce_scatter_single; batch_isend_irecv's works are not timed)
+WRAPPED = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
+           "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+           "barrier", "monitored_barrier", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send",
+           "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
+           "scatter_object_list", "send_object_list", "recv_object_list")
 
 
 class CollectiveClock:
@@ -122,7 +124,7 @@ def timed(function: Callable) -> Callable:
         except BaseException:
             clock.end()
             raise
-        future = _future(work) if kwargs.get("async_op") else None
+        future = _future(work)  # an async op's (isend's, irecv's, async_op=True's); a synchronous one returns None
         if future is None:
             clock.end()
         else:
@@ -136,7 +138,7 @@ def timed(function: Callable) -> Callable:
 def _future(work: Any) -> Any:
     """The future of an async collective's work (None: not one, or it has none: it counts as over at its return)."""
     try:
-        return work.get_future() if work is not None and hasattr(work, "get_future") else None
+        return work.get_future() if hasattr(work, "get_future") else None
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -1,6 +1,6 @@
 """What the straggler line costs a rank: DDP steps with taas timing their collectives, and without.
 
-    python bench/straggler.py [--repeats 9] [--steps 200]
+    python bench/steptiming.py [--repeats 9] [--steps 200]
 
 Measured in one run, in a 2-rank taas cell (gloo, CPU) through a real kernel, inside the same ranks:
 
@@ -104,7 +104,7 @@ def main() -> None:
     finally:
         kernel.shutdown()
     m = statistics.median
-    print(f"bench/straggler.py: {args.repeats} ABAB pairs on rank 0 of 2 (gloo, CPU; medians of paired ratios)")
+    print(f"bench/steptiming.py: {args.repeats} ABAB pairs on rank 0 of 2 (gloo, CPU; medians of paired ratios)")
     print(f"{'figure':<52} {'value':>10}  {'target':<10} beside")
     for name, label, steps in (("mid", "DDP MLP 4x1024, batch 64", args.steps), ("tiny", "DDP MLP 2x32, batch 16",
                                                                                    10 * args.steps)):
