@@ -71,8 +71,10 @@ def test_a_slowed_ddp_rank_is_named_while_it_lags_the_fast_one_never_and_the_cha
     sentence = re.search(r"taas straggler · rank 1 is (\d+\.\d)x slower than the others; they wait (\d+)% of each "
                          r"step for it", named[0])
     assert sentence and float(sentence[1]) >= 1.25 and int(sentence[2]) >= 20, named[0]
-    assert not any("rank 0 is" in line or "rank 0:" in line.split("←")[0].split(" | ")[-1] for line in named)
-    assert "← straggler" in named[0].splitlines()[0].split(" | ")[1]  # rank 1's part is marked, not rank 0's
+    assert all("taas straggler · rank 1 is " in line for line in named), named  # the fast rank is never named
+    for line in named:  # rank 1's part of the line is marked, never rank 0's
+        rank_0, rank_1 = line.splitlines()[0].split(" | ")
+        assert "← straggler" not in rank_0 and rank_1.endswith("← straggler"), line
     # every rank's step split into working and waiting, the fast rank waiting more
     split = re.findall(r"rank (\d): .*?(\d+\.\d+ m?s)/step: (\d+\.\d+ m?s) working, (\d+\.\d+ m?s) waiting", named[0])
     assert [rank for rank, *_ in split] == ["0", "1"], named[0]
