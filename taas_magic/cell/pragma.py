@@ -53,7 +53,7 @@ class PragmaOptions:
     prune: str = "median"  # Optuna's pruner
     study: str | None = None  # a study kept in <repository>/.taas/studies.db, continued by a rerun
     shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (writes/savers.py)
-    profile: int | None = None  # --profile [N]: N steps of every rank profiled (profiling/); None: off
+    profile: int = 0  # --profile [N]: N steps of every rank profiled (profiling/); 0: off
     configs: tuple[str, ...] = field(default=())
 
 

@@ -69,7 +69,8 @@ def test_a_ddp_cell_merged_with_both_ranks_and_its_breakdown(kernel):
 
 
 def test_a_cell_without_step_marks_is_profiled_whole(kernel):
-    ran = kernel.execute("#pragma taas --device cpu --gpus 2 --profile\nimport torch\nx = torch.randn(200, 200) @ torch.randn(200, 200)\n")
+    ran = kernel.execute("#pragma taas --device cpu --gpus 2 --profile\nimport torch\n"
+                         "x = torch.randn(200, 200) @ torch.randn(200, 200)\n")
     assert ran.reply["status"] == "ok", ran.error_text()
     assert "--profile: the whole cell" in ran.stream()
     assert ranks_in(saved(ran)) == {0: "rank 0", 1: "rank 1"}

@@ -44,7 +44,8 @@ class Profiles:
             return
         size = os.path.getsize(path) / 1e6
         whole = all(trace.whole for trace in traces)
-        window = "the whole cell (fewer step marks than the window)" if whole else f"{self.steps} step{'s' if self.steps > 1 else ''} after the first"
+        steps = f"{self.steps} step{'s' if self.steps > 1 else ''} after the first"
+        window = "the whole cell (fewer step marks than the window)" if whole else steps
         say(f"--profile: {window}, {len(traces)} of {self.ranks} ranks: {path} ({size:.1f} MB; "
             f"ui.perfetto.dev opens it; HTA reads {os.path.join(os.path.dirname(path), 'ranks')})")
         missing = sorted(set(range(self.ranks)) - set(self.traces))
