@@ -21,14 +21,16 @@ The kernel's half is merge.py and breakdown.py.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from taas_magic.protocol import ToKernel, ToPeer
 
@@ -77,7 +79,8 @@ class Window:
         self.recording = False
         self.hook = register_optimizer_step_post_hook(
             lambda optimizer, args, kwargs: self.mark("optimizer"))
-        self.profiler.start()
+        with _quiet_stderr():
+            self.profiler.start()
         self.recording = True
 
     def mark(self, by: str) -> None:
@@ -94,7 +97,8 @@ class Window:
         self.hook.remove()
         if self.recording:
             self.recording = False
-            self.profiler.stop()
+            with _quiet_stderr():
+                self.profiler.stop()
 
     def trace(self, rank: int, world: int) -> tuple[bytes, bool]:
         """The window's Chrome JSON, gzipped, and whether it is the whole cell."""
@@ -119,6 +123,21 @@ class Window:
         data, whole = self.trace(rank, world)
         offset, bound = clock_offset(ask)
         send(ProfileTrace(data, socket.gethostname(), offset, bound, self.marks, whole))
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto's C++ says ``profiler_start`` and ``profiler_stop`` on fd 2 whatever its log level: not in the cell.
+    IMPORTANT: only around those two calls (a millisecond); whatever else writes to fd 2 then is lost with them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _from_first_step(events: list[dict]) -> list[dict]:
