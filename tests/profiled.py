@@ -61,3 +61,25 @@ def a_profiled_ddp_cell_merges_every_rank(kernel, head: str = LOCAL, timeout: fl
 def remove_run(path: str) -> None:
     """A run's profile folder, made where a shared kernel runs (the repository's root): gone after the test."""
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def kept_ranks_are_profiled_cell_after_cell(kernel, head: str = LOCAL) -> list[str]:
+    """Kept ranks (``head`` with ``--keep``): profiled twice, each cell its own folder, then an unprofiled kept cell
+    finds no hook on the optimizer and no profiler running; released at the end. The traces' paths."""
+    try:
+        first, _ = a_profiled_ddp_cell_merges_every_rank(kernel, head + " --keep")
+        kept = head.replace("--profile 2", "--profile 1") + " --keep\n"
+        again = kernel.execute(kept + "for step in range(4):\n    optimizer.zero_grad()\n"
+                               "    model(torch.randn(32, 64)).sum().backward()\n    optimizer.step()\n", timeout=120)
+        assert again.reply["status"] == "ok", again.error_text()
+        assert "--profile: 1 step after the first, 2 of 2 ranks:" in again.stream(), again.stream()
+        assert first != saved(again) and ranks_in(saved(again)) == {0: "rank 0", 1: "rank 1"}
+        plain = kernel.execute(kept.replace(" --profile 1", "") +
+                               "from torch.optim.optimizer import _global_optimizer_post_hooks as hooks\n"
+                               "import torch.autograd.profiler as profiler\n"
+                               "print('hooks', len(hooks), 'profiling', profiler._is_profiler_enabled)\n", timeout=120)
+        assert plain.reply["status"] == "ok", plain.error_text()
+        assert "hooks 0 profiling False" in plain.stream() and "--profile" not in plain.stream(), plain.stream()
+        return [first, saved(again)]
+    finally:
+        kernel.execute("%taas release")

@@ -76,12 +76,11 @@ class Window:
         # a schedule that always records: only so that step() writes the ProfilerStep#k spans
         self.profiler = profile(activities=activities, schedule=lambda step: ProfilerAction.RECORD)
         self.steps, self.marks, self.by = steps, 0, ""
-        self.recording = False
-        self.hook = register_optimizer_step_post_hook(
-            lambda optimizer, args, kwargs: self.mark("optimizer"))
         with _quiet_stderr():
             self.profiler.start()
         self.recording = True
+        # after the start: a profiler that cannot start leaves no hook behind
+        self.hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: self.mark("optimizer"))
 
     def mark(self, by: str) -> None:
         """A step ended (``by`` names what marks steps in this cell; the other is ignored from then on)."""

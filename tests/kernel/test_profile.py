@@ -8,7 +8,13 @@ import warnings
 import pytest
 
 from tests.kernel_client import Kernel
-from tests.profiled import LOCAL, a_profiled_ddp_cell_merges_every_rank, ranks_in, saved, trace_of
+from tests.profiled import (
+    a_profiled_ddp_cell_merges_every_rank,
+    kept_ranks_are_profiled_cell_after_cell,
+    ranks_in,
+    saved,
+    trace_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +44,7 @@ def test_a_cell_without_step_marks_is_profiled_whole(kernel):
 
 
 def test_kept_ranks_profiled_cell_after_cell_and_clean_after(kernel):
-    try:
-        first, _ = a_profiled_ddp_cell_merges_every_rank(kernel, LOCAL + " --keep")
-        again = kernel.execute("#pragma taas --device cpu --gpus 2 --keep --profile 1\nfor step in range(4):\n"
-                               "    optimizer.zero_grad()\n    model(torch.randn(32, 64)).sum().backward()\n"
-                               "    optimizer.step()\n")
-        assert again.reply["status"] == "ok", again.error_text()
-        assert "--profile: 1 step after the first, 2 of 2 ranks:" in again.stream()
-        assert first != saved(again) and ranks_in(saved(again)) == {0: "rank 0", 1: "rank 1"}
-        # the next kept cell, unprofiled: no hook left on the optimizer, no profiler running
-        plain = kernel.execute("#pragma taas --device cpu --gpus 2 --keep\n"
-                               "from torch.optim.optimizer import _global_optimizer_post_hooks as hooks\n"
-                               "import torch.autograd.profiler as profiler\n"
-                               "print('hooks', len(hooks), 'profiling', profiler._is_profiler_enabled)\n")
-        assert plain.reply["status"] == "ok", plain.error_text()
-        assert "hooks 0 profiling False" in plain.stream() and "--profile" not in plain.stream()
-    finally:
-        kernel.execute("%taas release")
+    kept_ranks_are_profiled_cell_after_cell(kernel)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
