@@ -125,3 +125,12 @@ def test_save_lands_whole_files(tmp_path):
     trace = _trace(0, 0, [_x("a", 0.0, 1.0)])
     path = save(merge([trace], False), [trace], str(tmp_path), "r")
     assert json.loads(Path(path).read_text())["traceEvents"] and not list(tmp_path.glob("**/*.partial"))
+
+
+def test_a_trace_that_cannot_be_read_costs_the_profile_not_the_run(tmp_path):
+    profiles, said = Profiles(ranks=1, steps=3, measured_clocks=False, run_id="bad"), []
+    profiles.add(0, ProfileTrace(b"not gzip", "here", 0, 0, 4, False))
+    profiles.finish(said.append, str(tmp_path))
+    assert said == ["--profile: could not merge the ranks' traces: BadGzipFile: Not a gzipped file (b'no')"]
+    Profiles(ranks=2, steps=3, measured_clocks=False, run_id="none").finish(said.append, str(tmp_path))
+    assert said[-1] == "--profile: no rank sent its trace (a cell that fails or is stopped is not profiled)"

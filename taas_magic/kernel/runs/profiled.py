@@ -24,23 +24,27 @@ class Profiles:
     def __init__(self, ranks: int, steps: int, measured_clocks: bool, run_id: str):
         """``steps``: N of ``--profile N``; ``measured_clocks``: the ranks may be on other hosts (a cluster engine)."""
         self.ranks, self.steps, self.measured_clocks, self.run_id = ranks, steps, measured_clocks, run_id
-        self.traces: dict[int, RankTrace] = {}
+        self.frames: dict[int, ProfileTrace] = {}
 
     def add(self, rank: int, frame: ProfileTrace) -> None:
-        self.traces[rank] = RankTrace.decode(rank, frame.data, frame.host, (frame.offset_ns, frame.bound_ns),
-                                             (frame.steps, frame.whole))
+        """A rank's trace, kept as it came until the run ends (a later attempt's replaces an earlier one's)."""
+        self.frames[rank] = frame
 
     def finish(self, say: Callable[[str], None], folder: str | None = None) -> None:
         """Merge, save in ``folder`` (the notebook's: the kernel's working directory), and ``say`` what it shows."""
-        if not self.traces:
+        if not self.frames:
             say("--profile: no rank sent its trace (a cell that fails or is stopped is not profiled)")
             return
-        traces = [self.traces[rank] for rank in sorted(self.traces)]
-        merged = merge(traces, self.measured_clocks)
         try:
+            traces = [RankTrace.decode(rank, frame.data, frame.host, (frame.offset_ns, frame.bound_ns),
+                                       (frame.steps, frame.whole)) for rank, frame in sorted(self.frames.items())]
+            merged = merge(traces, self.measured_clocks)
             path = save(merged, traces, folder or os.getcwd(), self.run_id)
         except OSError as error:
             say(f"--profile: could not save the trace in {folder or os.getcwd()}: {error}")
+            return
+        except Exception as error:  # noqa: BLE001 - a trace we cannot read costs its profile, never the run's results
+            say(f"--profile: could not merge the ranks' traces: {type(error).__name__}: {error}")
             return
         size = os.path.getsize(path) / 1e6
         whole = all(trace.whole for trace in traces)
@@ -48,7 +52,7 @@ class Profiles:
         window = "the whole cell (fewer step marks than the window)" if whole else steps
         say(f"--profile: {window}, {len(traces)} of {self.ranks} ranks: {path} ({size:.1f} MB; "
             f"ui.perfetto.dev opens it; HTA reads {os.path.join(os.path.dirname(path), 'ranks')})")
-        missing = sorted(set(range(self.ranks)) - set(self.traces))
+        missing = sorted(set(range(self.ranks)) - set(self.frames))
         if missing:
             say(f"--profile: no trace from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
         if merged.dropped:
