@@ -39,12 +39,13 @@ class Profiles:
             traces = [RankTrace.decode(rank, frame.data, frame.host, (frame.offset_ns, frame.bound_ns),
                                        (frame.steps, frame.whole)) for rank, frame in sorted(self.frames.items())]
             merged = merge(traces, self.measured_clocks)
+        except Exception as error:  # noqa: BLE001 - a trace we cannot read costs its profile, never the run's results
+            say(f"--profile: could not merge the ranks' traces: {type(error).__name__}: {error}")
+            return
+        try:
             path = save(merged, traces, folder or os.getcwd(), self.run_id)
         except OSError as error:
             say(f"--profile: could not save the trace in {folder or os.getcwd()}: {error}")
-            return
-        except Exception as error:  # noqa: BLE001 - a trace we cannot read costs its profile, never the run's results
-            say(f"--profile: could not merge the ranks' traces: {type(error).__name__}: {error}")
             return
         size = os.path.getsize(path) / 1e6
         whole = all(trace.whole for trace in traces)
