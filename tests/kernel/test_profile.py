@@ -2,6 +2,7 @@
 the cell; a cell with no step marks profiled whole; kept ranks profiled cell after cell, and clean after."""
 
 import os
+import re
 import stat
 import warnings
 
@@ -9,6 +10,8 @@ import pytest
 
 from tests.kernel_client import Kernel
 from tests.profiled import (
+    DDP,
+    LOCAL,
     a_profiled_ddp_cell_merges_every_rank,
     kept_ranks_are_profiled_cell_after_cell,
     ranks_in,
@@ -33,6 +36,14 @@ def test_a_ddp_cell_merged_with_both_ranks_and_its_breakdown(kernel):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert trace_of(path)["taas"]["clocks"] == "one host: one clock"
+
+
+def test_the_slow_rank_is_named_under_the_breakdown_and_the_fast_one_never(kernel):
+    slowed = DDP.replace("    optimizer.step()\n", "    optimizer.step()\n    time.sleep(0.05 * dist.get_rank())\n")
+    ran = kernel.execute(slowed.format(head=LOCAL).replace("import torch,", "import time, torch,"))
+    assert ran.reply["status"] == "ok", ran.error_text()
+    assert re.search(r"\n  rank 1 is [\d.]+x slower than the others; they wait \d+% of each step for it\n", ran.stream())
+    assert "rank 0 is" not in ran.stream()
 
 
 def test_a_cell_without_step_marks_is_profiled_whole(kernel):
