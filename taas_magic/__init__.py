@@ -26,6 +26,7 @@ The features, each a kernel half and a rank half:
 - ``writes/``: only rank 0 writes to the repository (but collective checkpoints); taas's checkpoints.
 - ``search/``: many trials from one cell: the study, the grid, each trial's two halves.
 - ``compilecache/``: the session's torch.compile caches: one owner-only folder, and each rank's artifacts.
+- ``profiling/``: ``--profile``: each rank's bounded window recorded, the traces merged, each rank's time split.
 
 The ground, which every package may import and which imports only itself (at most 10 modules):
 

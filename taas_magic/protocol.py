@@ -25,6 +25,7 @@ Kernel -> peer::
     Hold            a rank is in pdb: raise every group's timeout (or put them back)  the other ranks
     Interrupt       the person interrupted a kept cell: SIGINT, as a terminal's ^C     every kept rank
     Abandon         a kept cell failed or was interrupted: its collectives end, its groups are renewed  every kept rank
+    ClockTime       answer to ClockAsk: the kernel's wall clock (--profile)           a rank   [profiling/window]
 
 Peer -> kernel::
 
@@ -42,6 +43,8 @@ Peer -> kernel::
     CheckpointSaved a collective save's folder, written in place by every rank        a rank   [writes/savers]
     FilePart        a piece of a file for the repository, from a host that does not see it  a rank  [writes/outbox]
     CellDone        a kept rank ended its cell (after its results and its error) and waits for the next  a rank
+    ClockAsk        --profile: the kernel's wall clock, asked to align the rank's trace   a rank   [profiling/window]
+    ProfileTrace    --profile: the rank's trace of its window, gzipped, and its clock's offset  a rank  [profiling/window]
 
 IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a body whose MAC wire.py
 verified; it refuses an unknown kind, or one of the other direction (:class:`ProtocolError`), before unpickling anything,

@@ -119,6 +119,7 @@ class RunSpec:
     gather_why: str = ""  # where that limit comes from, for the line that says a name became a handle
     shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (absolute; writes/savers.py)
     compile_cache: str = ""  # the session's compile cache folder (compilecache/): rank K's artifacts there; empty: off
+    profile: int = 0  # --profile N: each rank records N steps after the first and sends its trace (profiling/); 0: off
     seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k
     keep: bool = False  # --keep: after the cell the rank says CellDone and waits for the next (kernel/runs/rankset.py)
     lazy_bytes: int = 0  # kept cells: rank 0's bound names this large stay on the ranks until touched (returns.py); 0: off

@@ -30,6 +30,8 @@ DEVICES = ("auto", "cpu", "cuda")
 AUTO = "auto"  # --gpus auto: one rank per GPU of this host (2 CPU ranks where there is none)
 MAX_CPUS = 8
 MAX_RESTARTS = 100
+PROFILE_STEPS = 3  # --profile alone: this many steps after the first
+MAX_PROFILE_STEPS = 1000
 HANG_SECONDS = 30.0  # --hang's default: a rank this long in one collective, and the cell says so
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(i?b)?$", re.IGNORECASE)
@@ -152,6 +154,14 @@ class RankCount(Count):
         return AUTO if token == AUTO else super().parse(flag, token)
 
 
+class OptionalCount(Count):
+    """A whole number that may be left out: the flag alone means ``bare`` (``--profile`` is ``--profile 3``)."""
+
+    def __init__(self, least: int, most: int | None, bare: int):
+        super().__init__(least, most)
+        self.bare = bare
+
+
 class Flag:
     """An option that takes no value: present or not."""
 
@@ -206,7 +216,7 @@ def parse_size(token: str) -> int | None:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-Value = Union[Count, Seconds, Size, Choice, Flag, Name, Folders]
+Value = Union[Count, OptionalCount, Seconds, Size, Choice, Flag, Name, Folders]
 
 
 @dataclass(frozen=True)
@@ -229,7 +239,9 @@ class Option:
 
     @property
     def signature(self) -> str:
-        """``--gpus N|auto``; a flag alone, ``--detach``."""
+        """``--gpus N|auto``; a flag alone, ``--detach``; a value that may be left out, ``--profile [N]``."""
+        if isinstance(self.value, OptionalCount):
+            return f"{self.flag} [{self.metavar}]"
         return f"{self.flag} {self.metavar}".strip()
 
 
@@ -271,6 +283,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--keep", "", "keep", Flag(),
            "keep the ranks after the cell, with their globals and process group: the next --keep cell of the same "
            "shape runs in them (%taas release ends them)", default=False, setting="keep"),
+    Option("--profile", "N", "profile", OptionalCount(1, MAX_PROFILE_STEPS, PROFILE_STEPS),
+           f"profile every rank for N steps after the first (default {PROFILE_STEPS}; steps as optimizer.step or "
+           "taas.report mark them; a cell with fewer, whole): one merged Perfetto trace in the notebook's folder, "
+           "and each rank's time working, communicating and waiting in the cell", default=0),
     Option("--detach", "", "detach", Flag(),
            "run in the background: the cell returns at once with the live view; %taas wait binds rank 0's names",
            default=False),

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from taas_magic.cell.options import AUTO, BY_FLAG, HANG_SECONDS, OPTIONS, SEARCH_ONLY, Flag, PragmaError
+from taas_magic.cell.options import AUTO, BY_FLAG, HANG_SECONDS, OPTIONS, SEARCH_ONLY, Flag, OptionalCount, PragmaError
 
 PRAGMA_RE = re.compile(r"^\s*#\s*pragma\s+taas(?=\s|$)(?P<args>.*)$")
 CONFIG_RE = re.compile(r"^\s*#!(?P<config>.*)$")
@@ -53,6 +53,7 @@ class PragmaOptions:
     prune: str = "median"  # Optuna's pruner
     study: str | None = None  # a study kept in <repository>/.taas/studies.db, continued by a rerun
     shared: tuple[str, ...] = ()  # --shared: folders every rank writes in place (writes/savers.py)
+    profile: int = 0  # --profile [N]: N steps of every rank profiled (profiling/); 0: off
     configs: tuple[str, ...] = field(default=())
 
 
@@ -83,6 +84,7 @@ class RunSettings:
     prune: str = "median"
     study: str | None = None
     shared: tuple[str, ...] = ()  # --shared, as written: the plan resolves them against the repository
+    profile: int = 0  # --profile N: the steps profiled after the first (profiling/); 0: off
     configs: tuple[str, ...] = ()
 
 
@@ -141,6 +143,11 @@ def parse_options(args: str, configs: tuple[str, ...] = ()) -> PragmaOptions:
             values[name] = True
             i += 1
             continue
+        value = BY_FLAG[name].value
+        if isinstance(value, OptionalCount) and not eq and (i + 1 >= len(tokens) or tokens[i + 1].startswith("--")):
+            values[name] = value.bare  # --profile alone
+            i += 1
+            continue
         if eq:
             if not inline:
                 raise PragmaError(f"{name} needs a value, got {token!r}")
@@ -170,6 +177,8 @@ def _check_search(values: dict[str, object]) -> None:
         raise PragmaError("--detach with --trials: a search runs in its cell (interrupt it to stop every trial)")
     elif "--keep" in values:
         raise PragmaError("--keep with --trials: every trial starts its own ranks, and none is kept")
+    elif "--profile" in values:
+        raise PragmaError("--profile with --trials: profile one run of the cell, without --trials")
 
 
 def _config_name(line: str, lineno: int) -> str:

@@ -14,5 +14,6 @@
 - ``frontend.py``: the page the kernel is shown in: does it restore widgets; ``kernel_info`` answered while a
   cell waits; a cell's messages straight to the IOPub thread.
 - ``reports.py``: ``taas.report``'s batches in the rank; asynchronous CUDA copies.
+- ``straggler.py``: the slow rank named, from each rank's share of time waiting in collectives.
 - ``trialtable.py``: a search's table and chart, one display.
 """

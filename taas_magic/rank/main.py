@@ -34,13 +34,15 @@ import os
 import signal
 import sys
 import types
+from typing import Any, Callable
 
 from taas_magic.autopsy import dump as stacks
 from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import collectives, reports
-from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec
+from taas_magic.profiling import window as profiling
+from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec, ToKernel
 from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
@@ -131,13 +133,51 @@ def _cell_setup(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int
     refresh.refresh()  # the repository as rank 0 has left it (a kept rank's last look was in the cell before)
     unseen.mark(spec.repository_names)  # on a host that does not see it: its files named, a clear line on reading one
     shell.configure(module, channel.send if rank == 0 or spec.output == "all" else None)
-    identity.enter(spec.device, spec.seed, reports.report)  # what the cell's `import taas` answers by
+    identity.enter(spec.device, spec.seed, _reporter(spec))  # what the cell's `import taas` answers by
     checkpoints.use_run(spec.checkpoints, spec.keep_checkpoints)
     savers.install(outbox.for_kernel(channel.send), spec.shared)  # collective checkpoints: every rank's part in place (writes/)
     search_trial.start(spec.trial, functools.partial(_ask, inbox))  # taas.trial(): a search's, or defaults
     cellpdb.install(cellpdb.DebugLink(rank, inbox, spec.post_mortem, spec.filename))  # breakpoint(): the cell's prompt
     execute.register_source(spec.filename, spec.display_source)
     execute.register_cells(spec.cells)
+
+
+def _reporter(spec: RunSpec) -> Callable[..., None]:
+    """``taas.report``: with ``--profile``, each call also marks a step (profiling/window.py)."""
+    if not spec.profile:
+        return reports.report
+
+    def report(step: Any = None, **metrics: Any) -> None:
+        profiling.mark("report")
+        reports.report(step, **metrics)
+    return report
+
+
+def _profiled(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int) -> object:
+    """The cell run (``_run``), with ``--profile``: its window recorded, torn down whatever happens, and sent
+    when the cell finished; a trace that cannot be sent is said on the rank's stderr, never failing the cell."""
+    if not spec.profile:
+        return _run(spec, inbox.channel, module)
+    try:
+        profiling.begin(spec.profile, spec.device == "cuda")
+    except Exception as exc:  # noqa: BLE001 - the cell runs all the same, unprofiled, and says so
+        print(f"taas: --profile: rank {rank} could not start its profiler: {type(exc).__name__}: {exc}", file=sys.stderr)
+    try:
+        final = _run(spec, inbox.channel, module)
+    finally:
+        window = profiling.end()  # a kept rank's next cell starts with no hook and no profiler
+    try:
+        if window is not None:
+            window.send(inbox.send, functools.partial(_answer, inbox), rank, int(os.environ.get("WORLD_SIZE", "1")))
+    except Exception as exc:  # noqa: BLE001 - the cell succeeded; its profile is lost, and said so
+        print(f"taas: --profile: rank {rank} could not send its trace: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return final
+
+
+def _answer(inbox: Inbox, frame: ToKernel, kind: type) -> Any:
+    """The kernel's answer of type ``kind`` to ``frame``, taken from the channel's one reader."""
+    inbox.send(frame)
+    return inbox.take(lambda reply: isinstance(reply, kind))
 
 
 def _ask(inbox: Inbox, frame: Suggest) -> Suggested:
@@ -259,7 +299,7 @@ def _one_cell(spec: RunSpec, inbox: Inbox, module: types.ModuleType, received: R
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
     before = returns.snapshot(module.__dict__)  # every rank: the names its cell binds, for the gather
-    final = _run(spec, channel, module)
+    final = _profiled(spec, inbox, module, rank)  # --profile: its window sent (profiling/window.py)
     if spec.compile_cache:
         compiled.save(spec.compile_cache, rank)  # what it compiled, for the session's next ranks
     savers.finish()  # a pending async_save's parts are whole before the rank ends

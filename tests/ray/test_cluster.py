@@ -23,6 +23,7 @@ from tests.four_ranks import (a_failed_collective_costs_the_cell_not_the_kept_ra
                               a_killed_rank_is_replaced_and_the_others_keep_their_state, every_rank_sees_rank_0s_writes,
                               the_hang_line_is_said_once_and_the_cell_completes)
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
+from tests.profiled import a_profiled_ddp_cell_merges_every_rank, kept_ranks_are_profiled_cell_after_cell, remove_run, trace_of
 from tests.view_cells import CHANGES
 
 pytestmark = pytest.mark.ray
@@ -418,6 +419,20 @@ def test_ranks_on_both_hosts_see_what_rank_0_wrote_after_a_barrier(attached, tmp
 
 def test_the_hang_line_names_where_ranks_on_both_hosts_are_while_they_wait(attached):
     the_hang_line_is_said_once_and_the_cell_completes(attached)
+
+
+def test_a_profiled_cell_on_two_hosts_merges_both_ranks_on_measured_clocks(attached):
+    path, _ = a_profiled_ddp_cell_merges_every_rank(attached, "#pragma taas --gpus 2 --per-host 1 --profile 2")
+    try:
+        about = trace_of(path)["taas"]
+        assert about["clocks"].startswith("measured offset") and set(about["clock_bound_us"]) == {"0", "1"}
+    finally:
+        remove_run(path)
+
+
+def test_kept_ranks_on_two_hosts_are_profiled_cell_after_cell(attached):
+    for path in kept_ranks_are_profiled_cell_after_cell(attached, "#pragma taas --gpus 2 --per-host 1 --profile 2"):
+        remove_run(path)
 
 
 def test_kept_ranks_stay_on_the_cluster_across_cells_until_released(attached):

@@ -21,7 +21,7 @@ def test_every_option_parses_and_sets_its_own_field():
     samples = {"--gpus": "2", "--device": "cpu", "--cpus": "3", "--units": "9", "--cache-ram": "1G", "--ahead": "4", "--timeout": "5",
                "--hang": "0", "--restarts": "2", "--per-host": "1", "--place-timeout": "7", "--output": "all", "--detach": "", "--keep": "",
                "--trials": "8", "--parallel": "2", "--objective": "acc", "--maximize": "", "--sampler": "grid",
-               "--prune": "halving", "--study": "s1", "--shared": "ckpt,out/zero"}
+               "--prune": "halving", "--study": "s1", "--shared": "ckpt,out/zero", "--profile": "5"}
     assert set(samples) == {option.flag for option in OPTIONS}
     searching = {"--trials", "--parallel", "--objective", "--maximize", "--sampler", "--prune", "--study"}
     parsed = parse_options(" ".join(f"{flag} {value}" for flag, value in samples.items() if flag not in searching))
@@ -32,6 +32,13 @@ def test_every_option_parses_and_sets_its_own_field():
     assert (search.trials, search.parallel, search.objective, search.maximize, search.sampler, search.prune,
             search.study) == (8, 2, "acc", True, "grid", "halving", "s1")
     assert parse_options("--gpus 2").detach is False
+    assert parsed.profile == 5 and parse_options("--gpus 2").profile == 0  # 0: not profiled
+    assert parse_options("--gpus 2 --profile").profile == 3 == parse_options("--profile --gpus 2").profile  # N left out
+    assert parse_options("--gpus 2 --profile=7").profile == 7
+    with pytest.raises(PragmaError, match="--profile must be 1..1000, got '0'"):
+        parse_options("--gpus 2 --profile 0")
+    with pytest.raises(PragmaError, match="--profile with --trials"):
+        parse_options("--gpus 2 --trials 2 --profile")
     assert parse_options("--gpus 2 --keep").keep is True and parse_options("--gpus 2").keep is None  # None: the session's
     with pytest.raises(PragmaError, match="--detach takes no value"):
         parse_options("--gpus 2 --detach=yes")

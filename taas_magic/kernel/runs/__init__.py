@@ -13,5 +13,7 @@
 - ``rankset.py``: a rank set, which every run borrows: what its ranks hold (backend, server, layers, stacks folder,
   owner tag, the kept group), its state (new, busy, idle, lost, released), its lifetime (one cell, or the session:
   ``--keep``: each a policy, of what a cell's end and a failure cost), and which notebook values they already have.
+- ``profiled.py``: a ``--profile`` run's traces gathered, merged and saved (the profiling feature), each rank's
+  time and the straggler line (the output feature's) in the cell.
 - ``summary.py``: the run in a few words: ``RunSummary``, ``LastRun``, the header line.
 """

@@ -72,6 +72,7 @@ class Execution:
             explain=functools.partial(stacks.autopsy, sources=sources, cell=run.spec.filename),
             hang=HangWatch(run.settings.hang, sources, run.spec.filename) if run.settings.hang else None,
             stop_asked=self.stop_asked, prompts=run.prompts, saves=run.heard,
+            profiled=run.profiles.add if run.profiles is not None else None,
             suggest=trial.answer if trial is not None else not_a_search,
             prune_asked=trial.pruned if trial is not None else never,
         )

@@ -41,6 +41,7 @@ from taas_magic import protocol, wire
 from taas_magic.autopsy.dump import stack_file
 from taas_magic.cell.pragma import RunSettings
 from taas_magic.compilecache.folder import point_ranks
+from taas_magic.kernel.runs.profiled import Profiles
 from taas_magic.kernel.runs.rankset import RankSet
 from taas_magic.kernel.runs.summary import LastRun
 from taas_magic.kernel.supervision.dataplane import DataRun
@@ -115,6 +116,9 @@ class Run:
         self.rule, self.record = rule, record  # record: for %taas status, the header printed
         self.on_ranks_gone: list[Callable[[], None]] = []  # called as its ranks are gone (a search's slot; did they compile)
         self.saves = Ledger()  # the collective checkpoints its ranks named (writes/savers.py), checked at the end
+        # --profile: the ranks' traces, merged and told as the run ends (kernel/runs/profiled.py)
+        self.profiles = Profiles(ranks.peers.ranks, spec.profile, not held.backend.loopback_only, spec.run_id) \
+            if spec.profile else None
         self._started, self._stack = time.monotonic(), ExitStack()
         self._stack.push(self._drop_results_on_failure)
         self._stack.enter_context(releases)
@@ -128,6 +132,8 @@ class Run:
             self._stack.callback(ranks.cell_over)
             self.spec = dataclasses.replace(spec, stacks_dir=ranks.stacks_dir)
             self._stack.callback(self._remove_layers)
+            if self.profiles is not None:
+                self._stack.callback(self.profiles.finish, self.log.say)
             self.landing = Landing(rule.repository)  # files from hosts that do not see the repository, written into it
             self.marker = None if self.backend.loopback_only else Marker(rule.repository)  # does each host see it
             if self.marker is not None:

@@ -153,6 +153,6 @@ def _spec(run_id: str, held: Held, code: CellCode, rule: WriteRule, context: Pla
         keep_checkpoints=context.keep_checkpoints, shared=shared, keep=held.settings.keep,
         lazy_bytes=context.lazy_bytes if held.settings.keep and held.trial is None else 0,
         compile_cache=context.compile_cache if backend.loopback_only else "",  # a folder of this host: its ranks only
-        seed=data.seed if data is not None else secrets.randbits(31),
+        seed=data.seed if data is not None else secrets.randbits(31), profile=held.settings.profile,
         repository_names=() if backend.loopback_only else unseen.names(rule.repository),  # for hosts that do not see it
     )

@@ -43,6 +43,7 @@ from taas_magic.output.displays import HeldDisplays
 from taas_magic.output.relay import ClearOutput, Display, OutputRelay, Publish
 from taas_magic.output.reports import Report
 from taas_magic.peers import RANK, WORKER, Peer, PeerIds
+from taas_magic.profiling.window import ClockAsk, ClockTime, ProfileTrace
 from taas_magic.search.trial import Suggest, Suggested
 from taas_magic.transfer.handoff import ClosureHostWanted
 from taas_magic.transfer.results import keep_result
@@ -87,6 +88,7 @@ class RunParts:
     prompts: PromptDesk | None = None  # the ranks' pdb prompts and the person's answers (kernel/supervision/prompts.py)
     # a collective save's folder, named by a rank; a piece of a file from a host that does not see the repository (writes/)
     saves: Callable[[int, CheckpointSaved | FilePart], None] | None = None
+    profiled: Callable[[int, ProfileTrace], None] | None = None  # --profile: a rank's trace (kernel/runs/profiled.py)
     hang: HangWatch | None = None  # the hang line: a rank long in one collective said while it waits (autopsy/hangline.py)
 
     def reported(self, rank: int, frame: Report) -> None:
@@ -160,6 +162,10 @@ class Router:
                 self.debugging.route(rank.index, frame)
             case CheckpointSaved() | FilePart() if self.parts.saves is not None:
                 self.parts.saves(rank.index, frame)
+            case ClockAsk():  # --profile: the rank's clock against ours (profiling/window.py)
+                self.mux.send(rank, protocol.encode(ClockTime(time.time_ns())))
+            case ProfileTrace() if self.parts.profiled is not None:
+                self.parts.profiled(rank.index, frame)
 
     def send_all(self, sends: list[Send]) -> None:
         """What the coordinator answered; in the cluster mode deliveries wait for their elements to
