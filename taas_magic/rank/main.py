@@ -38,6 +38,8 @@ import types
 from taas_magic.autopsy import dump as stacks
 from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
+from taas_magic.debugger import tracer as panel_tracer
+from taas_magic.debugger.ranklink import PanelNow
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import reports
 from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec
@@ -159,18 +161,26 @@ def _load_closure(spec: RunSpec, channel: PeerChannel, inbox: Inbox, received: R
         raise CellFailed(EXIT_CELL_RAISED) from None
 
 
-def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> object:
+def _run(spec: RunSpec, inbox: Inbox, module: types.ModuleType) -> object:
     """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
+    channel = inbox.channel
+    tracer = panel_tracer.install(inbox, spec.panel, spec.filename)  # JupyterLab's debugger panel: none while it is off
     try:
         if spec.keep:
             betweencells.cell_starts(spec.run_id)  # SIGINT raises in the cell's code only: the rank outlives it
+        if tracer is not None:
+            tracer.start()  # its breakpoints hold from the cell's first line
         final = execute.run_cell(spec.source, spec.filename, module)
+        if tracer is not None:
+            tracer.finish()
         if spec.keep:
             betweencells.cell_ends()
         cellpdb.cell_ended()
         shell.after_cell()
         return final
     except SystemExit as exc:
+        if tracer is not None:
+            tracer.finish()
         if spec.keep:
             betweencells.cell_ends()
         if exc.code not in (None, 0):
@@ -178,6 +188,8 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
             raise CellFailed(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED) from None
         return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
+        if tracer is not None:
+            tracer.finish()
         cellpdb.cell_ended()
         if cellpdb.wants_post_mortem(exc):  # %pdb on: a prompt at the failing frame, the other ranks held
             try:
@@ -257,7 +269,7 @@ def _one_cell(spec: RunSpec, inbox: Inbox, module: types.ModuleType, received: R
     module.__dict__.update(closure)
     module.__dict__.setdefault("get_ipython", shell.get_ipython)
     before = returns.snapshot(module.__dict__)  # every rank: the names its cell binds, for the gather
-    final = _run(spec, channel, module)
+    final = _run(spec, inbox, module)
     if spec.compile_cache:
         compiled.save(spec.compile_cache, rank)  # what it compiled, for the session's next ranks
     savers.finish()  # a pending async_save's parts are whole before the rank ends
@@ -277,7 +289,7 @@ def main() -> None:
     sys.argv = ["taas-rank"]
     _own_output()
     inbox = Inbox(channel, {Hold: cellpdb.on_hold, Interrupt: betweencells.interrupted,  # its one reader (rank/inbox.py)
-                            Abandon: betweencells.abandoned})
+                            Abandon: betweencells.abandoned, PanelNow: panel_tracer.now})
     if spec.keep:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the cell's code begins (rank/betweencells.py)
     module = _rank_module(spec, channel, rank)
