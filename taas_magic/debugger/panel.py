@@ -106,7 +106,7 @@ class Panel:
             if arguments.get(key):
                 arguments[key] = rank_of(int(arguments[key]))[1]  # type: ignore[index]  # a rank's: _rank_named said so
         if command == "pause" and rank not in self.link.stopped:
-            self.link.tell_all(PanelNow(pause=True))
+            self.link.tell_all(PanelNow(pause=True), only=rank)
             return _reply(message, {})
         try:
             answer = await asyncio.wait_for(asyncio.wrap_future(self.link.ask(rank, command, arguments)), ANSWER_SECONDS)

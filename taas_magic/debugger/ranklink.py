@@ -93,12 +93,14 @@ class RankLink:
         self._wake()
         return answer
 
-    def tell_all(self, frame: PanelNow) -> None:
+    def tell_all(self, frame: PanelNow, only: int | None = None) -> None:
+        """``frame`` to every rank that runs (``only``: to that one)."""
         with self._lock:
             if self._closed:
                 return
             body = protocol.encode(frame)
-            self._outgoing.extend((rank, body) for rank in range(self.ranks) if rank not in self.stopped)
+            self._outgoing.extend((rank, body) for rank in range(self.ranks)
+                                  if rank not in self.stopped and only in (None, rank))
         self._wake()
 
     def threads(self) -> list[dict]:

@@ -159,19 +159,26 @@ class RankTracer(bdb.Bdb):
 
 
 _tracer: RankTracer | None = None
+_pause_asked = False  # a pause that came before the cell's tracer was made: it stops at the cell's first line
 
 
 def install(inbox: Any, plan: PanelPlan | None, cell_file: str) -> RankTracer | None:
     """Each cell, on its thread: a tracer when the panel is on, else none (and none left from an earlier cell)."""
-    global _tracer
+    global _tracer, _pause_asked
     _tracer = RankTracer(inbox, plan, cell_file) if plan is not None else None
+    if _tracer is not None and _pause_asked:
+        _tracer.set_break(cell_file, 1, temporary=True)  # the pause, at the first line (bdb drops it once hit)
+        _tracer._pausing = True
+    _pause_asked = False
     return _tracer
 
 
 def now(frame: PanelNow) -> None:
     """On the inbox's reader: new breakpoints, or a pause, for the cell that runs now (none: nothing to do)."""
+    global _pause_asked
     tracer = _tracer
     if tracer is None:
+        _pause_asked = _pause_asked or frame.pause
         return
     if frame.breakpoints is not None:
         tracer.place(frame.breakpoints)

@@ -74,8 +74,9 @@ class Panel:
                     return message["content"]
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def panel(kernel):
+    """The panel, opened once for this module (ipykernel's debugpy client is started once a kernel)."""
     started = Panel(kernel)
     reply = started.request("initialize", clientID="test", adapterID="", pathFormat="path", linesStartAt1=True,
                             columnsStartAt1=True, supportsVariableType=True, supportsVariablePaging=True,
@@ -120,3 +121,16 @@ def test_two_ranks_stop_at_a_gutter_breakpoint_and_each_shows_its_own_variables(
     assert "rank 0 total 201" in "".join(panel.output), panel.output  # the collective after the stops: nothing timed out
     continued = {event["body"]["threadId"] for event in panel.events if event["event"] == "continued"}
     assert continued == stops, panel.events
+
+
+def test_a_plain_cell_keeps_ipykernels_own_debugger(kernel, panel):
+    code = "a = 1\nb = a + 1\nc = b + 1\n"
+    path = panel.request("dumpCell", code=code)["body"]["sourcePath"]
+    panel.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": 2}])
+    panel.request("configurationDone")
+    cell = kernel.client.execute(code)
+    thread = panel.event("stopped", cell)["body"]["threadId"]
+    assert thread < (1 << 30)  # debugpy's thread: the kernel's own
+    panel.request("setBreakpoints", source={"path": path}, breakpoints=[])
+    assert panel.request("continue", threadId=thread)["success"]
+    assert panel.ended(cell)["status"] == "ok"
