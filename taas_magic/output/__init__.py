@@ -6,6 +6,7 @@
 - ``budget.py``: the head, the elision notice and tail, the full log.
 - ``displays.py``: a rank's displays, held until its text reaches them.
 - ``board.py``: the live chart and the health line.
+- ``straggler.py``: the slow rank, named from each rank's waiting share in collectives.
 - ``liveview.py``: a view fed from the log on its own thread; the screen; the text view.
 - ``widget.py``: the live widget a reloaded page restores (its page half: liveview.js).
 - ``frontend.py``: the page the kernel is shown in: does it restore widgets; ``kernel_info`` answered while a
