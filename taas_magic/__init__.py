@@ -27,6 +27,7 @@ The features, each a kernel half and a rank half:
 - ``search/``: many trials from one cell: the study, the grid, each trial's two halves.
 - ``compilecache/``: the session's torch.compile caches: one owner-only folder, and each rank's artifacts.
 - ``profiling/``: ``--profile``: each rank's bounded window recorded, the traces merged, each rank's time split.
+- ``debugger/``: JupyterLab's debugger panel on the ranks: the panel's requests multiplexed, each rank a thread.
 
 The ground, which every package may import and which imports only itself (at most 10 modules):
 
@@ -56,6 +57,7 @@ _loaded: dict[str, Any] = {}
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     from taas_magic.cell.transformer import taas_cells
+    from taas_magic.debugger import panel
     from taas_magic.kernel.magic.debug import wrap_ipython_debug
     from taas_magic.kernel.magic.magics import TaasMagics
 
@@ -64,7 +66,8 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     magics = TaasMagics(shell=ipython)
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.insert(0, taas_cells(lambda: _runs_coroutines(ipython)))
-    _loaded.update(shell=ipython, magics=magics, put_back_debug=wrap_ipython_debug(ipython))
+    _loaded.update(shell=ipython, magics=magics, put_back_debug=wrap_ipython_debug(ipython),
+                   put_back_panel=panel.install(ipython))  # JupyterLab's debugger panel on the ranks
 
 
 def _runs_coroutines(ipython: InteractiveShell) -> bool:
@@ -86,9 +89,9 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
     magics = _loaded.get("magics")
     if magics is not None:
         magics.close()
-    put_back_debug = _loaded.get("put_back_debug")
-    if put_back_debug is not None:
-        put_back_debug()
+    for put_back in (_loaded.get("put_back_debug"), _loaded.get("put_back_panel")):
+        if put_back is not None:
+            put_back()
     # IPython has no API to unregister magics: remove our entries, as alias.py does (private API: see taas_magic/private.py).
     manager = ipython.magics_manager
     for kind in ("line", "cell"):

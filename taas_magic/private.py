@@ -63,6 +63,10 @@ _STORAGE = "torch.UntypedStorage"
 _CUDA_IPC = "transfer/cudaipc.py"
 
 PRIVATE: tuple[Private, ...] = (
+    # -- ipykernel: JupyterLab's debugger panel on the ranks
+    Private(f"{_KERNEL}._publish_debug_event", "ipykernel", IPYKERNEL,
+            "the ranks' stopped / continued / thread events on IOPub as debug_event, as the kernel's debugger sends "
+            "debugpy's", "debugger/panel.py", params=("event",)),
     # -- ipykernel: answering the page while a cell runs (ipykernel >= 7.4), addressing a detached run's display
     Private(f"{_KERNEL}.dispatch_shell", "ipykernel", IPYKERNEL_7,
             "dispatch a kernel_info_request at once (concurrent=True) while a cell holds the main shell; whether it "
@@ -140,7 +144,12 @@ PRIVATE: tuple[Private, ...] = (
             "cell/cellcode.py, rank/execute.py"),
     Private("sys._current_frames", "python", PYTHON,
             "the rank's cell thread's innermost frame, looked at with its health every 2 s: how long it has waited "
-            "in one call into torch.distributed (the hang line)", "autopsy/waiting.py"),
+            "in one call into torch.distributed (the hang line); the cell thread's frames, given the debugger panel's "
+            "trace function for a new breakpoint or a pause", "autopsy/waiting.py, debugger/tracer.py"),
+    Private("bdb.Bdb._set_stopinfo", "python", PYTHON,
+            "the debugger panel's continue without bdb's set_continue, which removes the trace function when no "
+            "breakpoint is left (a later pause or breakpoint would find none); its step for a pause from another "
+            "thread", "debugger/tracer.py", params=("stopframe", "returnframe", "stoplineno")),
     Private("pickle._Unpickler", "python", PYTHON,
             "the pure-Python unpickler: its memo filled and its GET opcodes wrapped, to name the names whose "
             "shared objects could not be rebuilt", "transfer/unpack.py",

@@ -26,6 +26,8 @@ Kernel -> peer::
     Interrupt       the person interrupted a kept cell: SIGINT, as a terminal's ^C     every kept rank
     Abandon         a kept cell failed or was interrupted: its collectives end, its groups are renewed  every kept rank
     ClockTime       answer to ClockAsk: the kernel's wall clock (--profile)           a rank   [profiling/window]
+    PanelCommand    the debugger panel's request for a stopped rank (stackTrace, continue, ...)  a rank  [debugger/ranklink]
+    PanelNow        the panel's breakpoints now, or pause: for a rank that runs      every rank   [debugger/ranklink]
 
 Peer -> kernel::
 
@@ -45,6 +47,9 @@ Peer -> kernel::
     CellDone        a kept rank ended its cell (after its results and its error) and waits for the next  a rank
     ClockAsk        --profile: the kernel's wall clock, asked to align the rank's trace   a rank   [profiling/window]
     ProfileTrace    --profile: the rank's trace of its window, gzipped, and its clock's offset  a rank  [profiling/window]
+    PanelStopped    the rank stopped at a breakpoint, a step or a pause (a stopped event)  a rank  [debugger/tracer]
+    PanelReply      a stopped rank's answer to a PanelCommand: a DAP body, or why not  a rank  [debugger/tracer]
+    PanelResumed    the rank runs again after a stop (the panel's continued event)  a rank  [debugger/tracer]
 
 IMPORTANT: authentication stays in wire.py and comes first. :func:`decode` is given only a body whose MAC wire.py
 verified; it refuses an unknown kind, or one of the other direction (:class:`ProtocolError`), before unpickling anything,

@@ -96,6 +96,14 @@ class RankFeed:
 
 
 @dataclass(frozen=True)
+class PanelPlan:
+    """JupyterLab's debugger panel is on (debugger/): what a rank needs to stop before the cell's first line."""
+
+    path: str  # the file the panel knows this cell by (ipykernel's cell file): its breakpoints are the cell's
+    breakpoints: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (file, lines) of every breakpoint the panel set
+
+
+@dataclass(frozen=True)
 class RunSpec:
     run_id: str
     sys_path: tuple[str, ...]  # the kernel's, at launch
@@ -123,5 +131,6 @@ class RunSpec:
     seed: int = 0  # the run's seed: the data workers' (kernel/supervision/dataplane.py), rank k's WorkerInfo seed + k
     keep: bool = False  # --keep: after the cell the rank says CellDone and waits for the next (kernel/runs/rankset.py)
     lazy_bytes: int = 0  # kept cells: rank 0's bound names this large stay on the ranks until touched (returns.py); 0: off
+    panel: PanelPlan | None = None  # the debugger panel is on: each rank traces its cell (debugger/); None: no tracer
     repository_names: tuple[tuple[str, int], ...] = ()  # a cluster run's repository files (path, size) as the cell starts,
     # for ranks on hosts that do not see it: each one they lack is named there, not readable (writes/unseen.py)

@@ -39,6 +39,8 @@ from typing import Any, Callable
 from taas_magic.autopsy import dump as stacks
 from taas_magic.autopsy import waiting
 from taas_magic.compilecache import artifacts as compiled
+from taas_magic.debugger import tracer as panel_tracer
+from taas_magic.debugger.ranklink import PanelNow
 from taas_magic.import_hooks import when_imported
 from taas_magic.output import collectives, reports
 from taas_magic.profiling import window as profiling
@@ -157,13 +159,13 @@ def _profiled(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int) 
     """The cell run (``_run``), with ``--profile``: its window recorded, torn down whatever happens, and sent
     when the cell finished; a trace that cannot be sent is said on the rank's stderr, never failing the cell."""
     if not spec.profile:
-        return _run(spec, inbox.channel, module)
+        return _run(spec, inbox, module)
     try:
         profiling.begin(spec.profile, spec.device == "cuda")
     except Exception as exc:  # noqa: BLE001 - the cell runs all the same, unprofiled, and says so
         print(f"taas: --profile: rank {rank} could not start its profiler: {type(exc).__name__}: {exc}", file=sys.stderr)
     try:
-        final = _run(spec, inbox.channel, module)
+        final = _run(spec, inbox, module)
     finally:
         window = profiling.end()  # a kept rank's next cell starts with no hook and no profiler
     try:
@@ -201,18 +203,26 @@ def _load_closure(spec: RunSpec, channel: PeerChannel, inbox: Inbox, received: R
         raise CellFailed(EXIT_CELL_RAISED) from None
 
 
-def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> object:
+def _run(spec: RunSpec, inbox: Inbox, module: types.ModuleType) -> object:
     """The cell's final value (or NO_VALUE); a cell that raises is reported, and the rank exits."""
+    channel = inbox.channel
+    tracer = panel_tracer.install(inbox, spec.panel, spec.filename)  # JupyterLab's debugger panel: none while it is off
     try:
         if spec.keep:
             betweencells.cell_starts(spec.run_id)  # SIGINT raises in the cell's code only: the rank outlives it
+        if tracer is not None:
+            tracer.start()  # its breakpoints hold from the cell's first line
         final = execute.run_cell(spec.source, spec.filename, module)
+        if tracer is not None:
+            tracer.finish()
         if spec.keep:
             betweencells.cell_ends()
         cellpdb.cell_ended()
         shell.after_cell()
         return final
     except SystemExit as exc:
+        if tracer is not None:
+            tracer.finish()
         if spec.keep:
             betweencells.cell_ends()
         if exc.code not in (None, 0):
@@ -220,6 +230,8 @@ def _run(spec: RunSpec, channel: PeerChannel, module: types.ModuleType) -> objec
             raise CellFailed(exc.code if isinstance(exc.code, int) else EXIT_CELL_RAISED) from None
         return execute.NO_VALUE
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the kernel asked us to stop
+        if tracer is not None:
+            tracer.finish()
         cellpdb.cell_ended()
         if cellpdb.wants_post_mortem(exc):  # %pdb on: a prompt at the failing frame, the other ranks held
             try:
@@ -319,7 +331,7 @@ def main() -> None:
     sys.argv = ["taas-rank"]
     _own_output()
     inbox = Inbox(channel, {Hold: cellpdb.on_hold, Interrupt: betweencells.interrupted,  # its one reader (rank/inbox.py)
-                            Abandon: betweencells.abandoned})
+                            Abandon: betweencells.abandoned, PanelNow: panel_tracer.now})
     if spec.keep:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the cell's code begins (rank/betweencells.py)
     module = _rank_module(spec, channel, rank)

@@ -41,7 +41,7 @@ def _imported(path: str, tree: ast.Module) -> set[str]:
 # ``python SCRIPT``, torchrun, sbatch or Ray); both read the cell stage, and start ranks below them.
 STAGES = ["cell", "kernel", "export", "launch", "feed", "rank"]
 FACES = {"kernel", "export"}
-FEATURES = ["transfer", "output", "autopsy", "writes", "search", "compilecache", "profiling"]
+FEATURES = ["transfer", "output", "autopsy", "writes", "search", "compilecache", "profiling", "debugger"]
 # The ground holds at most 10 modules, and __init__.py (the entry point): 11 files at the top of
 # taas_magic/. checkpoints.py went to writes/ (what the ranks write to the repository) to make room
 # for history.py (the bounded series the output and the search both keep) and private.py (the

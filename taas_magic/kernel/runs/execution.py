@@ -31,6 +31,8 @@ from typing import Callable
 from taas_magic import protocol, wire
 from taas_magic.autopsy import stacks
 from taas_magic.autopsy.hangline import HangWatch
+from taas_magic.debugger import panel
+from taas_magic.debugger.ranklink import RankLink
 from taas_magic.errors import LaunchError
 from taas_magic.kernel.runs.run import Run
 from taas_magic.kernel.supervision.attempts import run_ranks
@@ -53,6 +55,12 @@ def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
     return sources
 
 
+def _panel_link(run: Run) -> RankLink | None:
+    """The run's ranks as the debugger panel's threads, in a kernel that has the panel (debugger/panel.py)."""
+    found = panel.current()
+    return found.for_run(run.peers.ranks) if found is not None and run.trial is None else None
+
+
 class Execution:
     """One run's wiring: its parts, and the steps the supervisor takes through them."""
 
@@ -73,6 +81,7 @@ class Execution:
             hang=HangWatch(run.settings.hang, sources, run.spec.filename) if run.settings.hang else None,
             stop_asked=self.stop_asked, prompts=run.prompts, saves=run.heard,
             profiled=run.profiles.add if run.profiles is not None else None,
+            panel=_panel_link(run),
             suggest=trial.answer if trial is not None else not_a_search,
             prune_asked=trial.pruned if trial is not None else never,
         )

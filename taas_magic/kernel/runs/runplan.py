@@ -25,6 +25,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from taas_magic.cell.cellcode import CellCode, earlier_cells
 from taas_magic.cell.closure import serialise_closure
 from taas_magic.cell.pragma import RunSettings
+from taas_magic.debugger import panel
 from taas_magic.errors import LaunchError
 from taas_magic.feed import registry
 from taas_magic.kernel.runs.rankset import ONE_CELL, RankSet, Shape
@@ -33,7 +34,7 @@ from taas_magic.kernel.runs.session import Session
 from taas_magic.kernel.runs.summary import LastRun, closure_size, gpus_held_text, header_line
 from taas_magic.kernel.supervision.dataplane import DataRun
 from taas_magic.launch.contract import Backend
-from taas_magic.runspec import RunSpec
+from taas_magic.runspec import PanelPlan, RunSpec
 from taas_magic.search.link import TrialLink
 from taas_magic.transfer import cudaipc, memfile
 from taas_magic.transfer.handoff import closure_route
@@ -155,4 +156,11 @@ def _spec(run_id: str, held: Held, code: CellCode, rule: WriteRule, context: Pla
         compile_cache=context.compile_cache if backend.loopback_only else "",  # a folder of this host: its ranks only
         seed=data.seed if data is not None else secrets.randbits(31), profile=held.settings.profile,
         repository_names=() if backend.loopback_only else unseen.names(rule.repository),  # for hosts that do not see it
+        panel=_panel_plan(code.display_source, trial is None),
     )
+
+
+def _panel_plan(cell: str, watched: bool) -> PanelPlan | None:
+    """JupyterLab's debugger panel on: the cell's breakpoints for its ranks (debugger/); a search's trials run without."""
+    found = panel.current()
+    return found.plan(cell) if found is not None and watched else None

@@ -264,12 +264,12 @@ class RankPrompts:
             self.desk.next_attempt()
         self.holding = False  # the next attempt's ranks start with the cell's own timeouts
 
-    def step(self) -> None:
-        if self.desk is None:
-            return
-        for rank, line in self.desk.answers():
-            self.mux.send(Peer(RANK, rank), protocol.encode(Answer(line)))
-        holding = bool(self.desk.in_pdb)
+    def step(self, held: bool = False) -> None:
+        """The answers sent; every rank held while one is in pdb or (``held``) stopped in the debugger panel."""
+        if self.desk is not None:
+            for rank, line in self.desk.answers():
+                self.mux.send(Peer(RANK, rank), protocol.encode(Answer(line)))
+        holding = bool(self.in_pdb) or held
         if holding != self.holding:
             self._hold(holding)
 

@@ -30,6 +30,8 @@ from typing import Callable, Iterable
 
 from taas_magic import protocol
 from taas_magic.autopsy.hangline import HangWatch
+from taas_magic.debugger.ranklink import RankLink
+from taas_magic.debugger.tracer import PanelReply, PanelResumed, PanelStopped
 from taas_magic.errors import RunError
 from taas_magic.feed.coordinator import Send
 from taas_magic.kernel.supervision.dataplane import DataPlane
@@ -90,6 +92,7 @@ class RunParts:
     saves: Callable[[int, CheckpointSaved | FilePart], None] | None = None
     profiled: Callable[[int, ProfileTrace], None] | None = None  # --profile: a rank's trace (kernel/runs/profiled.py)
     hang: HangWatch | None = None  # the hang line: a rank long in one collective said while it waits (autopsy/hangline.py)
+    panel: RankLink | None = None  # the ranks as JupyterLab's debugger panel's threads (debugger/ranklink.py)
 
     def reported(self, rank: int, frame: Report) -> None:
         """A rank's reports to the live board; its health's wait to the hang line."""
@@ -160,6 +163,12 @@ class Router:
                 self.send_all(self.data.coordinator.on_rank(rank.index, frame))
             case protocol.Prompt() | protocol.Resumed():
                 self.debugging.route(rank.index, frame)
+            case PanelStopped(reason=reason, line=line) if self.parts.panel is not None:
+                self.parts.panel.stopped_at(rank.index, reason, line)
+            case PanelReply(seq=seq) if self.parts.panel is not None:
+                self.parts.panel.replied(seq, frame)
+            case PanelResumed() if self.parts.panel is not None:
+                self.parts.panel.continued(rank.index)
             case CheckpointSaved() | FilePart() if self.parts.saves is not None:
                 self.parts.saves(rank.index, frame)
             case ClockAsk():  # --profile: the rank's clock against ours (profiling/window.py)
@@ -212,6 +221,8 @@ class Supervisor:
         self.group, self.router.running = group, running
         for rank in group.children:
             self.mux.watch(Peer(RANK, rank.index), rank)
+        if self.parts.panel is not None:
+            self.parts.panel.attach(self.mux.wake, {rank.index: rank.host for rank in group.children})
 
     def detach(self) -> None:
         """After an attempt's ranks were stopped: their last output, then forget them."""
@@ -257,7 +268,11 @@ class Supervisor:
 
     def step(self, wait: float) -> None:
         self.handle_all(self.mux.events(wait))
-        self.debugging.step()
+        panel = self.parts.panel
+        if panel is not None:
+            for rank, body in panel.outgoing():
+                self.mux.send(Peer(RANK, rank), body)
+        self.debugging.step(held=panel is not None and bool(panel.stopped))  # a rank stopped in the panel holds the rest
         if self.data is not None and self.data.courier is not None:
             self.router.send_all([])  # deliveries whose elements reached their rank's host
         self.handle_all(self.mux.exits())
@@ -304,6 +319,8 @@ class Supervisor:
             self.data.workers.close()  # before measuring the cache: nothing writes to it any more
             self.data.progress.show(force=True, usage=self.data.usage())
         self.debugging.close()  # before the mux: a line typed at a prompt now is not sent
+        if self.parts.panel is not None:
+            self.parts.panel.close()
 
     def _host(self, peer: Peer) -> str:
         """Where a rank or data worker of the run runs."""

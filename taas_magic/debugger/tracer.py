@@ -1,0 +1,187 @@
+"""A rank's half of JupyterLab's debugger panel: a ``bdb`` tracer that stops the cell where the panel says.
+
+Runs in each rank: :class:`RankTracer` on the cell's thread (it is that thread's trace function, and
+serves the panel's questions there while the rank is stopped); :func:`now` on the inbox's reader
+thread (rank/inbox.py), for what must act while the cell runs (new breakpoints, pause).
+
+Installed only when the kernel's spec says the panel is on (``RunSpec.panel``): with the panel off,
+no trace function is set and the cell runs exactly as without this module. The breakpoints come in
+the spec, so they hold from the cell's first line; those set later come as ``PanelNow``. The cell is
+compiled as ``<taas In[n]>`` (rank/execute.py, with the person's line numbers), and the panel knows
+it by ipykernel's cell file (``PanelPlan.path``): breakpoints in that file are placed in the cell's
+code, and the cell's frames are shown under that path (debugger/frameview.py).
+
+At a stop the rank says ``PanelStopped`` (the kernel then holds the other ranks as the pdb prompt
+does: kernel/supervision/prompts.py), answers each ``PanelCommand`` with a ``PanelReply``, and goes on
+at ``continue``, ``next``, ``stepIn``, ``stepOut`` or ``disconnect``, saying ``PanelResumed`` after its
+reply. Nothing here opens a port: every frame goes over the rank's own channel to the kernel.
+"""
+
+from __future__ import annotations
+
+import bdb
+import inspect
+import sys
+import threading
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from taas_magic.debugger.frameview import FrameView
+from taas_magic.debugger.ranklink import PanelCommand, PanelNow
+from taas_magic.protocol import ToKernel
+from taas_magic.runspec import PanelPlan
+
+RESUMING = ("continue", "next", "stepIn", "stepOut", "disconnect")
+
+
+@dataclass(frozen=True)
+class PanelStopped(ToKernel, kind="panel-stopped"):
+    """The rank stopped (``reason``: breakpoint, step or pause): the panel's ``stopped`` event, this rank's thread."""
+
+    reason: str
+    line: int  # where, in the innermost frame shown
+
+
+@dataclass(frozen=True)
+class PanelReply(ToKernel, kind="panel-reply"):
+    """The answer to the kernel's ``PanelCommand`` number ``seq``: a DAP body, or why not (``error``)."""
+
+    seq: int
+    body: dict | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PanelResumed(ToKernel, kind="panel-resumed"):
+    """The rank runs again after a stop (the panel's ``continued``)."""
+
+
+class RankTracer(bdb.Bdb):
+    """The cell's trace function while the panel is on (see the module docstring)."""
+
+    def __init__(self, inbox: Any, plan: PanelPlan, cell_file: str):
+        super().__init__(skip=["taas_magic.*"])  # taas's own frames are not the person's: never stopped in
+        self.inbox, self.plan, self.cell_file = inbox, plan, cell_file
+        self.thread = threading.get_ident()
+        self._pausing = False
+        self.place(plan.breakpoints)
+
+    def place(self, breakpoints: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
+        """The panel's breakpoints, every file's (a cell's are placed in the cell's code)."""
+        self.clear_all_breaks()
+        for path, lines in breakpoints:
+            filename = self.cell_file if path == self.plan.path else path
+            for line in lines:
+                self.set_break(filename, line)  # a blank line's is refused (bdb says why): the panel shows it unverified
+
+    def start(self) -> None:
+        """From the caller's next call on (the cell's code), stop only at breakpoints."""
+        self.reset()
+        caller = inspect.currentframe().f_back  # type: ignore[union-attr]  # CPython has frames
+        self.botframe = caller
+        self._stop_info(caller, -1)  # bdb's "continue", its trace function kept
+        sys.settrace(self.trace_dispatch)
+
+    def _stop_info(self, frame: FrameType | None, line: int) -> None:
+        self._set_stopinfo(frame, None, line)  # type: ignore[attr-defined]  # private API: see taas_magic/private.py
+
+    def finish(self) -> None:
+        sys.settrace(None)
+
+    def trace_running_frames(self) -> None:
+        """From the reader's thread: the cell's frames now running get the trace function, so a new breakpoint
+        or a pause is seen in a frame that began without one (a loop already running)."""
+        frame = sys._current_frames().get(self.thread)  # private API: see taas_magic/private.py
+        while frame is not None:
+            if frame.f_trace is None and not self.is_skipped_module(frame.f_globals.get("__name__", "")):
+                frame.f_trace = self.trace_dispatch
+            frame = frame.f_back
+
+    def pause(self) -> None:
+        self._pausing = True
+        self._stop_info(None, 0)  # bdb's "step": the next line of any frame of the person's
+        self.trace_running_frames()
+
+    # -- at a stop: the cell's thread ----------------------------------------------------------------
+    def user_line(self, frame: FrameType) -> None:
+        if self._pausing:
+            reason = "pause"
+        elif self.get_breaks(self.canonic(frame.f_code.co_filename), frame.f_lineno):
+            reason = "breakpoint"
+        else:
+            reason = "step"
+        self._pausing = False
+        self.interaction(frame, reason)
+
+    def interaction(self, frame: FrameType, reason: str) -> None:
+        stack, _ = self.get_stack(frame, None)
+        frames = [each for each, _ in stack]
+        first = next((index for index, each in enumerate(frames) if each.f_code.co_filename == self.cell_file), 0)
+        view = FrameView(frames[first:][::-1], self.cell_file, self.plan.path)
+        self.inbox.send(PanelStopped(reason, frame.f_lineno))
+        while True:
+            command = self.inbox.take(lambda each: isinstance(each, PanelCommand))
+            if self._serve(view, command, frame):
+                break
+        self.inbox.send(PanelResumed())
+
+    def _serve(self, view: FrameView, command: PanelCommand, frame: FrameType) -> bool:
+        """One command answered; True when it resumes the rank."""
+        name, arguments = command.command, command.arguments
+        answers = {"stackTrace": view.stack_trace, "scopes": view.scopes, "variables": view.variables,
+                   "evaluate": view.evaluate, "richInspectVariables": view.rich_inspect}
+        try:
+            if name in answers:
+                body: dict = answers[name](arguments)
+            elif name in RESUMING:
+                body = self._resume(name, frame)
+            else:
+                body = {}  # pause at a stop, and what a stopped rank has nothing to say about
+        except Exception as exc:  # noqa: BLE001 - the person's expression, a stale id: said in the panel
+            self.inbox.send(PanelReply(command.seq, None, f"{type(exc).__name__}: {exc}"))
+            return False
+        self.inbox.send(PanelReply(command.seq, body))
+        return name in RESUMING
+
+    def _resume(self, name: str, frame: FrameType) -> dict:
+        if name == "next":
+            self.set_next(frame)
+        elif name == "stepIn":
+            self.set_step()
+        elif name == "stepOut":
+            self.set_return(frame)
+        else:
+            if name == "disconnect":
+                self.clear_all_breaks()
+            self._stop_info(self.botframe, -1)
+        return {"allThreadsContinued": False}
+
+
+_tracer: RankTracer | None = None
+_pause_asked = False  # a pause that came before the cell's tracer was made: it stops at the cell's first line
+
+
+def install(inbox: Any, plan: PanelPlan | None, cell_file: str) -> RankTracer | None:
+    """Each cell, on its thread: a tracer when the panel is on, else none (and none left from an earlier cell)."""
+    global _tracer, _pause_asked
+    _tracer = RankTracer(inbox, plan, cell_file) if plan is not None else None
+    if _tracer is not None and _pause_asked:
+        _tracer.set_break(cell_file, 1, temporary=True)  # the pause, at the first line (bdb drops it once hit)
+        _tracer._pausing = True
+    _pause_asked = False
+    return _tracer
+
+
+def now(frame: PanelNow) -> None:
+    """On the inbox's reader: new breakpoints, or a pause, for the cell that runs now (none: nothing to do)."""
+    global _pause_asked
+    tracer = _tracer
+    if tracer is None:
+        _pause_asked = _pause_asked or frame.pause
+        return
+    if frame.breakpoints is not None:
+        tracer.place(frame.breakpoints)
+        tracer.trace_running_frames()
+    if frame.pause:
+        tracer.pause()
