@@ -153,12 +153,17 @@ class RankLink:
             self._closed = True
             waiting, self._waiting = list(self._waiting.values()), {}
             self._outgoing.clear()
+            self._wake = _nothing  # the panel keeps this link until the next run: not the run's supervisor
         for answer in waiting:
             answer.set_exception(LookupError("the rank's cell is over"))
         for rank in sorted(self.stopped):
             self.continued(rank)
         for rank in sorted(self.names):
             self.publish(_event("thread", {"reason": "exited", "threadId": THREAD_BASE + rank}))
+
+
+def _nothing() -> None:
+    pass
 
 
 def _event(name: str, body: dict) -> dict:

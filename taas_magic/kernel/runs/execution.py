@@ -56,9 +56,10 @@ def _notebook_sources(spec: RunSpec) -> dict[str, tuple[str, list[str]]]:
 
 
 def _panel_link(run: Run) -> RankLink | None:
-    """The run's ranks as the debugger panel's threads, in a kernel that has the panel (debugger/panel.py)."""
+    """The run's ranks as the debugger panel's threads, in a kernel whose panel is on (debugger/panel.py); None while
+    it is off: nothing is published (a thread that publishes on IOPub gets sockets of its own), nothing is held."""
     found = panel.current()
-    return found.for_run(run.peers.ranks) if found is not None and run.trial is None else None
+    return found.for_run(run.peers.ranks) if found is not None and found.on and run.trial is None else None
 
 
 class Execution:
