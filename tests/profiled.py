@@ -85,3 +85,21 @@ def kept_ranks_are_profiled_cell_after_cell(kernel, head: str = LOCAL) -> list[s
         return [first, saved(again)]
     finally:
         kernel.execute("%taas release")
+
+
+TWO_HOSTS = "#pragma taas --gpus 2 --per-host 1 --profile 2"
+
+
+def two_hosts_merge_on_measured_clocks(kernel) -> None:
+    """A profiled DDP cell with a rank on each of two hosts: both merged, each clock's offset measured and bounded."""
+    path, _ = a_profiled_ddp_cell_merges_every_rank(kernel, TWO_HOSTS)
+    try:
+        about = trace_of(path)["taas"]
+        assert about["clocks"].startswith("measured offset") and set(about["clock_bound_us"]) == {"0", "1"}
+    finally:
+        remove_run(path)
+
+
+def kept_ranks_on_two_hosts_are_profiled(kernel) -> None:
+    for path in kept_ranks_are_profiled_cell_after_cell(kernel, TWO_HOSTS):
+        remove_run(path)

@@ -23,7 +23,7 @@ from tests.four_ranks import (a_failed_collective_costs_the_cell_not_the_kept_ra
                               a_killed_rank_is_replaced_and_the_others_keep_their_state, every_rank_sees_rank_0s_writes,
                               the_hang_line_is_said_once_and_the_cell_completes)
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
-from tests.profiled import a_profiled_ddp_cell_merges_every_rank, kept_ranks_are_profiled_cell_after_cell, remove_run, trace_of
+from tests.profiled import kept_ranks_on_two_hosts_are_profiled, two_hosts_merge_on_measured_clocks
 from tests.view_cells import CHANGES
 
 pytestmark = pytest.mark.ray
@@ -422,17 +422,11 @@ def test_the_hang_line_names_where_ranks_on_both_hosts_are_while_they_wait(attac
 
 
 def test_a_profiled_cell_on_two_hosts_merges_both_ranks_on_measured_clocks(attached):
-    path, _ = a_profiled_ddp_cell_merges_every_rank(attached, "#pragma taas --gpus 2 --per-host 1 --profile 2")
-    try:
-        about = trace_of(path)["taas"]
-        assert about["clocks"].startswith("measured offset") and set(about["clock_bound_us"]) == {"0", "1"}
-    finally:
-        remove_run(path)
+    two_hosts_merge_on_measured_clocks(attached)
 
 
 def test_kept_ranks_on_two_hosts_are_profiled_cell_after_cell(attached):
-    for path in kept_ranks_are_profiled_cell_after_cell(attached, "#pragma taas --gpus 2 --per-host 1 --profile 2"):
-        remove_run(path)
+    kept_ranks_on_two_hosts_are_profiled(attached)
 
 
 def test_kept_ranks_stay_on_the_cluster_across_cells_until_released(attached):
