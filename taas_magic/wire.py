@@ -1,5 +1,5 @@
 """Framed, HMAC-signed messages between the kernel and its ranks; the loopback address and the port
-reservation every launcher holds for rank 0's store (:func:`reserve_port`).
+reservation every launcher holds for rank 0's store (:class:`PortReservation`).
 
 Runs in every process at either end of a channel: the kernel (a run's own thread reads and writes
 its frames), each rank, spare and data worker (rank/startup.py connects), and a Ray host agent or
@@ -50,17 +50,45 @@ from typing import Any, Callable
 LOOPBACK = "127.0.0.1"  # where local-mode sockets listen, and rank 0's store in the local mode
 
 
-def reserve_port(host: str = LOOPBACK) -> socket.socket:
-    """Reserve a free TCP port for MASTER_PORT and keep it reserved for the run.
+class PortReservation:
+    """A free TCP port for MASTER_PORT, held for the run on every address of both families.
 
-    The socket is bound with SO_REUSEADDR but never listens: the kernel will not hand
-    the port to anyone else while it is held (so two notebooks launching at once cannot
-    clash), yet torch's TCPStore, which also sets SO_REUSEADDR, can still bind it.
-    Close the socket when the run ends.
+    Its sockets are bound with SO_REUSEADDR but never listen: torch's TCPStore, which also sets
+    SO_REUSEADDR, can still bind the port, yet no other socket is given it, so two notebooks (or a
+    gloo listener, a Ray or Slurm daemon) launching at once cannot clash. Held on loopback only, it
+    was not enough: a socket binding port 0 on the host's other address (192.0.2.2, fd00::2, ::1)
+    could be handed the same port, listen there, and rank 0's store then failed with EADDRINUSE
+    (tests/unit/test_rankenv.py). Close it when the run ends.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+
+    def __init__(self) -> None:
+        self._sockets = [_reserving(socket.AF_INET, "", 0)]
+        self.port: int = self._sockets[0].getsockname()[1]
+        if socket.has_ipv6:
+            try:
+                self._sockets.append(_reserving(socket.AF_INET6, "::", self.port))
+            except OSError:
+                pass  # no IPv6 on this host: nothing can take the port there either
+
+    @property
+    def closed(self) -> bool:
+        return self._sockets[0].fileno() == -1
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+
+def _reserving(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 

@@ -1,3 +1,4 @@
+import errno
 import socket
 
 import pytest
@@ -12,7 +13,7 @@ from taas_magic.launch.rankenv import (
     plan_devices,
     rank_environment,
 )
-from taas_magic.wire import reserve_port
+from taas_magic.wire import PortReservation
 
 
 def test_cpu_when_the_host_has_no_gpu():
@@ -30,22 +31,42 @@ def test_fewer_gpus_than_ranks_is_a_clear_error():
         plan_devices(4, gpus_on_host=2)
 
 
-def test_reserved_port_is_not_handed_out_again_but_can_be_bound_by_the_store():
-    reservation = reserve_port()
-    port = reservation.getsockname()[1]
-    others = []
-    for _ in range(200):
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        others.append(probe.getsockname()[1])
-        probe.close()
-    assert port not in others
-    store = socket.socket()  # what torch's TCPStore does: SO_REUSEADDR, bind, listen
-    store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    store.bind(("127.0.0.1", port))
-    store.listen()
-    store.close()
-    reservation.close()
+def _addresses() -> list[tuple[socket.AddressFamily, str]]:
+    """This host's addresses a socket can bind: loopback of both families, its name's, the default route's."""
+    found = {(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")}
+    for family, _, _, _, address in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP):
+        found.add((family, address[0]))
+    for family, remote in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connecting a datagram socket sends nothing
+            try:
+                probe.connect((remote, 9))
+                found.add((family, probe.getsockname()[0]))
+            except OSError:
+                pass  # no route of that family
+    return sorted(found)
+
+
+def test_reserved_port_is_taken_on_every_address_yet_the_store_binds_it():
+    # held on loopback only, a port-0 bind on the host's other address could be given the same port (8 in 60000
+    # binds on 192.0.2.2 here), and a gloo listener there made rank 0's store fail with EADDRINUSE (CI, 2026-11-28).
+    # A port-0 bind takes a port only where a plain bind of it would succeed; that is what is checked, on every address
+    reservation = PortReservation()
+    try:
+        for family, address in _addresses():
+            with socket.socket(family) as other:
+                try:
+                    other.bind((address, reservation.port))
+                except OSError as refused:
+                    assert refused.errno == errno.EADDRINUSE, (address, refused)
+                else:
+                    pytest.fail(f"port {reservation.port} could be bound on {address}")
+        with socket.socket() as store:  # what torch's TCPStore does: SO_REUSEADDR, bind (every address), listen
+            store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            store.bind(("0.0.0.0", reservation.port))
+            store.listen()
+    finally:
+        reservation.close()
+    assert reservation.closed
 
 
 def test_person_set_omp_threads_wins():

@@ -73,9 +73,9 @@ def test_one_cells_ranks_give_everything_back_as_the_cells_ranks_are_gone_and_on
     try:
         assert ranks.owner == f"{os.getpid()}-runid0000001-ranks"  # the run's tag: the run's sweep is theirs
         assert os.path.basename(ranks.stacks_dir).startswith(f"taas-stacks-{os.getpid()}-runid0000001-")
-        assert ranks.server.listener.fileno() != -1 and backend._port.fileno() != -1
+        assert ranks.server.listener.fileno() != -1 and not backend._port.closed
         ranks.cell_gone("runid0000001", workers=1)
-        assert backend._port.fileno() == -1  # given back as the ranks are gone: the spares warm now
+        assert backend._port.closed  # given back as the ranks are gone: the spares warm now
         ranks.give_back()  # a second time: nothing (the release calls it again)
     finally:
         ranks.release()
@@ -90,13 +90,13 @@ def test_the_sessions_ranks_keep_everything_past_a_cell_and_say_each_layer_line_
     try:
         assert ranks.owner == f"{os.getpid()}-keepabcd1234-ranks"  # never a cell's tag: a cell's sweep spares them
         ranks.cell_gone("runid0000002", workers=0)
-        assert backend._port.fileno() != -1 and os.path.isdir(ranks.layers.root)  # kept for the next cell
+        assert not backend._port.closed and os.path.isdir(ranks.layers.root)  # kept for the next cell
         assert ranks.lifetime.fate == "diverted, kept in its layer until %taas release"
         assert ranks.new_lines(["rank 1: 1 change"]) == ["rank 1: 1 change"]
         assert ranks.new_lines(["rank 1: 1 change", "rank 1: 2 changes"]) == ["rank 1: 2 changes"]
     finally:
         ranks.release()
-    assert backend._port.fileno() == -1 and not os.path.exists(ranks.layers.root)
+    assert backend._port.closed and not os.path.exists(ranks.layers.root)
     ranks.release()  # released once: a second call does nothing
 
 

@@ -55,7 +55,7 @@ def test_leaving_a_failed_run_releases_every_part_and_records_how_it_ended(tmp_p
             raise RuntimeError("the ranks failed\nsecond line")
     assert not os.path.exists(stacks_dir) and not os.path.exists(layers_root)
     assert run.server.listener.fileno() == -1  # the rank server is closed
-    assert backend._port.fileno() == -1  # the backend is released: its reserved port given back
+    assert backend._port.closed  # the backend is released: its reserved port given back
     assert run.record is not None and run.record.outcome == "RuntimeError: the ranks failed"
 
 
@@ -69,7 +69,7 @@ def test_a_run_that_cannot_take_a_part_releases_what_it_and_the_plan_took_and_ra
     with pytest.raises(OSError, match="no room for the closure"):
         Run(held, releases, spec, choose_rule(str(tmp_path), "python"), LastRun(held.settings, backend.devices, spec.run_id, ()),
             rank_set)
-    assert backend._port.fileno() == -1  # the plan's rank set, released: its backend's port given back
+    assert backend._port.closed  # the plan's rank set, released: its backend's port given back
     assert not os.path.exists(rank_set.stacks_dir) and not os.path.exists(rank_set.layers.root)
     assert rank_set.server.listener.fileno() == -1
 
@@ -90,7 +90,7 @@ def test_a_rank_set_that_cannot_take_a_part_releases_what_it_took_and_raises_tha
     backend = LocalBackend(1, None, None, device="cpu")
     with pytest.raises(OSError, match="no port for the rank server"):
         RankSet(Shape(1, "cpu", ""), ONE_CELL, "testrun00002").hold(backend)
-    assert backend._port.fileno() == -1  # entered, then released
+    assert backend._port.closed  # entered, then released
     assert made == [made[0]] and not os.path.exists(made[0])  # the stacks folder made before the server, removed
 
 

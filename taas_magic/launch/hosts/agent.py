@@ -131,7 +131,7 @@ class HostAgent:
 
     def __init__(self) -> None:
         self.group = LocalProcessGroup([])  # this attempt's processes: none before start and after end_ranks
-        self._port: socket.socket | None = None
+        self._port: wire.PortReservation | None = None
         self._link: KernelLink | None = None  # this attempt's output and exits to the kernel
         self._made_dirs: list[str] = []
         self._away: list[str] = []  # this attempt's folders for a repository this host does not see (writes/away.py)
@@ -149,10 +149,10 @@ class HostAgent:
             "cuda_devices": visible_gpu_count(),  # real devices, not Ray's declared resource
         }
 
-    def reserve_master_port(self, address: str) -> int:
-        """A free port for MASTER_PORT on this host, held until :meth:`close`."""
-        self._port = wire.reserve_port(address)
-        return self._port.getsockname()[1]
+    def reserve_master_port(self) -> int:
+        """A free port for MASTER_PORT on this host (every address), held until :meth:`close`."""
+        self._port = wire.PortReservation()
+        return self._port.port
 
     def start(self, plan: LaunchPlan, first_rank: int, hub: wire.Handshake, control: int,
               command: tuple[str, ...] | None = None, dirs: tuple[str, ...] = ()) -> None:

@@ -26,7 +26,7 @@ from taas_magic.launch.rankenv import (
     slice_visible,
     visible_gpu_ids,
 )
-from taas_magic.wire import LOOPBACK, reserve_port
+from taas_magic.wire import LOOPBACK, PortReservation
 
 
 class LocalBackend:
@@ -53,14 +53,14 @@ class LocalBackend:
                 raise LaunchError(f"taas: {self._slice.count} trial(s) of {gpus} GPU(s) side by side need {needed} "
                                   f"GPUs; this host shows the kernel {len(self._gpu_ids)}")
             self._visible = slice_visible(self._gpu_ids, gpus, self._slice.index)
-        self._port = reserve_port()  # held until the run ends, so two notebooks cannot clash
+        self._port = PortReservation()  # held until the run ends, so two notebooks cannot clash
         self._standby = Standby()  # spares warmed during the run, off the supervisor's thread
 
     def layout(self) -> str | None:
         return None
 
     def master(self) -> tuple[str, int]:
-        return LOOPBACK, self._port.getsockname()[1]
+        return LOOPBACK, self._port.port
 
     def rank_extra_env(self, rank: int) -> dict[str, str]:
         if self._visible is not None:
@@ -126,7 +126,7 @@ class LocalBackend:
         pass  # this host is the kernel's: if it is gone, so is the run
 
     def release(self) -> None:
-        if self._port.fileno() == -1:
+        if self._port.closed:
             return  # released already
         self._port.close()
         self._standby.settle()

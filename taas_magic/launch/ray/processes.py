@@ -247,7 +247,7 @@ class RayLaunch:
         try:
             self.agents, self.hosts = start_agents(self.ray, self.reservation)
             self.master_addr = self.hosts[0]["address"]
-            self.master_port = self.ray.get(self.agents[0].reserve_master_port.remote(self.master_addr), timeout=60)
+            self.master_port = self.ray.get(self.agents[0].reserve_master_port.remote(), timeout=60)
         except BaseException:
             self.release()
             raise

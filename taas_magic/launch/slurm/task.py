@@ -103,7 +103,7 @@ class Task:
         address = self.sock.getsockname()[0]
         # task 0 reserves the rendezvous port; the agent holds it until its rank ends, since rank 0's store binds
         # it (SO_REUSEADDR) only when the cell calls init_process_group: released earlier, another process may take it
-        port = self.agent.reserve_master_port(address) if self.task == 0 else None
+        port = self.agent.reserve_master_port() if self.task == 0 else None
         self.send(where_slurm_put_me(address, port))
 
     def start(self) -> None:
