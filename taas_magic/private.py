@@ -195,14 +195,23 @@ PRIVATE: tuple[Private, ...] = (
             "transfer/unwrap.py", attributes=("module",), by_path=True),
     # -- torch: each rank's time in collectives (the straggler line)
     Private("torch.nn.parallel.distributed.DistributedDataParallel", "torch", TORCH,
-            "a model's registered communication hooks: none, and taas times its all-reduce with a hook of its own",
-            "output/collectives.py", attributes=("_comm_hooks",)),
+            "a model's registered communication hooks: none, and taas times its all-reduce with a hook of its own; "
+            "one registered after taas's is appended there; compiled autograd's reducer (not timed)",
+            "output/collectives.py", attributes=("_comm_hooks", "_use_python_reducer")),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._register_builtin_comm_hook", "torch", TORCH,
-            "wrapped to note that a model has a built-in hook (then its all-reduce is not timed)",
-            "output/collectives.py", params=("comm_hook_type",)),
+            "wrapped to note that a model has a built-in hook (then its all-reduce is not timed), and after "
+            "taas's hook to call the built-in's Python twin from it", "output/collectives.py",
+            params=("comm_hook_type",)),
+    Private("torch.nn.parallel.distributed.DistributedDataParallel._check_comm_hook", "torch", TORCH,
+            "DDP's own check of a hook registered after taas's (which then calls it)", "output/collectives.py",
+            params=("hook",)),
+    Private("torch.distributed._broadcast_coalesced", "torch", TORCH,
+            "wrapped with the collectives: DDP's buffer broadcast at each forward (BatchNorm's statistics), a "
+            "wait in a collective like any other", "output/collectives.py"),
     Private("torch._C._distributed_c10d.ProcessGroup._register_on_completion_hook", "torch", TORCH,
             "on CUDA, each NCCL collective's GPU time (TORCH_NCCL_ENABLE_TIMING) from NCCL's watchdog thread, "
-            "without a host sync; gloo refuses it (then the Python wrappers time)", "output/collectives.py"),
+            "without a host sync; on a rank where it does not register (gloo, an older NCCL) nothing is timed "
+            "and the rank sends no collective time", "output/collectives.py"),
     Private("torch._dynamo", "torch", TORCH, "imported by a compiler factory (the session compiles), so its forks "
             "have it: what a new process pays before its first torch.compile", "rank/factory.py"),
     Private("torch._inductor.compile_fx", "torch", TORCH, "imported by a compiler factory, as torch._dynamo",

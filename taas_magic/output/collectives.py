@@ -28,8 +28,8 @@ NCCL measures its own collectives on the GPU (``TORCH_NCCL_ENABLE_TIMING``, set 
 reports each one's GPU time to a completion hook on its watchdog thread (``ProcessGroup._register_on_completion_hook``,
 listed in taas_magic/private.py), registered on the default group when the health first finds it made.
 
-Steps: each ``optimizer.step`` (a global post hook, ``register_optimizer_step_post_hook``); the reports thread adds the
-``taas.report`` calls (the steps of a cell with no optimizer).
+Steps: :meth:`CollectiveClock.step`, at each step rank/steps.py counts (the outermost ``optimizer.step`` of the cell's
+first optimizer); the reports thread adds the ``taas.report`` calls (the steps of a cell with no optimizer).
 The cost when no collective runs: nothing; per collective, two clock reads and a lock (about a microsecond).
 """
 
@@ -40,15 +40,16 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 # torch.distributed's functions that wait for other ranks (the object collectives call others; counted once)
 # (FSDP2 calls all_gather_single and reduce_scatter_single; batch_isend_irecv's works are not timed)
 WRAPPED = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
-           "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
-           "barrier", "monitored_barrier", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send",
-           "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
-           "scatter_object_list", "send_object_list", "recv_object_list")
+           "all_gather_coalesced", "_broadcast_coalesced", "reduce_scatter", "reduce_scatter_tensor",
+           "reduce_scatter_single", "broadcast", "barrier", "monitored_barrier", "reduce", "gather", "scatter",
+           "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "all_gather_object",
+           "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list", "recv_object_list")
 
 
 class CollectiveClock:
@@ -56,30 +57,42 @@ class CollectiveClock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._cell = 0  # which cell the collectives in flight began in (a kept rank's cells, numbered)
         self._inflight = 0
         self._since = 0.0  # when the collectives in flight started (the first of them)
         self._total = 0.0  # seconds in collectives, the ones in flight not yet counted
         self.gpu_seconds = 0.0  # NCCL's own measure, from its completion hook (CUDA ranks)
         self.steps = 0  # optimizer steps taken
 
-    def begin(self) -> None:
+    def begin(self) -> int:
+        """A collective starts; what :meth:`end` is given when it ends."""
         with self._lock:
             if not self._inflight:
                 self._since = time.monotonic()
             self._inflight += 1
+            return self._cell
 
-    def end(self, *_: Any) -> None:
+    def end(self, cell: int, *_: Any) -> None:
         with self._lock:
+            if cell != self._cell:
+                return  # began in an earlier cell, whose collectives in flight were forgotten
             self._inflight -= 1
             if not self._inflight:
                 self._total += time.monotonic() - self._since
+
+    def new_cell(self) -> None:
+        """A cell starts: an async collective of the last one that never completed is no longer in flight."""
+        with self._lock:
+            if self._inflight:
+                self._total += time.monotonic() - self._since
+            self._cell, self._inflight = self._cell + 1, 0
 
     def seconds(self, now: float) -> float:
         """Seconds in collectives so far, the ones in flight up to ``now``."""
         with self._lock:
             return self._total + (now - self._since if self._inflight else 0.0) + self.gpu_seconds
 
-    def step(self, *_: Any) -> None:
+    def step(self) -> None:
         self.steps += 1
 
 
@@ -87,19 +100,21 @@ clock = CollectiveClock()
 
 
 def figures(now: float) -> dict:
-    """What the rank's health carries for the straggler line (cumulative: the kernel takes differences)."""
+    """What the rank's health carries for the straggler line (cumulative: the kernel takes differences); no
+    collective time from a CUDA rank whose NCCL hook is not in place (yet, or at all): it would read 0 waiting."""
     _hook_nccl_once()
+    if _cuda and not _nccl_hooked:
+        return {"steps": clock.steps}
     return {"collective": clock.seconds(now), "steps": clock.steps}
 
 
 def install(cuda: bool, when_imported: Callable[[str, Callable], None]) -> None:
     """Time this rank's collectives from now on: on CPU, wrap torch.distributed's functions and DDP's reducer as
-    each is first imported; on CUDA, NCCL's hook does (see the module docstring). Steps are counted on both."""
+    each is first imported; on CUDA, NCCL's hook does (see the module docstring)."""
     global _cuda
     _cuda = cuda
     if cuda:
         os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # NCCL's process groups made from now on time on the GPU
-    when_imported("torch.optim.optimizer", _count_steps)
     if not cuda:
         when_imported("torch.distributed", _wrap_distributed)
         when_imported("torch.nn.parallel.distributed", _time_ddp)
@@ -108,27 +123,23 @@ def install(cuda: bool, when_imported: Callable[[str, Callable], None]) -> None:
 _cuda = False
 
 
-def _count_steps(optimizer_module: Any) -> None:
-    optimizer_module.register_optimizer_step_post_hook(clock.step)
-
-
 def timed(function: Callable) -> Callable:
     """``function`` (a collective of torch.distributed) timed from its call to its completion here."""
     @functools.wraps(function)
     def collective(*args: Any, **kwargs: Any) -> Any:
         if _compiling():
             return function(*args, **kwargs)
-        clock.begin()
+        cell = clock.begin()
         try:
             work = function(*args, **kwargs)
         except BaseException:
-            clock.end()
+            clock.end(cell)
             raise
-        future = _future(work)  # an async op's (isend's, irecv's, async_op=True's); a synchronous one returns None
+        future = _future(work)  # an async op's (async_op=True's); a synchronous one, and gloo's isend/irecv, None
         if future is None:
-            clock.end()
+            clock.end(cell)
         else:
-            future.then(clock.end)
+            future.then(functools.partial(clock.end, cell))
         return work
 
     collective.__taas_timed__ = function  # type: ignore[attr-defined]  # a mark on the wrapper: it is ours, and what it wraps
@@ -161,23 +172,34 @@ def _wrap_distributed(distributed: Any) -> None:
             setattr(c10d, name, wrapped)
 
 
-def timed_allreduce(state: Any, bucket: Any) -> Any:
+@dataclass
+class Delegate:
+    """The state taas's DDP hook is registered with: the hook a person registers after it, which it then calls
+    (picklable with the model: ``%taas heal`` copies models; it holds no process group)."""
+
+    hook: Callable | None = None
+    state: Any = None
+
+
+def timed_allreduce(state: Delegate, bucket: Any) -> Any:
     """DDP's communication hook: its built-in average of a gradient bucket over the default group, timed to its
-    completion here (no state: a model copied by pickling, as ``%taas heal`` does, holds no process group)."""
+    completion here; or, once the person registers a hook of their own, theirs (its ``dist.*`` calls are timed)."""
+    if state.hook is not None:
+        return state.hook(state.state, bucket)
     group = sys.modules["torch.distributed"].group.WORLD
     buffer = bucket.buffer()
     buffer.div_(group.size())
-    clock.begin()
+    cell = clock.begin()
     try:
         future = group.allreduce([buffer]).get_future()
     except BaseException:
-        clock.end()
+        clock.end(cell)
         raise
-    return future.then(_ended_bucket)
+    return future.then(functools.partial(_ended_bucket, cell))
 
 
-def _ended_bucket(future: Any) -> Any:
-    clock.end()
+def _ended_bucket(cell: int, future: Any) -> Any:
+    clock.end(cell)
     return future.value()[0]
 
 
@@ -185,21 +207,45 @@ timed_allreduce.__annotations__ = {}  # DDP checks a hook's annotations against 
 
 
 def _time_ddp(module: Any) -> None:
-    """Each DistributedDataParallel made from now on: DDP's all-reduce timed from its first forward (see above)."""
+    """Each DistributedDataParallel made from now on: DDP's all-reduce timed from its first forward (see above).
+    A hook the person registers after that (DDP takes one per model) goes to taas's, which calls it from then on."""
     ddp = module.DistributedDataParallel
-    made, builtin = ddp.__init__, ddp._register_builtin_comm_hook
+    made, registered, builtin = ddp.__init__, ddp.register_comm_hook, ddp._register_builtin_comm_hook
 
     @functools.wraps(made)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         made(self, *args, **kwargs)
         self._taas_first_forward = self.register_forward_pre_hook(_first_forward)
 
+    @functools.wraps(registered)
+    def register_comm_hook(self: Any, state: object, hook: Callable) -> None:
+        delegate = _delegate(self)
+        if delegate is None:
+            return registered(self, state, hook)  # taas's hook is not in (or theirs already is): DDP's own rules
+        self._check_comm_hook(hook)
+        delegate.hook, delegate.state = hook, state
+        self._comm_hooks.append((hook, state))
+
     @functools.wraps(builtin)
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
         self._taas_builtin_hook = True
-        builtin(self, comm_hook_type)
+        delegate = _delegate(self)
+        if delegate is None:
+            return builtin(self, comm_hook_type)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # the built-ins' Python twins
+        twins = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
+        delegate.hook, delegate.state = twins[comm_hook_type.name], None
 
-    ddp.__init__, ddp._register_builtin_comm_hook = __init__, _register_builtin_comm_hook
+    ddp.__init__, ddp.register_comm_hook, ddp._register_builtin_comm_hook = (
+        __init__, register_comm_hook, _register_builtin_comm_hook)
+
+
+def _delegate(model: Any) -> Delegate | None:
+    """The state of taas's hook on ``model`` while no other hook was registered after it; else None."""
+    for hook, state in model._comm_hooks:
+        if hook is timed_allreduce and isinstance(state, Delegate) and state.hook is None:
+            return state
+    return None
 
 
 def _first_forward(model: Any, _inputs: Any) -> None:
@@ -207,24 +253,28 @@ def _first_forward(model: Any, _inputs: Any) -> None:
     del model._taas_first_forward
     if model._comm_hooks or getattr(model, "_taas_builtin_hook", False) or _cuda:
         return  # the model's own hook stays (its dist.* calls are timed); CUDA: NCCL measures
+    if getattr(model, "_use_python_reducer", False):
+        return  # compiled autograd's reducer calls hooks per gradient, hook(state, (grad, param)): not timed
     if model.process_group is not sys.modules["torch.distributed"].group.WORLD:
         return  # a group of its own: its all-reduce is not timed (the hook holds no group, see timed_allreduce)
-    model.register_comm_hook(None, timed_allreduce)
+    model.register_comm_hook(Delegate(), timed_allreduce)
 
 
-_nccl_hooked = False
+_nccl_tried = False
+_nccl_hooked = False  # NCCL's completion hook is in: this CUDA rank's collectives are timed
 
 
 def _hook_nccl_once() -> None:
     """On CUDA, NCCL's completion hook on the default group once it is made (each collective's GPU time)."""
-    global _nccl_hooked
+    global _nccl_tried, _nccl_hooked
     distributed = sys.modules.get("torch.distributed")
-    if not _cuda or _nccl_hooked or distributed is None or not distributed.is_initialized():
+    if not _cuda or _nccl_tried or distributed is None or not distributed.is_initialized():
         return
-    _nccl_hooked = True
+    _nccl_tried = True
     try:
         if distributed.get_backend() == "nccl":
             distributed.group.WORLD._register_on_completion_hook(_nccl_done)  # private API: see taas_magic/private.py
+            _nccl_hooked = True
     except Exception:  # noqa: BLE001 - no hook (an older NCCL build, another backend): no straggler line on this rank
         pass
 

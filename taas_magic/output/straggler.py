@@ -13,8 +13,9 @@ time they wait for it):
     rank 1 waits 2% of the window, rank 0 waits 44%: rank 1 works 98%, rank 0 56%, so rank 1 is 1.8x slower, and
     the others wait 44% of each step for it.
 
-A rank is named when it is ``LAG_RATIO`` (1.25x) or more slower than the median of the others; only the slowest is
-named. One rank alone is never named.
+A rank is named when it is ``LAG_RATIO`` (1.25x) or more slower than the median of the others, and they wait
+``MIN_GAP`` (5 points of the window) or more longer than it does: two ranks that both mostly wait (92% and 90%)
+differ by the clock's noise, not by one waiting for the other. Only the slowest is named; one rank alone, never.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 LAG_RATIO = 1.25  # a rank this much slower than the median of the others is named
+MIN_GAP = 0.05  # ... when the others' waiting share is at least this much more than its own
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Straggler:
 
 def straggler(waiting: Mapping[int, float]) -> Straggler | None:
     """The rank the others wait for, from each rank's share (0..1) of one window spent waiting in collectives;
-    None when no rank is ``LAG_RATIO`` slower than the median of the others (or there is one rank)."""
+    None when no rank is ``LAG_RATIO`` slower than the median of the others by ``MIN_GAP`` (or there is one rank)."""
     if len(waiting) < 2:
         return None
     working = {rank: max(0.0, 1.0 - min(share, 1.0)) for rank, share in waiting.items()}
@@ -51,6 +53,6 @@ def straggler(waiting: Mapping[int, float]) -> Straggler | None:
     if median <= 0:
         return None  # every other rank waited the whole window: nothing says who they waited for
     ratio = working[slowest] / median
-    if ratio < LAG_RATIO:
+    if ratio < LAG_RATIO or working[slowest] - median < MIN_GAP:
         return None
     return Straggler(slowest, ratio, statistics.fmean(waiting[rank] for rank in working if rank != slowest))

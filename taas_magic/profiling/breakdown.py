@@ -1,6 +1,7 @@
 """Each rank's time in its profiled window: working, communicating, idle waiting, and its top five operations.
 
-Runs in the kernel, on the run's own thread, from the merged trace (merge.py) as the run releases its parts.
+Runs in each rank, on the cell's thread, from its own window's every event (profiling/window.py), before any is
+dropped to fit the file (bound.py); the kernel says it in the cell (kernel/runs/profiled.py).
 
 Over the rank's window (its first event's start to its last event's end), every instant is one of:
 
@@ -53,7 +54,7 @@ def _duration(us: float) -> str:
 
 
 def rank_time(rank: int, events: list[dict]) -> RankTime:
-    """``events``: one rank's events (merge.py's ``per_rank``)."""
+    """``events``: one rank's events, as Kineto wrote them."""
     spans = [event for event in events if event.get("ph") == "X" and "dur" in event]
     if not spans:
         return RankTime(rank, 0.0, 0.0, 0.0, 0.0, ())

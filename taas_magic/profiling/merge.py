@@ -20,9 +20,10 @@ round trip, written per rank in the file's ``taas`` metadata (``clock_bound_us``
 over a millisecond. The merged times start at 0 at the earliest event of any rank (``baseTimeNanoseconds`` then
 says when that was on the kernel's clock).
 
-The bound. The merged file is at most ``MAX_BYTES`` (200 MB). A larger one loses its shortest complete events
-(``"ph": "X"``: operator calls first among equals, the shortest first) until it fits; metadata, counters, flows and
-the ``ProfilerStep#k`` spans are never dropped. The cell says how many were dropped, and the metadata counts them.
+The bound. The merged file is at most ``MAX_BYTES`` (200 MB; the ``ranks/`` copies hold as much again). Each rank
+fits its own trace to its share of that before sending it (bound.py says what goes first), so the kernel never
+holds more; the merge fits each rank again as a last guard (the names it adds). The cell says how many events were
+dropped, and the metadata counts them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-MAX_BYTES = 200 * 1024 * 1024
+from taas_magic.profiling.bound import MAX_BYTES, fit
+
 FOLDER = "taas-profiles"
 _RANK_META = ("process_name", "process_labels", "process_sort_index")
 
@@ -81,11 +83,18 @@ def merge(traces: list[RankTrace], measured_clocks: bool, limit: int = MAX_BYTES
         base, _ = starts[one.rank]
         per_rank[one.rank] = _moved(one.rank, one.trace.get("traceEvents", []), (base - origin) / 1000)
     merged = Merged({}, per_rank)
-    merged.dropped = _fit(per_rank, limit)
+    share = max(1, limit // max(1, len(per_rank)) - 4096)  # the rank's names, the file's metadata
+    for rank, events in per_rank.items():
+        per_rank[rank], dropped = fit(events, share)
+        merged.dropped += dropped
     bounds = {one.rank: (one.bound_ns if measured_clocks else 0) for one in traces}
+    unmeasured = sorted(rank for rank, bound in bounds.items() if bound < 0)
     worst = max(bounds.values(), default=0)
     if worst > 1_000_000:
         merged.notes.append(f"clocks aligned to within {worst / 1e6:.1f} ms (measured over the ranks' channels)")
+    if unmeasured:
+        merged.notes.append(f"rank(s) {', '.join(map(str, unmeasured))}: the kernel's clock did not answer; their "
+                            "times are as their own hosts' clocks read them")
     events = [event for rank in sorted(per_rank) for event in _names(rank) + per_rank[rank]]
     merged.trace = {
         "traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": origin,
@@ -116,26 +125,6 @@ def _moved(rank: int, events: list[dict], shift_us: float) -> list[dict]:
 def _names(rank: int) -> list[dict]:
     return [{"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
             {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
-
-
-def _fit(per_rank: dict[int, list[dict]], limit: int) -> int:
-    """Drop the shortest complete events until the merged file fits in ``limit`` bytes; how many went."""
-    sizes = {id(event): len(json.dumps(event)) + 2 for events in per_rank.values() for event in events}
-    total = sum(sizes.values()) + 1024 * (1 + len(per_rank))  # the names, the metadata
-    if total <= limit:
-        return 0
-    droppable = [event for events in per_rank.values() for event in events
-                 if event.get("ph") == "X" and not str(event.get("name", "")).startswith("ProfilerStep#")]
-    droppable.sort(key=lambda event: (float(event.get("dur", 0)), event.get("cat") != "cpu_op"))
-    gone: set[int] = set()
-    for event in droppable:
-        if total <= limit:
-            break
-        gone.add(id(event))
-        total -= sizes[id(event)]
-    for rank, events in per_rank.items():
-        per_rank[rank] = [event for event in events if id(event) not in gone]
-    return len(gone)
 
 
 def save(merged: Merged, traces: list[RankTrace], folder: str, run_id: str) -> str:

@@ -4,15 +4,15 @@ Runs in each rank: :func:`begin` and :func:`end` on the cell's thread (rank/main
 on whichever thread steps (the optimizer's post-step hook, ``taas.report``), in practice the cell's.
 
 The window. The profiler (CPU, and CUDA where the rank has a GPU) records from the cell's first line. A *step mark*
-ends a step: ``optimizer.step`` (``torch.optim.optimizer.register_optimizer_step_post_hook``, global) or
+ends a step: ``optimizer.step`` (as rank/steps.py counts them: the outermost step of the cell's first optimizer) or
 ``taas.report``, whichever marks first in the cell (a loop that does both counts each step once). Each mark calls
 the profiler's ``step()``, so the trace holds ``ProfilerStep#k`` spans (``#0``: the cell's start to the first
 mark). After ``1 + N`` marks the window is whole and the profiler stops: what follows costs nothing. The trace
 kept is steps 1..N (the first step, which pays for lazy start-up, is left out); a cell with fewer marks is kept
 whole, from its first line to its last.
 
-The end. Whatever happened (a raise, an interrupt), :func:`end` removes the hook and stops the profiler, so a kept
-rank's next cell starts clean; a cell that finished also sends its trace (:class:`ProfileTrace`: Kineto's Chrome
+The end. Whatever happened (a raise, an interrupt), :func:`end` stops the profiler, so a kept rank's next cell
+starts clean; a cell that finished also sends its trace (:class:`ProfileTrace`: Kineto's Chrome
 JSON, gzipped, with ``distributedInfo.rank`` set) and its clock's offset from the kernel's: ``CLOCK_PROBES``
 exchanges of :class:`ClockAsk` / :class:`ClockTime`, the one with the shortest round trip kept
 (offset = kernel's time - the midpoint of the rank's send and receipt, exact to half that round trip).
@@ -32,9 +32,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from taas_magic.profiling.bound import MAX_BYTES, fit
+from taas_magic.profiling.breakdown import RankTime, rank_time
 from taas_magic.protocol import ToKernel, ToPeer
 
 CLOCK_PROBES = 5
+CLOCK_WAIT = 10.0  # seconds for the kernel's answer to one probe; then the offset is unknown (a bound of -1)
 FIRST_STEP = "ProfilerStep#1"  # the window's start when the cell marked enough steps
 
 
@@ -60,16 +63,17 @@ class ProfileTrace(ToKernel, kind="profile-trace"):
     bound_ns: int  # how far off that offset can be: half the probe's round trip
     steps: int  # step marks the cell made
     whole: bool  # the whole cell was kept (fewer than 1 + N marks)
+    time: RankTime  # the window split (breakdown.py), from every event, before any was dropped
+    dropped: int  # events dropped to fit this rank's share of the file (bound.py)
 
 
-Ask = Callable[[ToKernel, type], Any]  # sends a frame, waits for the kernel's answer of that type (rank/inbox.py)
+Ask = Callable[[ToKernel, type], Any]  # sends a frame; the kernel's answer of that type, None after CLOCK_WAIT s
 
 
 class Window:
-    """One cell's profiler, its step marks and its hook (module docstring)."""
+    """One cell's profiler and its step marks (module docstring)."""
 
     def __init__(self, steps: int, cuda: bool):
-        from torch.optim.optimizer import register_optimizer_step_post_hook
         from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -79,8 +83,6 @@ class Window:
         with _quiet_stderr():
             self.profiler.start()
         self.recording = True
-        # after the start: a profiler that cannot start leaves no hook behind
-        self.hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: self.mark("optimizer"))
 
     def mark(self, by: str) -> None:
         """A step ended (``by`` names what marks steps in this cell; the other is ignored from then on)."""
@@ -93,14 +95,14 @@ class Window:
             self.stop()
 
     def stop(self) -> None:
-        self.hook.remove()
         if self.recording:
             self.recording = False
             with _quiet_stderr():
                 self.profiler.stop()
 
-    def trace(self, rank: int, world: int) -> tuple[bytes, bool]:
-        """The window's Chrome JSON, gzipped, and whether it is the whole cell."""
+    def trace(self, rank: int, world: int) -> tuple[bytes, bool, RankTime, int]:
+        """The window's Chrome JSON, gzipped and held to this rank's share of the file (bound.py); whether it is the
+        whole cell; its time split from every event; how many events went."""
         fd, path = tempfile.mkstemp(prefix="taas-profile-", suffix=".json")  # owner-only (mkstemp)
         os.close(fd)
         try:
@@ -110,18 +112,21 @@ class Window:
         finally:
             os.unlink(path)
         whole = self.marks < 1 + self.steps
+        events = trace.get("traceEvents", [])
         if not whole:
-            trace["traceEvents"] = _from_first_step(trace.get("traceEvents", []))
+            events = _from_first_step(events)
+        time_split = rank_time(rank, events)
+        trace["traceEvents"], dropped = fit(events, MAX_BYTES // max(1, world))
         info = trace.setdefault("distributedInfo", {})
         info.setdefault("rank", rank)
         info.setdefault("world_size", world)
-        return gzip.compress(json.dumps(trace).encode(), compresslevel=3), whole
+        return gzip.compress(json.dumps(trace).encode(), compresslevel=3), whole, time_split, dropped
 
     def send(self, send: Callable[[ToKernel], None], ask: Ask, rank: int, world: int) -> None:
         """The trace and this rank's clock against the kernel's, to the kernel."""
-        data, whole = self.trace(rank, world)
+        data, whole, time_split, dropped = self.trace(rank, world)
         offset, bound = clock_offset(ask)
-        send(ProfileTrace(data, socket.gethostname(), offset, bound, self.marks, whole))
+        send(ProfileTrace(data, socket.gethostname(), offset, bound, self.marks, whole, time_split, dropped))
 
 
 @contextlib.contextmanager
@@ -157,13 +162,14 @@ def begin(steps: int, cuda: bool) -> None:
 
 
 def mark(by: str) -> None:
-    """A step mark (``"optimizer"`` or ``"report"``); nothing when no window records."""
+    """A step mark (``"optimizer"``: rank/steps.py's listener for the rank's life; ``"report"``); nothing when no
+    window records."""
     if _window is not None:
         _window.mark(by)
 
 
 def end() -> Window | None:
-    """The cell ended, however: the hook removed, the profiler stopped; the window, to send (:meth:`Window.send`)."""
+    """The cell ended, however: the profiler stopped; the window, to send (:meth:`Window.send`)."""
     global _window
     window, _window = _window, None
     if window is not None:
@@ -172,12 +178,15 @@ def end() -> Window | None:
 
 
 def clock_offset(ask: Ask) -> tuple[int, int]:
-    """The kernel's clock minus this rank's, and half the round trip of the probe that measured it."""
+    """The kernel's clock minus this rank's, and half the round trip of the probe that measured it; (0, -1) when
+    the kernel did not answer within ``CLOCK_WAIT`` (a kept rank is never held after its cell by it)."""
     best: tuple[int, int] | None = None
     for _ in range(CLOCK_PROBES):
         sent = time.time_ns()
         answer = ask(ClockAsk(), ClockTime)
         received = time.time_ns()
+        if answer is None:
+            return best or (0, -1)
         half = (received - sent) // 2
         if best is None or half < best[1]:
             best = (answer.ns - (sent + half), half)

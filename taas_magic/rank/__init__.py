@@ -26,6 +26,8 @@ Nothing here imports IPython or torch eagerly: a rank pays for what its cell use
 - ``cellpdb.py``: ``breakpoint()``, ``pdb.set_trace()``, ``dist.breakpoint`` and ``%pdb on``'s
   post-mortem -> pdb prompting through the kernel.
 - ``lightning.py``: the ``Trainer``'s extra logger, for the live chart.
+- ``steps.py``: where a training step ends: the outermost ``optimizer.step`` of the cell's first optimizer,
+  told to the straggler line's count and ``--profile``'s marks.
 - ``groups.py``: the default process group outlives the cell while its sharded names are gathered;
   kept ranks keep theirs (abortable on CPU).
 - ``identity.py``: whether this process is a rank, its device, seed and report; what ``import taas``

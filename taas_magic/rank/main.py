@@ -45,7 +45,7 @@ from taas_magic.import_hooks import when_imported
 from taas_magic.output import collectives, reports
 from taas_magic.profiling import window as profiling
 from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec, ToKernel
-from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup
+from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup, steps
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
@@ -100,6 +100,8 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     away = outbox.away()
     reports.start(channel, lambda now: {**waiting.figures(now, away), **collectives.figures(now)})  # the lines' figures
     collectives.install(spec.device == "cuda", when_imported)  # each rank's time in collectives: the straggler line
+    when_imported("torch.optim.optimizer", steps.install)  # its steps: the straggler line's, --profile's marks
+    steps.listeners += [collectives.clock.step, functools.partial(profiling.mark, "optimizer")]
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
         groups.keep_across_cells(abortable=spec.device != "cuda")  # their groups outlive a cell, even a failed one
@@ -133,6 +135,8 @@ def _cell_setup(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int
     where its displays go (rank 0's, or every rank's with --output all)."""
     channel = inbox.channel
     refresh.refresh()  # the repository as rank 0 has left it (a kept rank's last look was in the cell before)
+    steps.new_cell()  # its first optimizer paces its steps
+    collectives.clock.new_cell()  # a collective the last cell left in flight is not this one's wait
     unseen.mark(spec.repository_names)  # on a host that does not see it: its files named, a clear line on reading one
     shell.configure(module, channel.send if rank == 0 or spec.output == "all" else None)
     identity.enter(spec.device, spec.seed, _reporter(spec))  # what the cell's `import taas` answers by
@@ -177,9 +181,10 @@ def _profiled(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int) 
 
 
 def _answer(inbox: Inbox, frame: ToKernel, kind: type) -> Any:
-    """The kernel's answer of type ``kind`` to ``frame``, taken from the channel's one reader."""
+    """The kernel's answer of type ``kind`` to ``frame``, taken from the channel's one reader; None after
+    ``CLOCK_WAIT`` seconds (the kernel's clock, asked by --profile)."""
     inbox.send(frame)
-    return inbox.take(lambda reply: isinstance(reply, kind))
+    return inbox.take(lambda reply: isinstance(reply, kind), timeout=profiling.CLOCK_WAIT)
 
 
 def _ask(inbox: Inbox, frame: Suggest) -> Suggested:

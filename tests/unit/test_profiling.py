@@ -9,6 +9,7 @@ from pathlib import Path
 
 from taas_magic.kernel.runs.profiled import Profiles
 from taas_magic.profiling import window
+from taas_magic.profiling.bound import fit
 from taas_magic.profiling.breakdown import rank_time
 from taas_magic.profiling.merge import RankTrace, merge, save
 from taas_magic.profiling.window import ClockAsk, ClockTime, ProfileTrace
@@ -41,7 +42,8 @@ def test_the_window_keeps_n_steps_after_the_first_then_stops_and_removes_its_hoo
     sent = []
     ended.send(sent.append, lambda frame, kind: ClockTime(0), rank=1, world=2)
     (frame,) = sent
-    assert isinstance(frame, ProfileTrace) and not frame.whole and frame.steps == 3
+    assert isinstance(frame, ProfileTrace) and not frame.whole and frame.steps == 3 and frame.dropped == 0
+    assert frame.time.rank == 1 and frame.time.window_us > 0 and frame.time.top  # split on the rank, from every event
     trace = json.loads(gzip.decompress(frame.data))
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"ProfilerStep#1", "ProfilerStep#2"} <= names and "ProfilerStep#0" not in names
@@ -58,6 +60,7 @@ def test_the_clock_offset_is_the_probe_of_the_shortest_round_trip():
     offset, bound = window.clock_offset(ask)
     assert len(asked) == window.CLOCK_PROBES and all(isinstance(frame, ClockAsk) for frame in asked)
     assert 0 <= bound < 10**9 and abs(offset - (10**18 - window.time.time_ns())) < 10**9
+    assert window.clock_offset(lambda frame, kind: None) == (0, -1)  # the kernel never answered: unknown, not a hang
 
 
 def test_the_merge_names_each_rank_aligns_its_clock_and_keeps_flows_apart():
@@ -89,6 +92,23 @@ def test_a_merge_over_the_bound_drops_the_shortest_events_never_the_steps():
     assert merged.trace["taas"]["dropped_events"] == merged.dropped
 
 
+def test_a_rank_cut_to_its_share_drops_the_arrows_on_dropped_slices_then_counters():
+    events = [{"ph": "M", "name": "thread_name", "pid": 99, "tid": 1, "args": {"name": "main"}},
+              _x("ProfilerStep#1", 0.0, 0.5, cat="user_annotation"), _x("aten::add", 1.0, 1.0),
+              _x("aten::mm", 3.0, 90.0), _x("aten::mm_backward", 100.0, 80.0),
+              {"ph": "s", "id": 1, "cat": "fwdbwd", "ts": 1.0, "pid": 99, "tid": 1},  # from add...
+              {"ph": "f", "id": 1, "cat": "fwdbwd", "ts": 100.0, "pid": 99, "tid": 1, "bp": "e"}]  # ...to its backward
+    counters = [{"ph": "C", "name": "memory", "ts": float(k), "pid": 99, "tid": 1, "args": {"bytes": k}}
+                for k in range(40)]
+    kept, dropped = fit(events, len(json.dumps(events)) - 10)  # the shortest slice goes, and the arrow on it
+    assert dropped == 3 and [e["name"] for e in kept if e["ph"] == "X"] == ["ProfilerStep#1", "aten::mm",
+                                                                               "aten::mm_backward"]
+    assert not [e for e in kept if e["ph"] in ("s", "f")]
+    tiny = len(json.dumps([events[0], events[1]])) + 2
+    kept, dropped = fit(events + counters, tiny)  # slices, then counters, then flows: only what is never dropped
+    assert [e["ph"] for e in kept] == ["M", "X"] and dropped == len(events) + len(counters) - 2
+
+
 def test_the_breakdown_splits_the_window_and_ranks_operators_by_self_time():
     events = [_x("ProfilerStep#1", 0.0, 100.0, cat="user_annotation"),
               _x("aten::linear", 0.0, 30.0), _x("aten::addmm", 5.0, 20.0),  # linear's self time: 10
@@ -105,7 +125,7 @@ def test_the_run_saves_owner_only_files_and_names_the_rank_the_others_wait_for(t
         events = [_x("ProfilerStep#1", 0.0, 100.0, cat="user_annotation"), _x("aten::mm", 0.0, 100.0 - waits),
                   _x("gloo:all_reduce", 100.0 - waits, waits, tid=2, cat="user_annotation")]
         data = gzip.compress(json.dumps({"baseTimeNanoseconds": 0, "traceEvents": events}).encode())
-        return ProfileTrace(data, "here", 0, 0, 4, False)
+        return ProfileTrace(data, "here", 0, 0, 4, False, rank_time(rank, events), 0)
 
     profiles, said = Profiles(ranks=3, steps=3, measured_clocks=False, run_id="abc"), []
     for rank, waits in ((0, 50.0), (1, 2.0)):
@@ -129,7 +149,7 @@ def test_save_lands_whole_files(tmp_path):
 
 def test_a_trace_that_cannot_be_read_costs_the_profile_not_the_run(tmp_path):
     profiles, said = Profiles(ranks=1, steps=3, measured_clocks=False, run_id="bad"), []
-    profiles.add(0, ProfileTrace(b"not gzip", "here", 0, 0, 4, False))
+    profiles.add(0, ProfileTrace(b"not gzip", "here", 0, 0, 4, False, rank_time(0, []), 0))
     profiles.finish(said.append, str(tmp_path))
     assert said == ["--profile: could not merge the ranks' traces: BadGzipFile: Not a gzipped file (b'no')"]
     Profiles(ranks=2, steps=3, measured_clocks=False, run_id="none").finish(said.append, str(tmp_path))

@@ -13,7 +13,7 @@ import os
 from typing import Callable
 
 from taas_magic.output.straggler import straggler
-from taas_magic.profiling.breakdown import rank_time
+from taas_magic.profiling.bound import MAX_BYTES
 from taas_magic.profiling.merge import RankTrace, merge, save
 from taas_magic.profiling.window import ProfileTrace
 
@@ -56,11 +56,12 @@ class Profiles:
         missing = sorted(set(range(self.ranks)) - set(self.frames))
         if missing:
             say(f"--profile: no trace from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
-        if merged.dropped:
-            say(f"--profile: {merged.dropped} of the shortest events dropped to keep the file under 200 MB")
+        dropped = merged.dropped + sum(frame.dropped for frame in self.frames.values())
+        if dropped:
+            say(f"--profile: {dropped} of the shortest events dropped to keep the file under {MAX_BYTES / 1e6:.0f} MB")
         for note in merged.notes:
             say(f"--profile: {note}")
-        times = [rank_time(rank, events) for rank, events in sorted(merged.per_rank.items())]
+        times = [frame.time for _, frame in sorted(self.frames.items())]  # each rank's, from all its events
         for time in times:
             say("  " + time.line())
         slow = straggler({time.rank: time.communicating for time in times if time.window_us > 0})

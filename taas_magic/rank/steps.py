@@ -1,0 +1,65 @@
+"""Where a training step ends in this rank: the outermost ``optimizer.step`` of the cell's pacing optimizer.
+
+Runs in each rank: installed once, when ``torch.optim`` is first imported (rank/main.py); its listeners are called
+on the thread that steps (the cell's, in practice). Two features count steps, and both listen here: the straggler
+line's steps (output/collectives.py) and ``--profile``'s window marks (profiling/window.py). One pair of global
+hooks (``register_optimizer_step_pre_hook`` / ``..._post_hook``) is installed for the rank's life; a listener
+comes and goes without touching torch's hooks (removing a hook while torch runs them broke a cell's own hook).
+
+A step is:
+
+- only the outermost call: a wrapper optimizer (Lookahead, ``ZeroRedundancyOptimizer``) whose ``step`` calls its
+  inner optimizer's is one step, not two (a depth counted by the pre hook);
+- of one optimizer, the first to step in the cell (the *pacer*): a cell with two optimizers (a GAN's generator
+  and discriminator) steps each once an iteration, and that is one step. Each cell chooses afresh.
+
+A step that raises is not counted, and its depth is forgotten at the next cell.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+listeners: list[Callable[[], None]] = []  # called at each step, in order
+
+
+class _Steps:
+    depth = 0  # optimizer steps entered and not left (a wrapper's and its inner one's)
+    pacer: weakref.ref | None = None  # the optimizer whose steps count in this cell
+    hooks: tuple = ()  # torch's handles of the two hooks
+
+
+def install(optimizer_module: Any) -> None:
+    """``torch.optim.optimizer`` was imported: count its steps from now on (once per rank)."""
+    _Steps.hooks = (optimizer_module.register_optimizer_step_pre_hook(_entered),
+                    optimizer_module.register_optimizer_step_post_hook(_left))
+
+
+def uninstall() -> None:
+    """The hooks removed (a test's process, which outlives the rank it plays)."""
+    for hook in _Steps.hooks:
+        hook.remove()
+    _Steps.hooks = ()
+
+
+def new_cell() -> None:
+    """A cell starts: its first optimizer to step paces it; what a raising step left is forgotten."""
+    _Steps.depth, _Steps.pacer = 0, None
+
+
+def _entered(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    _Steps.depth += 1
+
+
+def _left(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    _Steps.depth = max(0, _Steps.depth - 1)
+    if _Steps.depth:
+        return  # an inner optimizer's step, inside its wrapper's
+    pacer = _Steps.pacer() if _Steps.pacer is not None else None
+    if pacer is None:
+        _Steps.pacer, pacer = weakref.ref(optimizer), optimizer
+    if pacer is not optimizer:
+        return
+    for listener in tuple(listeners):  # a listener may leave while we go through them (--profile's full window)
+        listener()
