@@ -4,7 +4,7 @@ Runs in each rank, on the cell's thread, while it is stopped (debugger/tracer.py
 while the rank runs.
 
 The answers are DAP bodies (the Debug Adapter Protocol's ``stackTrace``, ``scopes``, ``variables``,
-``evaluate``, ``richInspectVariables``), with the rank's own ids: a frame is its place in the stack
+``evaluate``, ``richInspectVariables``, ``copyToGlobals``), with the rank's own ids: a frame is its place in the stack
 (1 the innermost), a variable container a number handed out at this stop. The kernel
 (debugger/ranklink.py) makes both unique among the ranks before the panel sees them. Every id is
 forgotten when the rank resumes: the panel asks again at the next stop, as it does of debugpy.
@@ -107,6 +107,15 @@ class FrameView:
         value = eval(code, frame.f_globals, frame.f_locals)  # noqa: S307 - the person's own expression
         return {"result": _repr(value), "type": type(value).__name__,
                 "variablesReference": self._hand_out(value) if _children(value) else 0}
+
+    def copy(self, arguments: dict) -> dict:
+        """JupyterLab's *Copy to Globals*: the variable's value, pickled, for the kernel to bind in the notebook (it
+        goes over the rank's authenticated channel, as a cell's results do)."""
+        import cloudpickle
+
+        frame = self.frame(int(arguments.get("srcFrameId") or 1))
+        value = eval(arguments["srcVariableName"], frame.f_globals, frame.f_locals)  # noqa: S307 - a name the panel shows
+        return {"pickled": cloudpickle.dumps(value)}
 
     def rich_inspect(self, arguments: dict) -> dict:
         """JupyterLab's variable viewer: the value as text (a rank has no display formatter of the notebook's)."""

@@ -15,16 +15,22 @@ debugger (debugpy) unchanged, so plain cells keep theirs:
   (``PanelNow``), fresh ranks in their spec before the cell's first line (``RunSpec.panel``).
 - ``threads`` and ``debugInfo`` are ipykernel's answers with the ranks added (their threads, the taas
   cells' breakpoints, the stopped ranks), so a page that reloads finds the panel as it was.
-- ``stackTrace``, ``scopes``, ``variables``, ``evaluate``, ``richInspectVariables``, ``continue``,
-  ``next``, ``stepIn``, ``stepOut`` and ``pause`` with a rank's thread, frame or variables id go to that
-  rank (debugger/ranklink.py), the ids made the rank's own on the way and unique again on the way back.
+- ``stackTrace``, ``scopes``, ``variables``, ``evaluate``, ``richInspectVariables``, ``copyToGlobals``,
+  ``continue``, ``next``, ``stepIn``, ``stepOut`` and ``pause`` with a rank's thread, frame or variables id go
+  to that rank (debugger/ranklink.py), the ids made the rank's own on the way and unique again on the way back;
+  ``copyToGlobals`` binds the rank's value in the notebook.
+- ``pause`` of any other thread while a taas cell runs pauses every rank: JupyterLab's pause button names the
+  stopped thread, or debugpy's first when none is (the kernel's own threads wait for the run meanwhile).
 - ``disconnect`` lets every stopped rank go, forgets the breakpoints, then goes to ipykernel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
+import queue
 import re
+import threading
 from typing import Any, Callable
 
 from taas_magic.debugger.ranklink import PanelNow, RankLink, panel_id, rank_of, thread_rank
@@ -33,6 +39,8 @@ from taas_magic.runspec import PanelPlan
 Original = Callable[[dict], Any]  # ipykernel's do_debug_request: a coroutine of a reply
 BY_THREAD = ("stackTrace", "continue", "next", "stepIn", "stepOut", "pause")
 BY_FRAME = ("scopes", "evaluate", "richInspectVariables")
+BY_ID = {"variables": "variablesReference", "copyToGlobals": "srcFrameId"}  # the argument naming a rank's frame or values
+FRAME_KEYS = ("frameId", "srcFrameId", "variablesReference")  # the ids of a rank's, made its own on the way
 PRAGMA = re.compile(r"^\s*#\s*pragma\s+taas(?=\s|$)")  # a taas cell's line (cell/pragma.py's PRAGMA_RE)
 ANSWER_SECONDS = 60.0  # a stopped rank answers at once; one that does not is gone or stuck in C code
 
@@ -40,8 +48,8 @@ ANSWER_SECONDS = 60.0  # a stopped rank answers at once; one that does not is go
 class Panel:
     """The panel's requests for this kernel (see the module docstring)."""
 
-    def __init__(self, original: Original, publish: Callable[[dict], None]):
-        self.original, self.publish = original, publish
+    def __init__(self, original: Original, publish: Callable[[dict], None], namespace: dict):
+        self.original, self.publish, self.namespace = original, publish, namespace  # the notebook's globals
         self.on = False  # initialized and not disconnected
         self.cells: dict[str, str] = {}  # the file the panel knows a taas cell by -> its text (dumpCell)
         self.breakpoints: dict[str, list[dict]] = {}  # file -> the panel's breakpoints, as it sent them
@@ -74,6 +82,9 @@ class Panel:
         rank = self._rank_named(command, arguments)
         if rank is not None:
             return await self._to_rank(message, rank)
+        if command == "pause" and self.link is not None and self.link.running:
+            self.link.tell_all(PanelNow(pause=True))  # every rank of the run now
+            return _reply(message, {})
         if command == "setBreakpoints":
             return await self._set_breakpoints(message)
         if command == "disconnect":
@@ -95,14 +106,14 @@ class Panel:
             return None
         if command in BY_THREAD:
             return thread_rank(int(arguments.get("threadId", 0)), link.ranks)
-        key = "frameId" if command in BY_FRAME else "variablesReference" if command == "variables" else ""
+        key = BY_ID.get(command, "frameId" if command in BY_FRAME else "")
         found = rank_of(int(arguments.get(key) or 0)) if key else None
         return found[0] if found is not None else None
 
     async def _to_rank(self, message: dict, rank: int) -> dict:
         assert self.link is not None
         command, arguments = message["command"], dict(message.get("arguments") or {})
-        for key in ("frameId", "variablesReference"):
+        for key in FRAME_KEYS:
             if arguments.get(key):
                 arguments[key] = rank_of(int(arguments[key]))[1]  # type: ignore[index]  # a rank's: _rank_named said so
         if command == "pause" and rank not in self.link.stopped:
@@ -114,6 +125,9 @@ class Panel:
             return _reply(message, None, str(exc) or f"rank {rank} did not answer within {ANSWER_SECONDS:.0f} s")
         if answer.error:
             return _reply(message, None, answer.error)
+        if command == "copyToGlobals":  # over the rank's authenticated channel, as a cell's results come
+            self.namespace[arguments["dstVariableName"]] = pickle.loads(answer.body["pickled"])  # noqa: S301
+            return _reply(message, {})
         return _reply(message, _unique(answer.body, rank))
 
     async def _set_breakpoints(self, message: dict) -> dict:
@@ -177,6 +191,34 @@ def _reply(message: dict, body: dict | None, error: str = "") -> dict:
     return reply
 
 
+class Publisher:
+    """The panel's events sent on one thread of its own, in order. ipykernel gives each thread that publishes on IOPub
+    a socket of its own, kept while the kernel lives: a run's thread is new each run, so each run would leave one."""
+
+    def __init__(self, publish: Callable[[dict], None]):
+        self._publish = publish
+        self._events: queue.SimpleQueue[dict | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, event: dict) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="taas-panel-events", daemon=True)
+                self._thread.start()
+        self._events.put(event)
+
+    def close(self) -> None:
+        self._events.put(None)
+
+    def _run(self) -> None:
+        while (event := self._events.get()) is not None:
+            try:
+                self._publish(event)
+            except Exception:  # noqa: BLE001 - a closed kernel's socket: the event has nowhere to go
+                pass
+
+
 _panel: Panel | None = None
 
 
@@ -191,12 +233,14 @@ def install(shell: Any) -> Callable[[], None]:
     kernel = getattr(shell, "kernel", None)
     if kernel is None or getattr(kernel, "debugger", None) is None:
         return lambda: None
-    _panel = Panel(kernel.do_debug_request, kernel._publish_debug_event)  # private API: see taas_magic/private.py
+    publisher = Publisher(kernel._publish_debug_event)  # private API: see taas_magic/private.py
+    _panel = Panel(kernel.do_debug_request, publisher.put, shell.user_ns)
     kernel.do_debug_request = _panel.request
 
     def undo() -> None:
         global _panel
         _panel = None
+        publisher.close()
         if "do_debug_request" in vars(kernel):
             del kernel.do_debug_request
 

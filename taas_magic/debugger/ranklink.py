@@ -71,7 +71,7 @@ class RankLink:
     def __init__(self, ranks: int, publish: Callable[[dict], None]):
         self.ranks, self.publish = ranks, publish
         self.names = {rank: f"rank {rank}" for rank in range(ranks)}
-        self.stopped: set[int] = set()
+        self.stopped: dict[int, dict] = {}  # each stopped rank's ``stopped`` event body
         self._lock = threading.Lock()
         self._outgoing: list[tuple[int, bytes]] = []
         self._waiting: dict[int, Future] = {}  # seq -> the control thread's answer to come
@@ -94,14 +94,20 @@ class RankLink:
         return answer
 
     def tell_all(self, frame: PanelNow, only: int | None = None) -> None:
-        """``frame`` to every rank that runs (``only``: to that one)."""
+        """``frame`` to every rank (``only``: to that one); a pause only to ranks that run. A stopped rank takes new
+        breakpoints on its reader thread, and they hold once it goes on."""
         with self._lock:
             if self._closed:
                 return
             body = protocol.encode(frame)
             self._outgoing.extend((rank, body) for rank in range(self.ranks)
-                                  if rank not in self.stopped and only in (None, rank))
+                                  if only in (None, rank) and not (frame.pause and rank in self.stopped))
         self._wake()
+
+    @property
+    def running(self) -> bool:
+        """The run's cell still runs (the panel keeps its link until the next run)."""
+        return not self._closed
 
     def threads(self) -> list[dict]:
         return [{"id": THREAD_BASE + rank, "name": name} for rank, name in sorted(self.names.items())]
@@ -133,19 +139,23 @@ class RankLink:
 
     def stopped_at(self, rank: int, reason: str, line: int) -> None:
         """A rank's ``PanelStopped``: the panel's ``stopped`` event for its thread."""
+        body = {"reason": reason, "threadId": THREAD_BASE + rank, "description": f"{self.names.get(rank, rank)}, "
+                f"line {line}", "allThreadsStopped": False, "preserveFocusHint": False}
         with self._lock:
-            self.stopped.add(rank)
-        self.publish(_event("stopped", {"reason": reason, "threadId": THREAD_BASE + rank,
-                                        "description": f"{self.names.get(rank, rank)}, line {line}",
-                                        "allThreadsStopped": False, "preserveFocusHint": False}))
+            self.stopped[rank] = body
+        self.publish(_event("stopped", body))
 
-    def continued(self, rank: int) -> None:
-        """A rank's ``PanelResumed`` (or its run's end): the panel's ``continued`` event."""
+    def continued(self, rank: int, stepping: bool = False) -> None:
+        """A rank's ``PanelResumed`` (or its run's end): the panel's ``continued`` event. A rank let go (not
+        stepping) while others stay stopped: the lowest of them is said stopped again, so a panel that shows one
+        thread at a time (JupyterLab's shows the last ``stopped``) shows the next rank, not nothing."""
         with self._lock:
-            if rank not in self.stopped:
+            if self.stopped.pop(rank, None) is None:
                 return
-            self.stopped.discard(rank)
+            shown = None if stepping or self._closed or not self.stopped else self.stopped[min(self.stopped)]
         self.publish(_event("continued", {"threadId": THREAD_BASE + rank, "allThreadsContinued": False}))
+        if shown is not None:
+            self.publish(_event("stopped", shown))
 
     def close(self) -> None:
         """The run is over: no rank is stopped any more, and no answer will come."""

@@ -33,6 +33,7 @@ from taas_magic.protocol import ToKernel
 from taas_magic.runspec import PanelPlan
 
 RESUMING = ("continue", "next", "stepIn", "stepOut", "disconnect")
+STEPPING = ("next", "stepIn", "stepOut")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ class PanelReply(ToKernel, kind="panel-reply"):
 
 @dataclass(frozen=True)
 class PanelResumed(ToKernel, kind="panel-resumed"):
-    """The rank runs again after a stop (the panel's ``continued``)."""
+    """The rank runs again after a stop (the panel's ``continued``); ``stepping``: to stop again at a step."""
+
+    stepping: bool = False
 
 
 class RankTracer(bdb.Bdb):
@@ -124,13 +127,13 @@ class RankTracer(bdb.Bdb):
             command = self.inbox.take(lambda each: isinstance(each, PanelCommand))
             if self._serve(view, command, frame):
                 break
-        self.inbox.send(PanelResumed())
+        self.inbox.send(PanelResumed(stepping=command.command in STEPPING))
 
     def _serve(self, view: FrameView, command: PanelCommand, frame: FrameType) -> bool:
         """One command answered; True when it resumes the rank."""
         name, arguments = command.command, command.arguments
         answers = {"stackTrace": view.stack_trace, "scopes": view.scopes, "variables": view.variables,
-                   "evaluate": view.evaluate, "richInspectVariables": view.rich_inspect}
+                   "evaluate": view.evaluate, "richInspectVariables": view.rich_inspect, "copyToGlobals": view.copy}
         try:
             if name in answers:
                 body: dict = answers[name](arguments)

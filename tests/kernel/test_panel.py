@@ -1,126 +1,113 @@
-"""JupyterLab's debugger panel on the ranks, through a real kernel's control channel as the panel speaks it:
-``debug_request`` messages, ``debug_event`` on IOPub (debugger/panel.py, debugger/tracer.py)."""
+"""JupyterLab's debugger panel on the ranks, through a real kernel's control channel as the panel speaks it
+(tests/panelled.py): two ranks stop at a gutter breakpoint; stepping over, in and out, and pause, per rank, while
+the other rank's collective waits past its timeout, a rank's value copied into the notebook; kept ranks cell after cell; a plain cell keeps debugpy."""
 
 from __future__ import annotations
 
-import queue
 import time
 
 import pytest
 
-from tests.kernel_client import Kernel
+from tests.panelled import (
+    breakpoint_in,
+    closed,
+    opened,
+    two_ranks_stop_and_show_their_own_variables,
+)
 
-CELL = """#pragma taas --device cpu --gpus 2
-import os
+LOCAL = "#pragma taas --device cpu --gpus 2"
+STEPS = """#pragma taas --device cpu --gpus 2
+import os, time
+from datetime import timedelta
 import torch, torch.distributed as dist
+def double(x):
+    y = x * 2
+    return y
 rank = int(os.environ["RANK"])
-mine = 100 + rank
-dist.init_process_group("gloo")
-total = torch.tensor([mine])
+dist.init_process_group("gloo", timeout=timedelta(seconds=2))
+value = double(rank)
+total = torch.tensor([value])
 dist.all_reduce(total)
+stop, spun = False, 0
+while rank == 1 and not stop:
+    time.sleep(0.01)
+    spun += 1
 print("rank", rank, "total", int(total))
 """
-BREAK_LINE = 6  # dist.init_process_group: both ranks stop there
-
-
-class CellEnded(AssertionError):
-    pass
-
-
-class Panel:
-    """The panel's side: numbered requests on the control channel, events read off IOPub."""
-
-    def __init__(self, kernel: Kernel):
-        self.kernel, self.seq, self.events, self.output = kernel, 0, [], []
-
-    def request(self, command: str, **arguments) -> dict:
-        self.seq += 1
-        client = self.kernel.client
-        message = client.session.msg("debug_request", {"type": "request", "seq": self.seq, "command": command,
-                                                       "arguments": arguments})
-        client.control_channel.send(message)
-        while True:
-            reply = client.get_control_msg(timeout=60)
-            if reply["parent_header"].get("msg_id") == message["header"]["msg_id"]:
-                return reply["content"]
-
-    def ended(self, cell: str) -> dict:
-        """``cell``'s reply, once it ended (its output in ``output``, the events until then in ``events``)."""
-        try:
-            self.event("none", cell)
-        except CellEnded:
-            pass
-        while True:
-            reply = self.kernel.client.get_shell_msg(timeout=60)
-            if reply["parent_header"].get("msg_id") == cell:
-                return reply["content"]
-
-    def event(self, name: str, cell: str, deadline: float = 120) -> dict:
-        """The next debug event ``name`` while ``cell`` (its message id) runs (those before it kept in ``events``)."""
-        until = time.monotonic() + deadline
-        while True:
-            try:
-                message = self.kernel.client.get_iopub_msg(timeout=max(0.1, until - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no {name!r} event; events so far: {self.events}") from None
-            if message["parent_header"].get("msg_id") == cell and message["msg_type"] in ("stream", "error"):
-                self.output.append(message["content"].get("text") or str(message["content"]))
-            if message["parent_header"].get("msg_id") == cell and message["msg_type"] == "status" \
-                    and message["content"]["execution_state"] == "idle":
-                raise CellEnded(f"the cell ended before a {name!r} event: {''.join(self.output)}")
-            if message["msg_type"] == "debug_event":
-                self.events.append(message["content"])
-                if message["content"]["event"] == name:
-                    return message["content"]
+CALL, BODY, RETURN, AFTER = 10, 6, 7, 11  # the lines of STEPS: double(rank), its body, its return, the line after
 
 
 @pytest.fixture(scope="module")
 def panel(kernel):
     """The panel, opened once for this module (ipykernel's debugpy client is started once a kernel)."""
-    started = Panel(kernel)
-    reply = started.request("initialize", clientID="test", adapterID="", pathFormat="path", linesStartAt1=True,
-                            columnsStartAt1=True, supportsVariableType=True, supportsVariablePaging=True,
-                            supportsRunInTerminalRequest=True, locale="en")
-    assert reply["success"], reply
-    assert started.request("attach")["success"]
+    started = opened(kernel)
     yield started
-    started.request("disconnect", restart=False, terminateDebuggee=True)
+    closed(started)
 
 
 def test_two_ranks_stop_at_a_gutter_breakpoint_and_each_shows_its_own_variables(kernel, panel):
-    dumped = panel.request("dumpCell", code=CELL)
-    path = dumped["body"]["sourcePath"]
-    placed = panel.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": BREAK_LINE}],
-                           sourceModified=False)
-    assert placed["success"] and placed["body"]["breakpoints"][0]["verified"], placed
-    assert panel.request("configurationDone")["success"]
-    info = panel.request("debugInfo")["body"]
-    assert {"source": path, "breakpoints": [{"line": BREAK_LINE}]} in info["breakpoints"], info
+    two_ranks_stop_and_show_their_own_variables(kernel, panel, LOCAL)
 
-    msg_id = kernel.client.execute(CELL)
-    stops = {panel.event("stopped", msg_id)["body"]["threadId"] for _ in range(2)}
-    threads = {thread["id"]: thread["name"] for thread in panel.request("threads")["body"]["threads"]}
-    assert sorted(threads[stop] for stop in stops) == ["rank 0", "rank 1"], threads
-    assert set(panel.request("debugInfo")["body"]["stoppedThreads"]) >= stops  # a reloaded page finds them
 
-    for thread in sorted(stops):
-        rank = int(threads[thread].split()[1])
-        frames = panel.request("stackTrace", threadId=thread)["body"]["stackFrames"]
-        assert frames[0]["line"] == BREAK_LINE and frames[0]["source"]["path"] == path, frames
-        scopes = panel.request("scopes", frameId=frames[0]["id"])["body"]["scopes"]
-        shown = panel.request("variables", variablesReference=scopes[0]["variablesReference"])["body"]["variables"]
-        values = {variable["name"]: variable["value"] for variable in shown}
-        assert values["rank"] == str(rank) and values["mine"] == str(100 + rank), values
-        evaluated = panel.request("evaluate", expression="mine * 2", frameId=frames[0]["id"], context="repl")
-        assert evaluated["body"]["result"] == str(2 * (100 + rank)), evaluated
+def test_a_rank_steps_in_over_and_out_and_is_paused_while_the_other_waits_past_its_timeout(kernel, panel):
+    path = breakpoint_in(panel, STEPS, CALL)
+    panel.events.clear()
+    cell = kernel.client.execute(STEPS)
+    stops = {panel.event("stopped", cell)["body"]["threadId"]: None for _ in range(2)}
+    zero, one = sorted(stops)
+    panel.request("setBreakpoints", source={"path": path}, breakpoints=[])
+    assert panel.request("continue", threadId=zero)["success"]  # rank 0 goes on to the all-reduce and waits there
+    let_go = time.monotonic()
+    assert panel.event("stopped", cell)["body"]["threadId"] == one  # rank 1, still stopped, said again: shown now
 
-    for thread in sorted(stops):
-        assert panel.request("continue", threadId=thread)["success"]
-    reply = panel.ended(msg_id)
+    def stepped(command: str, line: int) -> dict:
+        assert panel.request(command, threadId=one)["success"]
+        stop = panel.event("stopped", cell)
+        assert stop["body"]["threadId"] == one and stop["body"]["reason"] == "step", stop
+        top, values = panel.frame(one)
+        assert top["line"] == line and top["source"]["path"] == path, (command, top)
+        return values
+
+    assert stepped("stepIn", BODY)["x"] == "1"  # into double(rank), the cell's own function
+    assert stepped("next", RETURN)["y"] == "2"
+    assert stepped("stepOut", AFTER)["value"] == "2"  # back in the cell, its result bound
+    time.sleep(max(0.0, let_go + 3 - time.monotonic()))  # rank 0 has waited in its all-reduce past its 2 s timeout
+    assert panel.request("continue", threadId=one)["success"]
+    # rank 1 spins until told to stop; JupyterLab's pause button, nothing stopped, names debugpy's first thread
+    pause = panel.request("pause", threadId=1)
+    assert pause["success"], pause
+    paused = panel.event("stopped", cell)
+    assert paused["body"]["threadId"] == one and paused["body"]["reason"] == "pause", paused
+    top, values = panel.frame(one)
+    assert values["stop"] == "False" and values["total"] == "tensor([2])" and int(values["spun"]) > 0, values
+    copied = panel.request("copyToGlobals", srcVariableName="spun", dstVariableName="spun_on_rank_1",
+                           srcFrameId=top["id"])  # the Variables panel's Copy to Globals
+    assert copied["success"], copied
+    assert panel.request("evaluate", expression="stop = True", frameId=top["id"], context="repl")["success"]
+    assert panel.request("continue", threadId=one)["success"]
+    reply = panel.ended(cell)
     assert reply["status"] == "ok", panel.output
-    assert "rank 0 total 201" in "".join(panel.output), panel.output  # the collective after the stops: nothing timed out
-    continued = {event["body"]["threadId"] for event in panel.events if event["event"] == "continued"}
-    assert continued == stops, panel.events
+    assert "rank 0 total 2" in "".join(panel.output), panel.output
+    assert kernel.execute("spun_on_rank_1").result["text/plain"] == values["spun"]  # rank 1's, in the notebook
+
+
+def test_kept_ranks_stop_cell_after_cell(kernel, panel):
+    try:
+        two_ranks_stop_and_show_their_own_variables(kernel, panel, LOCAL + " --keep")
+        again = LOCAL + " --keep\nmine = mine + 1\nprint('kept', rank, mine)\n"
+        path = breakpoint_in(panel, again, 3)
+        panel.events.clear()
+        cell = kernel.client.execute(again)
+        stops = sorted(panel.event("stopped", cell)["body"]["threadId"] for _ in range(2))
+        for thread in stops:
+            top, values = panel.frame(thread)
+            assert top["line"] == 3 and values["mine"] == str(101 + int(values["rank"])), values  # the kept names
+        panel.request("setBreakpoints", source={"path": path}, breakpoints=[])
+        for thread in stops:
+            assert panel.request("continue", threadId=thread)["success"]
+        assert panel.ended(cell)["status"] == "ok", panel.output
+    finally:
+        kernel.execute("%taas release")
 
 
 def test_a_plain_cell_keeps_ipykernels_own_debugger(kernel, panel):

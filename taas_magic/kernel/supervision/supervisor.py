@@ -167,8 +167,8 @@ class Router:
                 self.parts.panel.stopped_at(rank.index, reason, line)
             case PanelReply(seq=seq) if self.parts.panel is not None:
                 self.parts.panel.replied(seq, frame)
-            case PanelResumed() if self.parts.panel is not None:
-                self.parts.panel.continued(rank.index)
+            case PanelResumed(stepping=stepping) if self.parts.panel is not None:
+                self.parts.panel.continued(rank.index, stepping)
             case CheckpointSaved() | FilePart() if self.parts.saves is not None:
                 self.parts.saves(rank.index, frame)
             case ClockAsk():  # --profile: the rank's clock against ours (profiling/window.py)
