@@ -90,7 +90,7 @@ def opened(kernel) -> Panel:
 
 
 def closed(panel: Panel) -> None:
-    panel.request("disconnect", restart=False, terminateDebuggee=True)
+    panel.request("disconnect", restart=False, terminateDebuggee=False)
 
 
 def breakpoint_in(panel: Panel, code: str, line: int) -> str:

@@ -126,7 +126,7 @@ class Panel:
         if answer.error:
             return _reply(message, None, answer.error)
         if command == "copyToGlobals":  # over the rank's authenticated channel, as a cell's results come
-            self.namespace[arguments["dstVariableName"]] = pickle.loads(answer.body["pickled"])  # noqa: S301
+            self.namespace[arguments["dstVariableName"]] = pickle.loads(answer.body["pickled"])  # noqa: S301 - authenticated
             return _reply(message, {})
         return _reply(message, _unique(answer.body, rank))
 

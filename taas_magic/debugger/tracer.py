@@ -25,7 +25,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 from taas_magic.debugger.frameview import FrameView
 from taas_magic.debugger.ranklink import PanelCommand, PanelNow
@@ -68,6 +68,7 @@ class RankTracer(bdb.Bdb):
         self.inbox, self.plan, self.cell_file = inbox, plan, cell_file
         self.thread = threading.get_ident()
         self._pausing = False
+        self._lines_by_file: dict[str, set[int]] = {}
         self.place(plan.breakpoints)
 
     def place(self, breakpoints: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
@@ -77,6 +78,9 @@ class RankTracer(bdb.Bdb):
             filename = self.cell_file if path == self.plan.path else path
             for line in lines:
                 self.set_break(filename, line)  # a blank line's is refused (bdb says why): the panel shows it unverified
+        for filename, known in self._lines_by_file.items():  # the frames running now see the change
+            known.clear()
+            known.update(self.breaks.get(self.canonic(filename), ()))
 
     def start(self) -> None:
         """From the caller's next call on (the cell's code), stop only at breakpoints."""
@@ -84,7 +88,7 @@ class RankTracer(bdb.Bdb):
         caller = inspect.currentframe().f_back  # type: ignore[union-attr]  # CPython has frames
         self.botframe = caller
         self._stop_info(caller, -1)  # bdb's "continue", its trace function kept
-        sys.settrace(self.trace_dispatch)
+        sys.settrace(self._on_call)
 
     def _stop_info(self, frame: FrameType | None, line: int) -> None:
         self._set_stopinfo(frame, None, line)  # type: ignore[attr-defined]  # private API: see taas_magic/private.py
@@ -98,8 +102,38 @@ class RankTracer(bdb.Bdb):
         frame = sys._current_frames().get(self.thread)  # private API: see taas_magic/private.py
         while frame is not None:
             if frame.f_trace is None and not self.is_skipped_module(frame.f_globals.get("__name__", "")):
-                frame.f_trace = self.trace_dispatch
+                frame.f_trace = self._tracing(self._lines_in(frame.f_code.co_filename))
             frame = frame.f_back
+
+    # -- the trace functions: bdb's own only where it may stop ---------------------------------------
+    # Running on (bdb's "continue": no stop but at a breakpoint), a frame of a file with no breakpoint is not traced,
+    # and in one with breakpoints only their lines reach bdb, through a closure per frame holding its file's lines:
+    # bdb's Python dispatch on every line made a Python-bound loop 39x slower (bench/debugpanel.py). Stepping or pausing,
+    # every event goes to bdb.
+    def _lines_in(self, filename: str) -> set[int]:
+        """The breakpoint lines in a code object's file (by its ``co_filename``): one set per file, updated in place
+        by :meth:`place`, so the frames' trace functions see new breakpoints."""
+        lines = self._lines_by_file.get(filename)
+        if lines is None:
+            lines = self._lines_by_file[filename] = set(self.breaks.get(self.canonic(filename), ()))
+        return lines
+
+    def _on_call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        """The thread's trace function: a new frame."""
+        lines = self._lines_in(frame.f_code.co_filename)
+        if self.stoplineno == -1 and not lines:
+            return None
+        return self._tracing(lines) if self.trace_dispatch(frame, event, arg) is not None else None
+
+    def _tracing(self, lines: set[int]) -> Callable[[FrameType, str, Any], Any]:
+        """A frame's trace function (its file's breakpoint ``lines``)."""
+        dispatch = self.trace_dispatch
+
+        def on_event(frame: FrameType, event: str, arg: Any) -> Any:
+            if self.stoplineno != -1 or (event == "line" and frame.f_lineno in lines):
+                dispatch(frame, event, arg)
+            return on_event
+        return on_event
 
     def pause(self) -> None:
         self._pausing = True

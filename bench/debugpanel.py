@@ -1,6 +1,6 @@
 """JupyterLab's debugger panel on the ranks: what a cell pays with the panel off, and with it on.
 
-    python bench/panel.py [--repeats 5] [--steps 300000]
+    python bench/debugpanel.py [--repeats 5] [--steps 300000]
 
 Two real kernels (the tests' client; the panel's own messages on the control channel, tests/panelled.py). The cell
 is a Python-bound loop (``--steps`` iterations of integer arithmetic, a small tensor op every thousandth), timed
