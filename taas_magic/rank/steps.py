@@ -9,11 +9,12 @@ comes and goes without touching torch's hooks (removing a hook while torch runs 
 A step is:
 
 - only the outermost call: a wrapper optimizer (Lookahead, ``ZeroRedundancyOptimizer``) whose ``step`` calls its
-  inner optimizer's is one step, not two (a depth counted by the pre hook);
+  inner optimizer's is one step, not two (the pre hook notes the optimizer whose step began first; only its end
+  counts);
 - of one optimizer, the first to step in the cell (the *pacer*): a cell with two optimizers (a GAN's generator
   and discriminator) steps each once an iteration, and that is one step. Each cell chooses afresh.
 
-A step that raises is not counted, and its depth is forgotten at the next cell.
+A step that raises is not counted; the same optimizer's next step ends what it began (and a new cell forgets it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ listeners: list[Callable[[], None]] = []  # called at each step, in order
 
 
 class _Steps:
-    depth = 0  # optimizer steps entered and not left (a wrapper's and its inner one's)
+    outer: Any = None  # the optimizer whose step began while no other's was under way (a wrapper, not its inner one)
     pacer: weakref.ref | None = None  # the optimizer whose steps count in this cell
     hooks: tuple = ()  # torch's handles of the two hooks
 
@@ -45,17 +46,18 @@ def uninstall() -> None:
 
 def new_cell() -> None:
     """A cell starts: its first optimizer to step paces it; what a raising step left is forgotten."""
-    _Steps.depth, _Steps.pacer = 0, None
+    _Steps.outer, _Steps.pacer = None, None
 
 
-def _entered(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-    _Steps.depth += 1
+def _entered(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    if _Steps.outer is None:
+        _Steps.outer = optimizer
 
 
 def _left(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-    _Steps.depth = max(0, _Steps.depth - 1)
-    if _Steps.depth:
+    if optimizer is not _Steps.outer:
         return  # an inner optimizer's step, inside its wrapper's
+    _Steps.outer = None
     pacer = _Steps.pacer() if _Steps.pacer is not None else None
     if pacer is None:
         _Steps.pacer, pacer = weakref.ref(optimizer), optimizer

@@ -54,17 +54,27 @@ def test_two_optimizers_stepping_each_iteration_are_one_step_paced_by_the_first(
     assert len(counted) == 6
 
 
-def test_a_step_that_raises_is_not_counted_and_is_forgotten_at_the_next_cell(counted):
+def test_a_step_that_raises_is_not_counted_and_the_next_ones_are(counted):
     class Failing(torch.optim.SGD):
-        def step(self, closure=None):
-            raise RuntimeError("nan in the gradients")
+        fail = True
 
+        def step(self, closure=None):
+            if self.fail:
+                raise RuntimeError("nan in the gradients")
+            return super().step(closure)
+
+    failing = Failing(_sgd().param_groups[0]["params"], lr=0.1)
+    with pytest.raises(RuntimeError):
+        failing.step()
+    failing.fail = False
+    failing.step()  # the cell caught it and goes on: its steps count again
+    failing.step()
+    assert len(counted) == 2
     with pytest.raises(RuntimeError):
         Failing(_sgd().param_groups[0]["params"], lr=0.1).step()
-    steps.new_cell()
-    plain = _sgd()
-    plain.step()
-    assert len(counted) == 1
+    steps.new_cell()  # and a new cell forgets a step that never ended
+    _sgd().step()
+    assert len(counted) == 3
 
 
 def test_a_listener_may_leave_while_the_listeners_are_called(counted):
