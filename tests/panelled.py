@@ -7,6 +7,8 @@ from __future__ import annotations
 import queue
 import time
 
+import psutil
+
 CELL = """{head}
 import os
 import torch, torch.distributed as dist
@@ -78,6 +80,19 @@ class Panel:
         return frames[0], {variable["name"]: variable["value"] for variable in shown}
 
 
+def _under_debugpy(pid: int) -> list[str]:
+    """The command lines of ``pid``'s descendants started under debugpy (pydevd)."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            line = " ".join(child.cmdline())
+        except psutil.Error:
+            continue  # gone meanwhile
+        if "pydevd" in line:
+            found.append(line)
+    return found
+
+
 def opened(kernel) -> Panel:
     """The panel turned on in ``kernel``, as JupyterLab does (initialize, attach)."""
     panel = Panel(kernel)
@@ -104,8 +119,8 @@ def breakpoint_in(panel: Panel, code: str, line: int) -> str:
 
 def two_ranks_stop_and_show_their_own_variables(kernel, panel: Panel, head: str, hosts: bool | None = False) -> None:
     """Both ranks of ``CELL`` under ``head`` stop at its gutter breakpoint, each a thread ``rank K`` (``hosts``: with
-    its host, ``rank K (host)``; None: either), with its own variables and evaluate; ``debugInfo`` (what a reloaded page reads) has
-    the breakpoint and both stopped threads; continue ends the cell, its collective after the stops unharmed."""
+    its host, ``rank K (host)``; None: either), with its own variables and evaluate; ``debugInfo`` (what a reloaded
+    page reads) has the breakpoint and both stopped threads; continue ends the cell, its collective unharmed."""
     code = CELL.format(head=head)
     path = breakpoint_in(panel, code, BREAK_LINE)
     info = panel.request("debugInfo")["body"]
@@ -118,6 +133,7 @@ def two_ranks_stop_and_show_their_own_variables(kernel, panel: Panel, head: str,
     assert [name.split(" (")[0] for name in names] == ["rank 0", "rank 1"], threads
     assert hosts is None or all(("(" in name) == hosts for name in names), names
     assert set(panel.request("debugInfo")["body"]["stoppedThreads"]) >= stops  # a reloaded page finds them
+    assert not _under_debugpy(kernel.pid)  # debugpy's subProcess would start every spare and rank under pydevd
     for thread in sorted(stops):
         rank = int(threads[thread].split()[1])
         top, values = panel.frame(thread)
@@ -134,7 +150,7 @@ def two_ranks_stop_and_show_their_own_variables(kernel, panel: Panel, head: str,
     assert panel.request("continue", threadId=second)["success"]
     reply = panel.ended(cell)
     assert reply["status"] == "ok", panel.output
-    assert "rank 0 total 201" in "".join(panel.output), panel.output  # the collective after the stops: nothing timed out
+    assert "rank 0 total 201" in "".join(panel.output), panel.output  # the collective after the stops, not timed out
     continued = {event["body"]["threadId"] for event in panel.events if event["event"] == "continued"}
     assert continued == stops, panel.events
     panel.request("setBreakpoints", source={"path": path}, breakpoints=[])

@@ -219,6 +219,18 @@ class Publisher:
                 pass
 
 
+def _ranks_not_under_debugpy() -> None:
+    """debugpy, once the panel starts it in the kernel, starts every Python process the kernel starts under itself
+    (its ``subProcess``, on by default): taas's spares and ranks then ran inside pydevd, slow and traced twice. Its
+    public switch, read when it starts listening (JupyterLab's panel cannot show a child process's threads anyway)."""
+    try:
+        import debugpy
+
+        debugpy.configure(subProcess=False)
+    except Exception:  # noqa: BLE001 - a debugpy without the switch: the ranks are still debugged through the panel
+        pass
+
+
 _panel: Panel | None = None
 
 
@@ -233,6 +245,7 @@ def install(shell: Any) -> Callable[[], None]:
     kernel = getattr(shell, "kernel", None)
     if kernel is None or getattr(kernel, "debugger", None) is None:
         return lambda: None
+    _ranks_not_under_debugpy()
     publisher = Publisher(kernel._publish_debug_event)  # private API: see taas_magic/private.py
     _panel = Panel(kernel.do_debug_request, publisher.put, shell.user_ns)
     kernel.do_debug_request = _panel.request

@@ -182,6 +182,8 @@ class RankTracer(bdb.Bdb):
         return name in RESUMING
 
     def _resume(self, name: str, frame: FrameType) -> dict:
+        if name in STEPPING:
+            self.trace_running_frames()  # a caller left untraced (no breakpoint in its file) stops a step out too
         if name == "next":
             self.set_next(frame)
         elif name == "stepIn":

@@ -127,20 +127,6 @@ def _serve(tmp_path: Path, name: str, notebook: dict):
     log.close()
 
 
-@pytest.fixture
-def browser(request, tmp_path):
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,2400"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
-    yield driver
-    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
-        driver.save_screenshot(str(tmp_path / "failure.png"))
-        print(f"the page when the test failed: {tmp_path / 'failure.png'}")
-    driver.quit()
-
-
 def _wait(condition, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

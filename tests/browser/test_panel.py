@@ -26,7 +26,6 @@ from tests.browser.test_jupyterlab import (
     _serve,
     _wait,
     _wait_idle,
-    browser,  # noqa: F401 - the fixture
 )
 
 webdriver = pytest.importorskip("selenium.webdriver")
