@@ -154,3 +154,13 @@ def two_ranks_stop_and_show_their_own_variables(kernel, panel: Panel, head: str,
     continued = {event["body"]["threadId"] for event in panel.events if event["event"] == "continued"}
     assert continued == stops, panel.events
     panel.request("setBreakpoints", source={"path": path}, breakpoints=[])
+
+
+def ranks_on_two_hosts_stop_in_the_panel(kernel) -> None:
+    """A cluster engine (Ray, Slurm): the panel opened, two ranks on two hosts stopped and shown over their own
+    channels (no port per rank host), continued to the end; the panel closed again (the kernel is the module's)."""
+    panel = opened(kernel)
+    try:
+        two_ranks_stop_and_show_their_own_variables(kernel, panel, "#pragma taas --gpus 2 --per-host 1", hosts=None)
+    finally:
+        closed(panel)

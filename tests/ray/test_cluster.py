@@ -23,7 +23,7 @@ from tests.four_ranks import (a_failed_collective_costs_the_cell_not_the_kept_ra
                               a_killed_rank_is_replaced_and_the_others_keep_their_state, every_rank_sees_rank_0s_writes,
                               the_hang_line_is_said_once_and_the_cell_completes)
 from tests.kernel_client import Kernel, debug, started_here, wait_until_gone
-from tests.panelled import closed, opened, two_ranks_stop_and_show_their_own_variables
+from tests.panelled import ranks_on_two_hosts_stop_in_the_panel
 from tests.profiled import kept_ranks_on_two_hosts_are_profiled, two_hosts_merge_on_measured_clocks
 from tests.view_cells import CHANGES
 
@@ -431,13 +431,7 @@ def test_kept_ranks_on_two_hosts_are_profiled_cell_after_cell(attached):
 
 
 def test_the_debugger_panel_stops_the_ranks_on_two_hosts_and_shows_each_ones_variables(attached):
-    """JupyterLab's panel over the ranks' own channels (no port per rank host): each rank a thread, stopped at the
-    gutter breakpoint with its own variables, continued to the end."""
-    panel = opened(attached)
-    try:
-        two_ranks_stop_and_show_their_own_variables(attached, panel, "#pragma taas --gpus 2 --per-host 1", hosts=None)
-    finally:
-        closed(panel)
+    ranks_on_two_hosts_stop_in_the_panel(attached)
 
 
 def test_kept_ranks_stay_on_the_cluster_across_cells_until_released(attached):
