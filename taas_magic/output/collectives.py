@@ -229,11 +229,12 @@ def _time_ddp(module: Any) -> None:
     @functools.wraps(builtin)
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
         self._taas_builtin_hook = True
-        delegate = _delegate(self)
-        if delegate is None:
-            return builtin(self, comm_hook_type)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # the built-ins' Python twins
+
         twins = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
+        delegate = _delegate(self)
+        if delegate is None or getattr(comm_hook_type, "name", "") not in twins:
+            return builtin(self, comm_hook_type)  # taas's hook is not in, or a built-in without a twin: DDP's own rules
         delegate.hook, delegate.state = twins[comm_hook_type.name], None
 
     ddp.__init__, ddp.register_comm_hook, ddp._register_builtin_comm_hook = (

@@ -36,11 +36,16 @@ SCRIPT = textwrap.dedent("""
         grads.append(model.module[0].weight.grad.dtype)
     print("their hook called", calls == ["their state"] * 2, grads)
     print("timed", clock.seconds(time.monotonic()) > before)
+    other = DDP(torch.nn.Linear(4, 4))
+    other(torch.randn(8, 4)).sum().backward()
+    other._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)  # after the first forward too
+    other(torch.randn(8, 4)).sum().backward()
+    print("built-in twin", [state.hook.__name__ for hook, state in other._comm_hooks if hook.__name__ == "timed_allreduce"])
     dist.destroy_process_group()
 """)
 
 
-def test_ddps_buffer_broadcast_is_timed_and_a_hook_registered_after_the_first_forward_is_called():
+def test_ddps_buffer_broadcast_is_timed_and_hooks_registered_after_the_first_forward_are_called():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
@@ -48,4 +53,5 @@ def test_ddps_buffer_broadcast_is_timed_and_a_hook_registered_after_the_first_fo
         "taas hook ['timed_allreduce']",
         "their hook called True [torch.float32, torch.float32]",
         "timed True",
+        "built-in twin ['fp16_compress_hook']",
     ], done.stdout + done.stderr
