@@ -34,6 +34,7 @@ cell's own subprocesses inherit).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -50,6 +51,9 @@ from typing import Any, Callable
 LOOPBACK = "127.0.0.1"  # where local-mode sockets listen, and rank 0's store in the local mode
 
 
+TRIES = 5  # ports tried for one free on both families
+
+
 class PortReservation:
     """A free TCP port for MASTER_PORT, held for the run on every address of both families.
 
@@ -62,13 +66,19 @@ class PortReservation:
     """
 
     def __init__(self) -> None:
-        self._sockets = [_reserving(socket.AF_INET, "", 0)]
-        self.port: int = self._sockets[0].getsockname()[1]
-        if socket.has_ipv6:
+        for _ in range(TRIES):
+            self._sockets = [_reserving(socket.AF_INET, "", 0)]
+            self.port: int = self._sockets[0].getsockname()[1]
+            if not socket.has_ipv6:
+                return
             try:
                 self._sockets.append(_reserving(socket.AF_INET6, "::", self.port))
-            except OSError:
-                pass  # no IPv6 on this host: nothing can take the port there either
+                return
+            except OSError as refused:
+                if refused.errno != errno.EADDRINUSE:
+                    return  # no IPv6 on this host: nothing can take the port there either
+                self.close()  # an IPv6 socket has this port already: another one
+        raise OSError(errno.EADDRINUSE, f"no port free on both IPv4 and IPv6 in {TRIES} tries")
 
     @property
     def closed(self) -> bool:

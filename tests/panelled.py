@@ -72,6 +72,17 @@ class Panel:
                 if message["content"]["event"] == name:
                     return message["content"]
 
+    def printed(self, text: str, cell: str, deadline: float = 60) -> None:
+        """Wait until ``cell``'s output holds ``text`` (the debug events meanwhile kept in ``events``)."""
+        until = time.monotonic() + deadline
+        while text not in "".join(self.output):
+            assert time.monotonic() < until, f"no {text!r} in the cell's output: {''.join(self.output)}"
+            try:
+                self.event("none", cell, deadline=0.2)
+            except AssertionError as ended:
+                if isinstance(ended, CellEnded):
+                    raise
+
     def frame(self, thread: int) -> tuple[dict, dict]:
         """A stopped rank's innermost frame, and its first scope's variables by name."""
         frames = self.request("stackTrace", threadId=thread)["body"]["stackFrames"]

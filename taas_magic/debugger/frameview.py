@@ -115,6 +115,8 @@ class FrameView:
 
         frame = self.frame(int(arguments.get("srcFrameId") or 1))
         value = eval(arguments["srcVariableName"], frame.f_globals, frame.f_locals)  # noqa: S307 - a name the panel shows
+        if getattr(value, "is_cuda", False):
+            value = value.cpu()  # a GPU tensor comes to the notebook on the CPU (the kernel's GPU 0 is not the rank's)
         return {"pickled": cloudpickle.dumps(value)}
 
     def rich_inspect(self, arguments: dict) -> dict:

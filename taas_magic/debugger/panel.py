@@ -126,7 +126,10 @@ class Panel:
         if answer.error:
             return _reply(message, None, answer.error)
         if command == "copyToGlobals":  # over the rank's authenticated channel, as a cell's results come
-            self.namespace[arguments["dstVariableName"]] = pickle.loads(answer.body["pickled"])  # noqa: S301 - authenticated
+            try:
+                self.namespace[arguments["dstVariableName"]] = pickle.loads(answer.body["pickled"])  # noqa: S301 - authenticated
+            except Exception as exc:  # noqa: BLE001 - a value the kernel cannot rebuild: said in the panel, never unanswered
+                return _reply(message, None, f"could not copy it into the notebook: {type(exc).__name__}: {exc}")
             return _reply(message, {})
         return _reply(message, _unique(answer.body, rank))
 

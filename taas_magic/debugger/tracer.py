@@ -55,7 +55,8 @@ class PanelReply(ToKernel, kind="panel-reply"):
 
 @dataclass(frozen=True)
 class PanelResumed(ToKernel, kind="panel-resumed"):
-    """The rank runs again after a stop (the panel's ``continued``); ``stepping``: to stop again at a step."""
+    """The rank runs again after a stop (the panel's ``continued``); ``stepping``: to stop again at a step, or let go
+    by the panel's disconnect (either way no other stopped rank is said stopped again in its place)."""
 
     stepping: bool = False
 
@@ -68,6 +69,8 @@ class RankTracer(bdb.Bdb):
         self.inbox, self.plan, self.cell_file = inbox, plan, cell_file
         self.thread = threading.get_ident()
         self._pausing = False
+        self._stepping = False  # stepping or pausing: every event to bdb (not bdb's stoplineno: -1 in a generator's
+        # step out, as in a continue)
         self._lines_by_file: dict[str, set[int]] = {}
         self.place(plan.breakpoints)
 
@@ -78,16 +81,22 @@ class RankTracer(bdb.Bdb):
             filename = self.cell_file if path == self.plan.path else path
             for line in lines:
                 self.set_break(filename, line)  # a blank line's is refused (bdb says why): the panel shows it unverified
-        for filename, known in self._lines_by_file.items():  # the frames running now see the change
-            known.clear()
-            known.update(self.breaks.get(self.canonic(filename), ()))
+        # the frames running now see the change (the cell's thread adds files meanwhile; a kept line stays in its set)
+        for filename, known in list(self._lines_by_file.items()):
+            now = set(self.breaks.get(self.canonic(filename), ()))
+            known.intersection_update(now)
+            known.update(now)
 
     def start(self) -> None:
         """From the caller's next call on (the cell's code), stop only at breakpoints."""
         self.reset()
         caller = inspect.currentframe().f_back  # type: ignore[union-attr]  # CPython has frames
         self.botframe = caller
-        self._stop_info(caller, -1)  # bdb's "continue", its trace function kept
+        if self._pausing:  # a pause asked before the cell began: its first line of the person's
+            self._stepping = True
+            self._stop_info(None, 0)
+        else:
+            self._stop_info(caller, -1)  # bdb's "continue", its trace function kept
         sys.settrace(self._on_call)
 
     def _stop_info(self, frame: FrameType | None, line: int) -> None:
@@ -121,7 +130,7 @@ class RankTracer(bdb.Bdb):
     def _on_call(self, frame: FrameType, event: str, arg: Any) -> Any:
         """The thread's trace function: a new frame."""
         lines = self._lines_in(frame.f_code.co_filename)
-        if self.stoplineno == -1 and not lines:
+        if not self._stepping and not lines:
             return None
         return self._tracing(lines) if self.trace_dispatch(frame, event, arg) is not None else None
 
@@ -130,13 +139,13 @@ class RankTracer(bdb.Bdb):
         dispatch = self.trace_dispatch
 
         def on_event(frame: FrameType, event: str, arg: Any) -> Any:
-            if self.stoplineno != -1 or (event == "line" and frame.f_lineno in lines):
+            if self._stepping or (event == "line" and frame.f_lineno in lines):
                 dispatch(frame, event, arg)
             return on_event
         return on_event
 
     def pause(self) -> None:
-        self._pausing = True
+        self._pausing = self._stepping = True
         self._stop_info(None, 0)  # bdb's "step": the next line of any frame of the person's
         self.trace_running_frames()
 
@@ -161,7 +170,7 @@ class RankTracer(bdb.Bdb):
             command = self.inbox.take(lambda each: isinstance(each, PanelCommand))
             if self._serve(view, command, frame):
                 break
-        self.inbox.send(PanelResumed(stepping=command.command in STEPPING))
+        self.inbox.send(PanelResumed(stepping=command.command in STEPPING + ("disconnect",)))
 
     def _serve(self, view: FrameView, command: PanelCommand, frame: FrameType) -> bool:
         """One command answered; True when it resumes the rank."""
@@ -182,7 +191,8 @@ class RankTracer(bdb.Bdb):
         return name in RESUMING
 
     def _resume(self, name: str, frame: FrameType) -> dict:
-        if name in STEPPING:
+        self._stepping = name in STEPPING
+        if self._stepping:
             self.trace_running_frames()  # a caller left untraced (no breakpoint in its file) stops a step out too
         if name == "next":
             self.set_next(frame)
@@ -192,7 +202,7 @@ class RankTracer(bdb.Bdb):
             self.set_return(frame)
         else:
             if name == "disconnect":
-                self.clear_all_breaks()
+                self.place(())
             self._stop_info(self.botframe, -1)
         return {"allThreadsContinued": False}
 
@@ -206,8 +216,7 @@ def install(inbox: Any, plan: PanelPlan | None, cell_file: str) -> RankTracer | 
     global _tracer, _pause_asked
     _tracer = RankTracer(inbox, plan, cell_file) if plan is not None else None
     if _tracer is not None and _pause_asked:
-        _tracer.set_break(cell_file, 1, temporary=True)  # the pause, at the first line (bdb drops it once hit)
-        _tracer._pausing = True
+        _tracer._pausing = True  # start() stops at the cell's first line
     _pause_asked = False
     return _tracer
 

@@ -19,9 +19,10 @@ What is timed, on a rank whose device is the CPU (gloo):
 - DDP's gradient all-reduce, which its C++ reducer issues without Python: at a ``DistributedDataParallel``'s first
   forward, when no communication hook was registered and it all-reduces over the default group, taas registers
   :func:`timed_allreduce`, the same average (each bucket divided by the world's size, then summed) that DDP's
-  built-in does, through the group's ``allreduce`` and a completion callback. A model with a hook of its own keeps
-  it (its ``dist.*`` calls are timed as above; a built-in one, ``_register_builtin_comm_hook``, is not timed), and
-  one over a group of its own is not timed.
+  built-in does, through the group's ``allreduce`` and a completion callback. A model with a hook of its own before
+  its first forward keeps it (its ``dist.*`` calls are timed as above; a built-in one, ``_register_builtin_comm_hook``,
+  is not timed); one registered after it is called by taas's (a built-in one as its Python twin), and timed so; one
+  over a group of its own is not timed.
 
 On CUDA nothing is wrapped and no hook is registered: reading a collective's end on the host would wait for the GPU.
 NCCL measures its own collectives on the GPU (``TORCH_NCCL_ENABLE_TIMING``, set in a CUDA rank's environment) and

@@ -171,7 +171,7 @@ def _profiled(spec: RunSpec, inbox: Inbox, module: types.ModuleType, rank: int) 
     try:
         final = _run(spec, inbox, module)
     finally:
-        window = profiling.end()  # a kept rank's next cell starts with no hook and no profiler
+        window = profiling.end()  # a kept rank's next cell starts with no profiler running
     try:
         if window is not None:
             window.send(inbox.send, functools.partial(_answer, inbox), rank, int(os.environ.get("WORLD_SIZE", "1")))

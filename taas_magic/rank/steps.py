@@ -4,7 +4,7 @@ Runs in each rank: installed once, when ``torch.optim`` is first imported (rank/
 on the thread that steps (the cell's, in practice). Two features count steps, and both listen here: the straggler
 line's steps (output/collectives.py) and ``--profile``'s window marks (profiling/window.py). One pair of global
 hooks (``register_optimizer_step_pre_hook`` / ``..._post_hook``) is installed for the rank's life; a listener
-comes and goes without touching torch's hooks (removing a hook while torch runs them broke a cell's own hook).
+is a plain function added once (removing a hook while torch runs them once broke a cell's own hook).
 
 A step is:
 
@@ -63,5 +63,5 @@ def _left(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         _Steps.pacer, pacer = weakref.ref(optimizer), optimizer
     if pacer is not optimizer:
         return
-    for listener in tuple(listeners):  # a listener may leave while we go through them (--profile's full window)
+    for listener in tuple(listeners):  # a copy: a listener may change the list while it runs
         listener()

@@ -18,7 +18,7 @@ from tests.panelled import (
 )
 
 LOCAL = "#pragma taas --device cpu --gpus 2"
-STEPS = """#pragma taas --device cpu --gpus 2
+STEPS = """#pragma taas --device cpu --gpus 2 --output all
 import os, time
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -31,6 +31,7 @@ value = double(rank)
 total = torch.tensor([value])
 dist.all_reduce(total)
 stop, spun = False, 0
+print("spinning", rank, flush=True)
 while rank == 1 and not stop:
     time.sleep(0.01)
     spun += 1
@@ -83,6 +84,7 @@ def test_a_rank_steps_in_over_and_out_and_is_paused_while_the_other_waits_past_i
     assert stepped("stepOut", AFTER)["value"] == "2"  # back in the cell, its result bound
     time.sleep(max(0.0, let_go + 3 - time.monotonic()))  # rank 0 has waited in its all-reduce past its 2 s timeout
     assert panel.request("continue", threadId=one)["success"]
+    panel.printed("spinning 1", cell)  # past its all-reduce: a pause now lands in the cell's loop, not in torch's code
     # rank 1 spins until told to stop; JupyterLab's pause button, nothing stopped, names debugpy's first thread
     pause = panel.request("pause", threadId=1)
     assert pause["success"], pause

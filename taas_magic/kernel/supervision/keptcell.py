@@ -229,7 +229,7 @@ class Keeping:
             self.ranks.pending = replacement.tell_survivors(self.ranks.group, self.ranks.mux.send, dead,
                                                             self.ranks.held, self.run_id, summary)
             kept = _wait_for_every_cell(supervisor, self.ranks, FAILURE_INTERRUPT_SECONDS)
-            kept_line, why = replaced_line(tuple(dead)), _why_lost({})  # the dead could be replaced: the others were late
+            kept_line, why = replaced_line(tuple(dead)), "the other ranks did not end their cell after the failure in time"
         else:
             kept = _abandon_every_rank(supervisor, self.ranks, self.run_id, summary)
             kept_line, why = KEPT_LINE, _why_lost(dead)
