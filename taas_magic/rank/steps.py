@@ -14,7 +14,8 @@ A step is:
 - of one optimizer, the first to step in the cell (the *pacer*): a cell with two optimizers (a GAN's generator
   and discriminator) steps each once an iteration, and that is one step. Each cell chooses afresh.
 
-A step that raises is not counted; the same optimizer's next step ends what it began (and a new cell forgets it).
+A step that raises is not counted; the same optimizer's next step, or the pacer's, ends what it began (and a new
+cell forgets it).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def new_cell() -> None:
 
 
 def _entered(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-    if _Steps.outer is None:
+    pacer = _Steps.pacer() if _Steps.pacer is not None else None
+    # the pacer is an outermost optimizer (its end counted before): another noted as outer is one whose step raised
+    if _Steps.outer is None or (optimizer is pacer and _Steps.outer is not pacer):
         _Steps.outer = optimizer
 
 

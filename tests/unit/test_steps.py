@@ -71,10 +71,15 @@ def test_a_step_that_raises_is_not_counted_and_the_next_ones_are(counted):
     failing.step()
     assert len(counted) == 2
     with pytest.raises(RuntimeError):
-        Failing(_sgd().param_groups[0]["params"], lr=0.1).step()
-    steps.new_cell()  # and a new cell forgets a step that never ended
-    _sgd().step()
+        Failing(_sgd().param_groups[0]["params"], lr=0.1).step()  # a second optimizer's step raises, is caught
+    failing.step()  # the pacer's steps count on
     assert len(counted) == 3
+    steps.new_cell()  # and a new cell forgets a step that never ended
+    with pytest.raises(RuntimeError):
+        Failing(_sgd().param_groups[0]["params"], lr=0.1).step()
+    steps.new_cell()
+    _sgd().step()
+    assert len(counted) == 4
 
 
 def test_a_listener_may_leave_while_the_listeners_are_called(counted):
