@@ -306,6 +306,20 @@ def _debug_rank_1(driver, index: int) -> None:
           60, "the cell to end with rank 0's value")
 
 
+def _opened(driver, url: str, cells: int) -> None:
+    """The notebook at ``url`` on the page, its ``cells`` code cells there and its kernel idle."""
+    driver.get(url)
+    _wait(lambda: len(_cells(driver)) == cells, 90, "the notebook's code cells")
+    _wait_idle(driver)
+
+
+def _shut_down_leaving_nothing(driver, since: float) -> None:
+    """Shut Down Kernel from its menu: every process a run started since ``since`` is gone within 20 s."""
+    _menu(driver, "Kernel", "Shut Down Kernel")
+    _wait(lambda: not [p for p in _run_processes(since) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+          20, "every process of the run to be gone after the kernel's shutdown")
+
+
 def _run_processes(since: float) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline", "create_time"]):
@@ -319,9 +333,7 @@ def _run_processes(since: float) -> list[psutil.Process]:
 def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
     url, logs = lab
     started = time.time() - 1
-    browser.get(url)
-    _wait(lambda: len(_cells(browser)) == 6, 90, "the notebook's code cells")
-    _wait_idle(browser)
+    _opened(browser, url, 6)
     browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")[0].click()  # the notebook is the current widget
     _run_all(browser)
     training = 2
@@ -367,9 +379,7 @@ def test_the_quickstart_in_jupyterlab_in_a_real_browser(lab, browser, tmp_path):
     browser.save_screenshot(str(shot))
     if os.environ.get("TAAS_SAVE_SCREENSHOT"):
         shutil.copy(shot, ROOT / "docs" / "quickstart.png")
-    _menu(browser, "Kernel", "Shut Down Kernel")
-    _wait(lambda: not [p for p in _run_processes(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
-          20, "every process of the run to be gone after the kernel's shutdown")
+    _shut_down_leaving_nothing(browser, started)
 
 
 KEPT_CELLS = (
@@ -391,9 +401,7 @@ def test_kept_ranks_outlive_a_page_reload(kept_lab, browser):
     """A --keep cell, the page reloaded, the next --keep cell: the same ranks, their globals kept, shown in the live view."""
     url, _ = kept_lab
     started = time.time() - 1
-    browser.get(url)
-    _wait(lambda: len(_cells(browser)) == 3, 90, "the notebook's code cells")
-    _wait_idle(browser)
+    _opened(browser, url, 3)
     browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")[0].click()
     for index in (0, 1):
         _run_cell(browser, index)
@@ -414,9 +422,7 @@ def test_kept_ranks_outlive_a_page_reload(kept_lab, browser):
     for rank, pid in pids.items():
         assert f"[rank {rank} again {pid} True" in again, again
     assert _look(browser, 2)["view"] is not None, "the kept cell shows the run's live view (a widget)"
-    _menu(browser, "Kernel", "Shut Down Kernel")
-    _wait(lambda: not [p for p in _run_processes(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
-          20, "the kept ranks to be gone after the kernel's shutdown")
+    _shut_down_leaving_nothing(browser, started)
 
 
 # -- JupyterLab's own debugger panel on a taas cell (debugger/panel.py) ------------------------------------------------
@@ -471,9 +477,7 @@ def _debugger_on(driver) -> None:
 def test_a_gutter_breakpoint_stops_rank_1_and_the_panel_shows_its_variable_even_after_a_reload(panel_lab, browser):
     url, _ = panel_lab
     started = time.time() - 1
-    browser.get(url)
-    _wait(lambda: len(_cells(browser)) == 2, 90, "the notebook's code cells")
-    _wait_idle(browser)
+    _opened(browser, url, 2)
     _run_cell(browser, 0)  # %load_ext taas_magic
     _wait_idle(browser)
     _debugger_on(browser)
@@ -494,6 +498,4 @@ def test_a_gutter_breakpoint_stops_rank_1_and_the_panel_shows_its_variable_even_
                                                          "jp-button[title^='Continue']:not([disabled])"),
           30, "the Callstack's Continue button")[0].click()
     _wait_idle(browser)
-    _menu(browser, "Kernel", "Shut Down Kernel")
-    _wait(lambda: not [p for p in _run_processes(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
-          20, "the run's processes to be gone after the kernel's shutdown")
+    _shut_down_leaving_nothing(browser, started)
