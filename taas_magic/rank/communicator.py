@@ -82,6 +82,7 @@ class Reaper:
 
     def __init__(self) -> None:
         self._dead: list[tuple[Communicator, float]] = []
+        self._reaping = 0  # taken off the list by the thread, not destroyed yet
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self.given_up: list[Communicator] = []  # stuck past REAP_SECONDS: kept, never destroyed
@@ -95,8 +96,9 @@ class Reaper:
             self._lock.notify()
 
     def pending(self) -> int:
+        """How many aborted generations are not destroyed yet (those being destroyed now count)."""
         with self._lock:
-            return len(self._dead)
+            return len(self._dead) + self._reaping
 
     def _run(self) -> None:
         while True:
@@ -104,7 +106,7 @@ class Reaper:
                 if not self._dead:
                     self._thread = None
                     return
-                dead, self._dead = self._dead, []
+                dead, self._dead, self._reaping = self._dead, [], len(self._dead)
             keep = []
             for generation, deadline in dead:
                 if generation.settled():
@@ -115,7 +117,7 @@ class Reaper:
                 else:
                     keep.append((generation, deadline))
             with self._lock:
-                self._dead = keep + self._dead
+                self._dead, self._reaping = keep + self._dead, 0
                 if keep:
                     self._lock.wait(0.05)
 

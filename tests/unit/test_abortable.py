@@ -60,7 +60,8 @@ def _rank(rank: int, port: int, said) -> None:  # noqa: ANN001 - a multiprocessi
         dist.barrier()
         if rank == 0:
             aborted_at: list[float] = []
-            threading.Thread(target=_abort_once_waiting, args=(abortable, aborted_at, peers, round_), daemon=True).start()
+            aborter = threading.Thread(target=_abort_once_waiting, args=(abortable, aborted_at, peers, round_), daemon=True)
+            aborter.start()
             try:
                 if round_ % 2:
                     ddp(torch.ones(2, 4)).sum().backward()  # its future completes: the interrupt would raise here
@@ -69,6 +70,7 @@ def _rank(rank: int, port: int, said) -> None:  # noqa: ANN001 - a multiprocessi
                     dist.all_reduce(torch.ones(1))
             except abortable.Aborted:
                 left_after.append(time.monotonic() - aborted_at[0])
+            aborter.join(timeout=60)  # the test's own thread: not counted as the process's footprint
         else:
             peers.wait([f"aborted{round_}"])  # the kernel's Abandon reaches rank 1 after rank 0, whatever the load:
             abortable.abort_all("rank 1 raised")  # rank 0 leaves its collective by its own abort (the error it says)
@@ -76,11 +78,9 @@ def _rank(rank: int, port: int, said) -> None:  # noqa: ANN001 - a multiprocessi
         renewed = dist.group.WORLD._get_backend(torch.device("cpu")) is dist.group.WORLD._current.gloo
         again = train()
         if round_ == 1:
-            _reaped(abortable)
-            footprint = (len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")))
-    _reaped(abortable)
-    said.put((rank, first, again + (renewed,), left_after, footprint,
-              (len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))),
+            footprint = _reaped(abortable)
+    after = _reaped(abortable)
+    said.put((rank, first, again + (renewed,), left_after, footprint, after,
               dist.group.WORLD.renewals, abortable.reaper.pending()))
     said.close()
     said.join_thread()  # what it said is sent before the process ends
@@ -88,11 +88,24 @@ def _rank(rank: int, port: int, said) -> None:  # noqa: ANN001 - a multiprocessi
     os._exit(0)  # as a rank ends (rank/startup.py's finish): no interpreter teardown under gloo's threads
 
 
-def _reaped(abortable) -> None:  # noqa: ANN001 - the module
-    """Until the aborted communicators are destroyed (a second after their abort, and their stuck ops' end)."""
+def _reaped(abortable) -> tuple[int, int]:  # noqa: ANN001 - the module
+    """The process's open files and threads once the aborted communicators are destroyed (a second after their
+    abort, and their stuck ops' end) and the reaper's thread is over: a thread that returned leaves /proc a moment
+    later, so they are read until two readings agree."""
     deadline = time.monotonic() + 30
     while abortable.reaper.pending() and time.monotonic() < deadline:
         time.sleep(0.05)
+    for thread in threading.enumerate():
+        if thread.name == "taas-reaper":
+            thread.join(timeout=30)
+    seen = None
+    while time.monotonic() < deadline:
+        now = (len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")))
+        if now == seen:
+            return now
+        seen = now
+        time.sleep(0.1)
+    return seen
 
 
 def _abort_once_waiting(abortable, aborted_at: list[float], peers, round_: int) -> None:  # noqa: ANN001 - module, store

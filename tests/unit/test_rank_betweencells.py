@@ -194,19 +194,19 @@ def test_an_interrupt_sent_just_after_the_next_cells_spec_and_closure_interrupts
     it. (When the rank cleared an unnamed interrupt as it took the next spec, the inbox's reader, reading on, could
     handle this one first, and it was lost: 5 of 6 runs failed so.)"""
     rank, _, out, _ = kept
-    rank.send(*next_cell("import time\ntime.sleep(30)\nprint('not interrupted')"), Interrupt(RUN))
-    assert said_done(rank.receive(timeout=5)) is True  # the kernel waits 1 s (keptcell.INTERRUPT_WAIT_SECONDS)
-    assert out.until("the cell raised KeyboardInterrupt\n")
+    rank.send(*next_cell("import time\ntime.sleep(300)\nprint('not interrupted')"), Interrupt(RUN))
+    assert said_done(rank.receive()) is True  # well before the cell's sleep ends, however loaded the machine
+    assert out.until("the cell raised KeyboardInterrupt\n") and "not interrupted" not in out.text
 
 
 def test_abandon_interrupts_a_cell_still_running_and_between_cells_lets_the_next_run_whole(kept):
     """The kernel's word that a kept cell failed (keptcell.py): a rank still in it is interrupted, as by Interrupt; one
     whose cell is over only ends its groups' collectives (none here: no torch.distributed) and runs the next cell."""
     rank, _, out, _ = kept
-    rank.send(*next_cell("import time\nprint('sleeping', flush=True)\ntime.sleep(30)\nprint('not interrupted')"))
+    rank.send(*next_cell("import time\nprint('sleeping', flush=True)\ntime.sleep(300)\nprint('not interrupted')"))
     assert out.until("sleeping\n")
     rank.send(Abandon(RUN, "rank 1 raised"))
-    assert said_done(rank.receive(timeout=5)) is True
+    assert said_done(rank.receive()) is True
     assert out.until("the cell raised KeyboardInterrupt\n") and "not interrupted" not in out.text
     rank.send(Abandon(RUN, "rank 1 raised"))  # between cells: nothing to interrupt
     rank.send(*next_cell("import time\ntime.sleep(0.2)\nprint('ran whole')", run="run00000002"))
