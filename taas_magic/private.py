@@ -196,11 +196,13 @@ PRIVATE: tuple[Private, ...] = (
     # -- torch: each rank's time in collectives (the straggler line)
     Private("torch.nn.parallel.distributed.DistributedDataParallel", "torch", TORCH,
             "a model's registered communication hooks: none, and taas times its all-reduce with a hook of its own; "
-            "one registered after taas's is appended there; compiled autograd's reducer (not timed)",
-            "output/collectives.py", attributes=("_comm_hooks", "_use_python_reducer")),
+            "one registered after taas's is appended there; compiled autograd's reducer (not timed); after heal "
+            "rebuilt a model's reducer, its hook registered again from the list",
+            "output/collectives.py, rank/heal.py", attributes=("_comm_hooks", "_use_python_reducer")),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._register_builtin_comm_hook", "torch", TORCH,
             "wrapped to note that a model has a built-in hook (then its all-reduce is not timed), and after "
-            "taas's hook to call the built-in's Python twin from it", "output/collectives.py",
+            "taas's hook to call the built-in's Python twin from it; registered again after heal rebuilt the "
+            "model's reducer", "output/collectives.py, rank/heal.py",
             params=("comm_hook_type",)),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._check_comm_hook", "torch", TORCH,
             "DDP's own check of a hook registered after taas's (which then calls it)", "output/collectives.py",

@@ -229,7 +229,7 @@ def _time_ddp(module: Any) -> None:
 
     @functools.wraps(builtin)
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-        self._taas_builtin_hook = True
+        self._taas_builtin_hook = comm_hook_type  # DDP keeps no record: heal registers it again (rank/heal.py)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # the built-ins' Python twins
 
         twins = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
@@ -253,7 +253,7 @@ def _delegate(model: Any) -> Delegate | None:
 def _first_forward(model: Any, _inputs: Any) -> None:
     model._taas_first_forward.remove()
     del model._taas_first_forward
-    if model._comm_hooks or getattr(model, "_taas_builtin_hook", False) or _cuda:
+    if model._comm_hooks or getattr(model, "_taas_builtin_hook", None) is not None or _cuda:
         return  # the model's own hook stays (its dist.* calls are timed); CUDA: NCCL measures
     if getattr(model, "_use_python_reducer", False):
         return  # compiled autograd's reducer calls hooks per gradient, hook(state, (grad, param)): not timed

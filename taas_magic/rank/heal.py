@@ -14,7 +14,8 @@ rank 0 prints one line per rank saying what it got and what it did not, and why:
 
 A model wrapped in DDP is copied with its parameters and made a DDP of the default group again there (DDP's own
 unpickling); then every rank's DDP models rebuild their reducer, so that all ranks bucket their gradients alike from
-the next step (a reducer that has already reordered its buckets would disagree with the new one's).
+the next step (a reducer that has already reordered its buckets would disagree with the new one's), with the
+communication hook the model had (DDP's unpickling leaves it out).
 
 At its peak a copied value exists three times on rank ``K`` (the object, its pickle, the tensor it is sent as) and
 twice on a receiving rank (the tensor received, then the object): heal copies what a replaced rank lacks, not a
@@ -168,11 +169,28 @@ def _rebuild_ddp(namespace: dict) -> list[str]:
         if isinstance(value, ddp) and not name.startswith("_"):
             try:
                 value.__setstate__(value.__getstate__())
+                _hooks_again(value)
             except Exception as error:  # noqa: BLE001 - alike on every rank (a group not the default): said
                 lines.append(f"taas: heal: {name}'s DDP reducer kept as it was ({type(error).__name__}: {error})")
                 continue
             rebuilt.append(name)
     return ([f"taas: heal: DDP's reducer rebuilt on every rank for {', '.join(rebuilt)}"] if rebuilt else []) + lines
+
+
+def _hooks_again(model: Any) -> None:
+    """The model's communication hook registered on its new reducer, which DDP's unpickling makes without one while
+    the model still lists it (``_comm_hooks``; private, see taas_magic/private.py): a PowerSGD or fp16 hook would
+    silently stop compressing, and taas's timing hook stop timing. The reducer takes one hook; the entries after the
+    first are those taas's hook calls (output/collectives.py), kept in the list as they were. A built-in hook is
+    registered again where taas noted it (CPU ranks: DDP keeps no record of one)."""
+    hooks, model._comm_hooks = list(model._comm_hooks), []
+    builtin = getattr(model, "_taas_builtin_hook", None)
+    if hooks:
+        hook, state = hooks[0]
+        model.register_comm_hook(state, hook)
+        model._comm_hooks.extend(hooks[1:])
+    elif builtin is not None:
+        model._register_builtin_comm_hook(builtin)
 
 
 def _line(target: int, source: int, copied: list[str], refused: dict[str, str]) -> str:

@@ -1,7 +1,8 @@
 """output/collectives.py on a real DDP model (gloo, one rank, in a fresh process: the wrappers patch torch for good).
 
 What a reviewer found missing: DDP's buffer broadcast (BatchNorm) untimed, and a communication hook registered after
-the first forward (PowerSGD, fp16 compression in a later kept cell) refused because taas's hook was already in.
+the first forward (PowerSGD, fp16 compression in a later kept cell) refused because taas's hook was already in; and
+every hook lost from a model's reducer when ``%taas heal`` rebuilt it (DDP's unpickling makes it without one).
 """
 
 import subprocess
@@ -41,11 +42,38 @@ SCRIPT = textwrap.dedent("""
     other._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)  # after the first forward too
     other(torch.randn(8, 4)).sum().backward()
     print("built-in twin", [state.hook.__name__ for hook, state in other._comm_hooks if hook.__name__ == "timed_allreduce"])
+
+    # %taas heal rebuilds every DDP model's reducer (DDP's pickling pair), which comes without the hook
+    from taas_magic.rank import heal
+    own_calls = []
+    def own(state, bucket):
+        own_calls.append(state)
+        return default_hooks.allreduce_hook(None, bucket)
+    plain = DDP(torch.nn.Linear(4, 4))
+    plain.register_comm_hook("own", own)  # before the first forward: taas's hook stays out
+    built = DDP(torch.nn.Linear(4, 4))
+    built._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    models = {"model": model, "other": other, "plain": plain, "built": built}
+    print(heal._rebuild_ddp(models))
+    calls.clear()
+    before = clock.seconds(time.monotonic())
+    for each in models.values():
+        each.zero_grad()
+        each(torch.randn(8, 4)).sum().backward()
+    print("after heal: their hook", calls == ["their state"], "own hook", own_calls == ["own"],
+          "timed", clock.seconds(time.monotonic()) > before)
+    def has_hook(each):
+        try:
+            dist._register_comm_hook(each.reducer, None, default_hooks.allreduce_hook)
+        except RuntimeError as error:
+            return "can only be called once" in str(error)
+        return False
+    print("reducers with their hook", {name: has_hook(each) for name, each in models.items()})
     dist.destroy_process_group()
 """)
 
 
-def test_ddps_buffer_broadcast_is_timed_and_hooks_registered_after_the_first_forward_are_called():
+def test_ddps_buffer_broadcast_is_timed_hooks_registered_after_the_first_forward_are_called_and_heal_keeps_them():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
@@ -54,4 +82,7 @@ def test_ddps_buffer_broadcast_is_timed_and_hooks_registered_after_the_first_for
         "their hook called True [torch.float32, torch.float32]",
         "timed True",
         "built-in twin ['fp16_compress_hook']",
+        "[\"taas: heal: DDP's reducer rebuilt on every rank for built, model, other, plain\"]",
+        "after heal: their hook True own hook True timed True",
+        "reducers with their hook {'model': True, 'other': True, 'plain': True, 'built': True}",
     ], done.stdout + done.stderr
