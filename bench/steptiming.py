@@ -2,21 +2,19 @@
 
     python bench/steptiming.py [--repeats 9] [--steps 200]
 
-Measured in one run, in a 1-rank and then a 2-rank taas cell (gloo, CPU) through a real kernel, inside the same
-ranks (one rank shows the rank's own cost; with two, gloo's coupling of the ranks on two cores adds noise):
+Measured in one run, in a 2-rank taas cell (gloo, CPU) through a real kernel, inside the same ranks:
 
 - a DDP step (forward, backward with DDP's gradient all-reduce, SGD step) of two models of the same shape: one as
-  taas makes it (its all-reduce timed: output/collectives.py turns DDP's own timer on at every iteration), one with
-  DDP's default (its timer on one iteration in 100: what a rank runs without taas), single steps of each
-  interleaved in an order shuffled alike on every rank; per chunk of ``--steps`` steps of each, the ratio of their
-  median steps; the figure is the median of the chunks' ratios (target: at most 1.01x), for a mid-size MLP (a step
-  of tens of milliseconds here) and for a tiny one (a millisecond or two: far tighter than a real model's step);
-- a ``dist.all_reduce`` of one small tensor through the timer alone against torch's own function, the same way (in
-  ranks other than 0 ``dist.all_reduce`` is also the overlay's refresh: bench/repoview.py measures that);
+  taas makes it (its all-reduce timed: output/collectives.py's hook), one with DDP's built-in C++ all-reduce (what a
+  rank runs without taas's timing; taas leaves a model with a built-in hook alone), in ABAB pairs of ``--steps``
+  steps; the figure is the median of the paired ratios (target: at most 1.01x), for a mid-size MLP (a step of tens of
+  milliseconds here) and for a tiny one (a tenth of a millisecond: far tighter than a real model's step, where the
+  fixed cost per bucket shows);
+- a ``dist.all_reduce`` of one small tensor, timed (as the cell calls it) against torch's own function, the same way;
 - beside them, what a person uses instead to see where a rank's time goes: ``torch.profiler.profile`` (CPU) around
   the same steps, paired the same way.
 
-Medians of the chunks' ratios, with their spread, the number of chunks printed.
+Medians of paired ratios, the number of pairs printed.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 from tests.kernel_client import Kernel  # noqa: E402
 
 CELL = """\
-#pragma taas --device cpu --gpus {ranks}
-import random, statistics, time, torch, torch.distributed as dist
+#pragma taas --device cpu --gpus 2
+import time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import profile, ProfilerActivity
 torch.set_num_threads(1)
@@ -44,61 +42,41 @@ def models(width, depth):
         torch.manual_seed(0)
         layers = [torch.nn.Linear(width, width) if i % 2 == 0 else torch.nn.ReLU() for i in range(2 * depth - 1)]
         return torch.nn.Sequential(*layers)
-    timed = DDP(make())  # as taas makes it: DDP's own timer at every iteration
+    timed = DDP(make())
     builtin = DDP(make())
-    builtin._set_ddp_runtime_logging_sample_rate(100)  # DDP's default: what a rank runs without taas
+    builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # DDP's own C++ all-reduce, untimed
     return timed, builtin
 
-def stepper(model, x):
+def run(model, x, steps, profiled=False):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    def step():
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
-    return step
-
-def run(step, steps, profiled=False):
+    def loop():
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
     started = time.perf_counter()
     if profiled:
         with profile(activities=[ProfilerActivity.CPU]):
-            for _ in range(steps):
-                step()
+            loop()
     else:
-        for _ in range(steps):
-            step()
+        loop()
     return time.perf_counter() - started
 
 def pairs(width, depth, batch, steps):
-    # single steps of the two models interleaved in an order shuffled alike on every rank (each as often first:
-    # a pass of one model after a pass of the other was favoured by where it fell); per chunk of `steps` steps of
-    # each, the ratio of their median step times
     timed, builtin = models(width, depth)
     x = torch.randn(batch, width)
-    steppers = {{"timed": stepper(timed, x), "builtin": stepper(builtin, x)}}
-    for step in steppers.values():
-        run(step, 20)  # past DDP's first ten iterations, which it records whatever its rate
-    rng = random.Random(0)  # the same order on every rank: their collectives pair up
+    run(timed, x, 3), run(builtin, x, 3)  # the first forward registers the hook; warm
     timing, profiling, bare = [], [], []
     for _ in range({repeats}):
-        times = {{"timed": [], "builtin": []}}
-        for _ in range(steps):
-            order = ["timed", "builtin"]
-            rng.shuffle(order)
-            for name in order:
-                started = time.perf_counter()
-                steppers[name]()
-                times[name].append(time.perf_counter() - started)
-        base = statistics.median(times["builtin"])
-        timing.append(statistics.median(times["timed"]) / base)
-        profiling.append(run(steppers["builtin"], steps, profiled=True) / run(steppers["builtin"], steps))
-        bare.append(base)
+        base = run(builtin, x, steps)
+        timing.append(run(timed, x, steps) / base)
+        profiling.append(run(builtin, x, steps, profiled=True) / run(builtin, x, steps))
+        bare.append(base / steps)
     return timing, profiling, bare
 
 def all_reduces(count=2000):
     tensor, ratios = torch.ones(16), []
-    from taas_magic.output.collectives import timed as timer
-    plain = dist.all_reduce.__taas_timed__  # torch's own (dist.all_reduce is also the overlay's refresh in rank 1)
-    timed = timer(plain)  # the timer alone, as it wraps torch's
+    timed, plain = dist.all_reduce, dist.all_reduce.__taas_timed__
     for _ in range({repeats}):
         times = []
         for call in (plain, timed):
@@ -118,32 +96,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    results = {}
-    for ranks in (1, 2):
-        kernel = Kernel()
-        try:
-            ran = kernel.execute(CELL.format(steps=args.steps, repeats=args.repeats, ranks=ranks), timeout=3600)
-            assert ran.reply["status"] == "ok", ran.error_text()
-            results[ranks] = eval(kernel.execute("figures").result["text/plain"])  # noqa: S307 - our own cell's repr
-        finally:
-            kernel.shutdown()
+    kernel = Kernel()
+    try:
+        ran = kernel.execute(CELL.format(steps=args.steps, repeats=args.repeats), timeout=3600)
+        assert ran.reply["status"] == "ok", ran.error_text()
+        figures = eval(kernel.execute("figures").result["text/plain"])  # noqa: S307 - our own cell's repr
+    finally:
+        kernel.shutdown()
     m = statistics.median
-    print(f"bench/steptiming.py: {args.repeats} chunks of single steps interleaved in a shuffled order, on rank 0 of "
-          "a 1-rank and a 2-rank cell (gloo, CPU; medians of the chunks' ratios of median steps, min-max)")
-    print(f"{'figure':<58} {'value':>26}  {'target':<10} beside")
-    for ranks, figures in results.items():
-        for name, label, steps in (("mid", "DDP MLP 4x1024, batch 64", args.steps),
-                                   ("tiny", "DDP MLP 2x32, batch 16", 10 * args.steps)):
-            timing, profiling, bare = figures[name]
-            print(f"{f'{ranks} rank(s), {label}: bare step':<58} {m(bare) * 1e3:23.3f} ms  {'':<10} "
-                  f"({steps} steps of each a chunk)")
-            spread = f"{m(timing):.4f}x ({min(timing):.3f}-{max(timing):.3f})"
-            print(f"{f'{ranks} rank(s), {label}: step, all-reduce timed':<58} {spread:>26}  {'<= 1.01x':<10} "
-                  f"torch.profiler (CPU) around the steps {m(profiling):.3f}x")
-        ratios, plain = figures["all_reduce"]
-        spread = f"{m(ratios):.4f}x ({min(ratios):.3f}-{max(ratios):.3f})"
-        print(f"{f'{ranks} rank(s), dist.all_reduce of 16 floats, timed':<58} {spread:>26}  {'':<10} "
-              f"(torch's own: {plain * 1e6:.1f} µs)")
+    print(f"bench/steptiming.py: {args.repeats} ABAB pairs on rank 0 of 2 (gloo, CPU; medians of paired ratios)")
+    print(f"{'figure':<52} {'value':>10}  {'target':<10} beside")
+    for name, label, steps in (("mid", "DDP MLP 4x1024, batch 64", args.steps), ("tiny", "DDP MLP 2x32, batch 16",
+                                                                                   10 * args.steps)):
+        timing, profiling, bare = figures[name]
+        print(f"{label + ': bare step':<52} {m(bare) * 1e3:8.3f} ms  {'':<10} ({steps} steps a pass)")
+        print(f"{label + ': step, all-reduce timed':<52} {m(timing):9.4f}x  {'<= 1.01x':<10} "
+              f"torch.profiler (CPU) around the steps {m(profiling):.3f}x")
+    ratios, plain = figures["all_reduce"]
+    print(f"{'dist.all_reduce of 16 floats, timed':<52} {m(ratios):9.4f}x  {'':<10} (torch's own: {plain * 1e6:.1f} µs)")
 
 
 if __name__ == "__main__":

@@ -195,15 +195,18 @@ PRIVATE: tuple[Private, ...] = (
             "transfer/unwrap.py", attributes=("module",), by_path=True),
     # -- torch: each rank's time in collectives (the straggler line)
     Private("torch.nn.parallel.distributed.DistributedDataParallel", "torch", TORCH,
-            "a model's Python communication hooks (its all-reduce is then timed by the dist.* calls they make; after "
-            "heal rebuilt its reducer, its hook is registered again from the list); compiled autograd's reducer "
-            "(not timed)", "output/collectives.py, rank/heal.py", attributes=("_comm_hooks", "_use_python_reducer")),
-    Private("torch.nn.parallel.distributed.DistributedDataParallel._set_ddp_runtime_logging_sample_rate", "torch",
-            TORCH, "each DDP model's own timer runs at every iteration (its all-reduce time, for the straggler line)",
-            "output/collectives.py", params=("sample_rate",)),
-    Private("torch.nn.parallel.distributed.DistributedDataParallel._get_ddp_logging_data", "torch", TORCH,
-            "the latest iteration's backward_comm_time and the iteration's number, read with the rank's health",
-            "output/collectives.py"),
+            "a model's registered communication hooks: none, and taas times its all-reduce with a hook of its own; "
+            "one registered after taas's is appended there; compiled autograd's reducer (not timed); after heal "
+            "rebuilt a model's reducer, its hook registered again from the list",
+            "output/collectives.py, rank/heal.py", attributes=("_comm_hooks", "_use_python_reducer")),
+    Private("torch.nn.parallel.distributed.DistributedDataParallel._register_builtin_comm_hook", "torch", TORCH,
+            "wrapped to note that a model has a built-in hook (then its all-reduce is not timed), and after "
+            "taas's hook to call the built-in's Python twin from it; registered again after heal rebuilt the "
+            "model's reducer", "output/collectives.py, rank/heal.py",
+            params=("comm_hook_type",)),
+    Private("torch.nn.parallel.distributed.DistributedDataParallel._check_comm_hook", "torch", TORCH,
+            "DDP's own check of a hook registered after taas's (which then calls it)", "output/collectives.py",
+            params=("hook",)),
     Private("torch.distributed._broadcast_coalesced", "torch", TORCH,
             "wrapped with the collectives: DDP's buffer broadcast at each forward (BatchNorm's statistics), a "
             "wait in a collective like any other", "output/collectives.py"),

@@ -180,10 +180,17 @@ def _rebuild_ddp(namespace: dict) -> list[str]:
 def _hooks_again(model: Any) -> None:
     """The model's communication hook registered on its new reducer, which DDP's unpickling makes without one while
     the model still lists it (``_comm_hooks``; private, see taas_magic/private.py): a PowerSGD or fp16 hook would
-    silently stop compressing. (A built-in one, ``_register_builtin_comm_hook``, is not listed: DDP keeps no record.)"""
+    silently stop compressing, and taas's timing hook stop timing. The reducer takes one hook; the entries after the
+    first are those taas's hook calls (output/collectives.py), kept in the list as they were. A built-in hook is
+    registered again where taas noted it (CPU ranks: DDP keeps no record of one)."""
     hooks, model._comm_hooks = list(model._comm_hooks), []
-    for hook, state in hooks[:1]:  # the reducer takes one
+    builtin = getattr(model, "_taas_builtin_hook", None)
+    if hooks:
+        hook, state = hooks[0]
         model.register_comm_hook(state, hook)
+        model._comm_hooks.extend(hooks[1:])
+    elif builtin is not None:
+        model._register_builtin_comm_hook(builtin)
 
 
 def _line(target: int, source: int, copied: list[str], refused: dict[str, str]) -> str:
