@@ -169,11 +169,15 @@ def _rebuild_ddp(namespace: dict) -> list[str]:
         if isinstance(value, ddp) and not name.startswith("_"):
             try:
                 value.__setstate__(value.__getstate__())
-                _hooks_again(value)
             except Exception as error:  # noqa: BLE001 - alike on every rank (a group not the default): said
                 lines.append(f"taas: heal: {name}'s DDP reducer kept as it was ({type(error).__name__}: {error})")
                 continue
             rebuilt.append(name)
+            try:
+                _hooks_again(value)
+            except Exception as error:  # noqa: BLE001 - the hook refused its new reducer: said
+                lines.append(f"taas: heal: {name}'s DDP reducer rebuilt without its communication hook "
+                             f"({type(error).__name__}: {error})")
     return ([f"taas: heal: DDP's reducer rebuilt on every rank for {', '.join(rebuilt)}"] if rebuilt else []) + lines
 
 
@@ -182,8 +186,12 @@ def _hooks_again(model: Any) -> None:
     the model still lists it (``_comm_hooks``; private, see taas_magic/private.py): a PowerSGD or fp16 hook would
     silently stop compressing, and taas's timing hook stop timing. The reducer takes one hook; the entries after the
     first are those taas's hook calls (output/collectives.py), kept in the list as they were. A built-in hook is
-    registered again where taas noted it (CPU ranks: DDP keeps no record of one)."""
+    registered again where taas noted it (CPU ranks: DDP keeps no record of one). PowerSGD starts again from its
+    plain all-reduce: its error feedback and low-rank memories are sized by the old reducer's buckets, which the new
+    one makes anew (and on a rank that got the model from another, they are that rank's)."""
     hooks, model._comm_hooks = list(model._comm_hooks), []
+    for _, state in hooks:  # (one taas's hook calls is listed after it too)
+        _restart_powersgd(state)
     builtin = getattr(model, "_taas_builtin_hook", None)
     if hooks:
         hook, state = hooks[0]
@@ -191,6 +199,16 @@ def _hooks_again(model: Any) -> None:
         model._comm_hooks.extend(hooks[1:])
     elif builtin is not None:
         model._register_builtin_comm_hook(builtin)
+
+
+def _restart_powersgd(state: Any) -> None:
+    """A PowerSGD hook's state as at its start (its public fields): plain all-reduce until ``start_powerSGD_iter``."""
+    powersgd = sys.modules.get("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook")
+    if powersgd is not None and isinstance(state, powersgd.PowerSGDState):
+        state.error_dict.clear()
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+        state.iter = 0
 
 
 def _line(target: int, source: int, copied: list[str], refused: dict[str, str]) -> str:
