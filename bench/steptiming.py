@@ -2,19 +2,22 @@
 
     python bench/steptiming.py [--repeats 9] [--steps 200]
 
-Measured in one run, in a 2-rank taas cell (gloo, CPU) through a real kernel, inside the same ranks:
+Measured in one run, in a 1-rank and then a 2-rank taas cell (gloo, CPU) through a real kernel, inside the same
+ranks (one rank shows the rank's own cost; with two, gloo's coupling of the ranks on two cores adds noise):
 
-- a DDP step (forward, backward with DDP's gradient all-reduce, SGD step) of two models of the same shape: one as
-  taas makes it (its all-reduce timed: output/collectives.py's hook), one with DDP's built-in C++ all-reduce (what a
-  rank runs without taas's timing; taas leaves a model with a built-in hook alone), in ABAB pairs of ``--steps``
-  steps; the figure is the median of the paired ratios (target: at most 1.01x), for a mid-size MLP (a step of tens of
-  milliseconds here) and for a tiny one (a tenth of a millisecond: far tighter than a real model's step, where the
-  fixed cost per bucket shows);
-- a ``dist.all_reduce`` of one small tensor, timed (as the cell calls it) against torch's own function, the same way;
+- a DDP step (forward, backward with DDP's gradient all-reduce, SGD step) of models of the same shape: one as taas
+  makes it (its all-reduce timed: output/collectives.py's hook), one with DDP's built-in C++ all-reduce (what a rank
+  runs without taas's timing; taas leaves a model with a built-in hook alone), and a second such model (the floor:
+  the method's own bias and noise, untimed over untimed), single steps of each
+  interleaved in an order shuffled alike on every rank; per chunk of ``--steps`` steps of each, the ratio of their
+  median steps; the figure is the median of the chunks' ratios (target: at most 1.01x), for a mid-size MLP (a step
+  of tens of milliseconds here) and for a tiny one (a millisecond or two: far tighter than a real model's step);
+- a ``dist.all_reduce`` of one small tensor through the timer alone against torch's own function, the same way (in
+  ranks other than 0 ``dist.all_reduce`` is also the overlay's refresh: bench/repoview.py measures that);
 - beside them, what a person uses instead to see where a rank's time goes: ``torch.profiler.profile`` (CPU) around
   the same steps, paired the same way.
 
-Medians of paired ratios, the number of pairs printed.
+Medians of the chunks' ratios, with their spread, the number of chunks printed.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 from tests.kernel_client import Kernel  # noqa: E402
 
 CELL = """\
-#pragma taas --device cpu --gpus 2
-import time, torch, torch.distributed as dist
+#pragma taas --device cpu --gpus {ranks}
+import random, statistics, time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import profile, ProfilerActivity
 torch.set_num_threads(1)
@@ -42,50 +45,74 @@ def models(width, depth):
         torch.manual_seed(0)
         layers = [torch.nn.Linear(width, width) if i % 2 == 0 else torch.nn.ReLU() for i in range(2 * depth - 1)]
         return torch.nn.Sequential(*layers)
-    timed = DDP(make())
-    builtin = DDP(make())
-    builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # DDP's own C++ all-reduce, untimed
-    return timed, builtin
+    timed = DDP(make())  # as taas makes it: its all-reduce timed by taas's hook from its first forward
+    builtin, again = DDP(make()), DDP(make())  # and twice with DDP's C++ all-reduce: the floor is their ratio
+    for untimed in (builtin, again):
+        untimed._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # taas leaves these alone
+    return timed, builtin, again
 
-def run(model, x, steps, profiled=False):
+def stepper(model, x):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    def loop():
-        for _ in range(steps):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+    def step():
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    return step
+
+def run(step, steps, profiled=False):
     started = time.perf_counter()
     if profiled:
         with profile(activities=[ProfilerActivity.CPU]):
-            loop()
+            for _ in range(steps):
+                step()
     else:
-        loop()
+        for _ in range(steps):
+            step()
     return time.perf_counter() - started
 
 def pairs(width, depth, batch, steps):
-    timed, builtin = models(width, depth)
+    # single steps of the two models interleaved in an order shuffled alike on every rank (each as often first:
+    # a pass of one model after a pass of the other was favoured by where it fell); per chunk of `steps` steps of
+    # each, the ratio of their median step times
+    timed, builtin, again = models(width, depth)
     x = torch.randn(batch, width)
-    run(timed, x, 3), run(builtin, x, 3)  # the first forward registers the hook; warm
-    timing, profiling, bare = [], [], []
+    steppers = {{"timed": stepper(timed, x), "builtin": stepper(builtin, x), "again": stepper(again, x)}}
+    for step in steppers.values():
+        run(step, 20)  # warm (the first forward registers taas's hook)
+    rng = random.Random(0)  # the same order on every rank: their collectives pair up
+    timing, floor, profiling, bare = [], [], [], []
     for _ in range({repeats}):
-        base = run(builtin, x, steps)
-        timing.append(run(timed, x, steps) / base)
-        profiling.append(run(builtin, x, steps, profiled=True) / run(builtin, x, steps))
-        bare.append(base / steps)
-    return timing, profiling, bare
+        times = {{"timed": [], "builtin": [], "again": []}}
+        for _ in range(steps):
+            order = ["timed", "builtin", "again"]
+            rng.shuffle(order)
+            for name in order:
+                started = time.perf_counter()
+                steppers[name]()
+                times[name].append(time.perf_counter() - started)
+        base = statistics.median(times["builtin"])
+        timing.append(statistics.median(times["timed"]) / base)
+        floor.append(statistics.median(times["again"]) / base)
+        profiling.append(run(steppers["builtin"], steps, profiled=True) / run(steppers["builtin"], steps))
+        bare.append(base)
+    return timing, floor, profiling, bare
 
 def all_reduces(count=2000):
     tensor, ratios = torch.ones(16), []
-    timed, plain = dist.all_reduce, dist.all_reduce.__taas_timed__
-    for _ in range({repeats}):
-        times = []
-        for call in (plain, timed):
+    from taas_magic.output.collectives import timed as timer
+    plain = dist.all_reduce.__taas_timed__  # torch's own (dist.all_reduce is also the overlay's refresh in rank 1)
+    timed = timer(plain)  # the timer alone, as it wraps torch's
+    bare = []
+    for repeat in range({repeats}):
+        times = {{}}
+        for call in ((plain, timed) if repeat % 2 else (timed, plain)):  # each first in half the repeats
             started = time.perf_counter()
             for _ in range(count):
                 call(tensor)
-            times.append((time.perf_counter() - started) / count)
-        ratios.append(times[1] / times[0])
-    return ratios, times[0]
+            times[call] = (time.perf_counter() - started) / count
+        ratios.append(times[timed] / times[plain])
+        bare.append(times[plain])
+    return ratios, statistics.median(bare)
 
 figures = {{"mid": pairs(1024, 4, 64, {steps}), "tiny": pairs(32, 2, 16, 10 * {steps}), "all_reduce": all_reduces()}}
 """
@@ -96,24 +123,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    kernel = Kernel()
-    try:
-        ran = kernel.execute(CELL.format(steps=args.steps, repeats=args.repeats), timeout=3600)
-        assert ran.reply["status"] == "ok", ran.error_text()
-        figures = eval(kernel.execute("figures").result["text/plain"])  # noqa: S307 - our own cell's repr
-    finally:
-        kernel.shutdown()
+    results = {}
+    for ranks in (1, 2):
+        kernel = Kernel()
+        try:
+            ran = kernel.execute(CELL.format(steps=args.steps, repeats=args.repeats, ranks=ranks), timeout=3600)
+            assert ran.reply["status"] == "ok", ran.error_text()
+            results[ranks] = eval(kernel.execute("figures").result["text/plain"])  # noqa: S307 - our own cell's repr
+        finally:
+            kernel.shutdown()
     m = statistics.median
-    print(f"bench/steptiming.py: {args.repeats} ABAB pairs on rank 0 of 2 (gloo, CPU; medians of paired ratios)")
-    print(f"{'figure':<52} {'value':>10}  {'target':<10} beside")
-    for name, label, steps in (("mid", "DDP MLP 4x1024, batch 64", args.steps), ("tiny", "DDP MLP 2x32, batch 16",
-                                                                                   10 * args.steps)):
-        timing, profiling, bare = figures[name]
-        print(f"{label + ': bare step':<52} {m(bare) * 1e3:8.3f} ms  {'':<10} ({steps} steps a pass)")
-        print(f"{label + ': step, all-reduce timed':<52} {m(timing):9.4f}x  {'<= 1.01x':<10} "
-              f"torch.profiler (CPU) around the steps {m(profiling):.3f}x")
-    ratios, plain = figures["all_reduce"]
-    print(f"{'dist.all_reduce of 16 floats, timed':<52} {m(ratios):9.4f}x  {'':<10} (torch's own: {plain * 1e6:.1f} µs)")
+    print(f"bench/steptiming.py: {args.repeats} chunks of single steps interleaved in a shuffled order, on rank 0 of "
+          "a 1-rank and a 2-rank cell (gloo, CPU; medians of the chunks' ratios of median steps, min-max)")
+    print(f"{'figure':<58} {'value':>26}  {'target':<10} beside")
+    for ranks, figures in results.items():
+        for name, label, steps in (("mid", "DDP MLP 4x1024, batch 64", args.steps),
+                                   ("tiny", "DDP MLP 2x32, batch 16", 10 * args.steps)):
+            timing, floor, profiling, bare = figures[name]
+            print(f"{f'{ranks} rank(s), {label}: bare step':<58} {m(bare) * 1e3:23.3f} ms  {'':<10} "
+                  f"({steps} steps of each a chunk)")
+            spread = f"{m(timing):.4f}x ({min(timing):.3f}-{max(timing):.3f})"
+            print(f"{f'{ranks} rank(s), {label}: step, all-reduce timed':<58} {spread:>26}  {'<= 1.01x':<10} "
+                  f"torch.profiler (CPU) around the steps {m(profiling):.3f}x")
+            spread = f"{m(floor):.4f}x ({min(floor):.3f}-{max(floor):.3f})"
+            print(f"{f'{ranks} rank(s), {label}: floor, untimed over untimed':<58} {spread:>26}  {'':<10} "
+                  "(the method's own bias and noise)")
+        ratios, plain = figures["all_reduce"]
+        spread = f"{m(ratios):.4f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+        print(f"{f'{ranks} rank(s), dist.all_reduce of 16 floats, timed':<58} {spread:>26}  {'':<10} "
+              f"(torch's own: {plain * 1e6:.1f} µs)")
 
 
 if __name__ == "__main__":
