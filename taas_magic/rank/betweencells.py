@@ -27,6 +27,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 from types import ModuleType
 
 from taas_magic.output import reports
@@ -41,6 +42,7 @@ from taas_magic.writes import outbox
 _cell_running = False  # the cell's own code runs now: an interrupt is SIGINT to the process group
 _cell_run = ""  # the run whose cell this is (its spec's), once its code began
 _interrupted_run: str | None = None  # the run whose cell the kernel interrupted last (perhaps before its code began)
+_interrupt_lock = threading.Lock()  # the reader's note of an interrupt against the cell's start (see interrupted)
 _abandoned_run: str | None = None  # the last failed cell's run, whose groups' communicators are renewed before the next
 _replaced: tuple[int, ...] = ()  # the ranks that died since, whose new processes join the default group only
 ABORTABLE = "taas_magic.rank.abortable"  # imported by the groups only (rank/groups.py): no torch for cells without one
@@ -65,10 +67,16 @@ def interrupted(frame: Interrupt) -> None:
     """On the inbox's reader: the kernel interrupts the cell of run ``frame.run``. While its code runs, SIGINT to the
     rank's process group (the cell and what it started); before, :func:`cell_starts` raises it; after, or for
     another run's cell (one that came late), nothing. Naming the run makes the order of frames not matter: an
-    interrupt right behind the next cell's spec and closure is that cell's, whichever thread sees it first."""
+    interrupt right behind the next cell's spec and closure is that cell's, whichever thread sees it first.
+
+    Exactly one of the two happens (the lock): without it, the reader could note the run as the cell's thread set
+    itself running, each then see the other's write, and both raise: a second ``KeyboardInterrupt`` in what follows
+    the first (the failure's report, the channel's next frame)."""
     global _interrupted_run
-    _interrupted_run = frame.run
-    if _cell_running and frame.run == _cell_run:
+    with _interrupt_lock:
+        _interrupted_run = frame.run
+        signalled = _cell_running and frame.run == _cell_run
+    if signalled:
         try:
             os.killpg(os.getpgrp(), signal.SIGINT)
         except OSError:
@@ -109,8 +117,10 @@ def cell_starts(run: str) -> None:
     global _cell_running, _cell_run
     _cell_run = run  # before it runs: the reader compares both
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _cell_running = True
-    if _interrupted_run == run:
+    with _interrupt_lock:  # the reader signals the running cell, or this raises: never both (see interrupted)
+        _cell_running = True
+        noted = _interrupted_run == run
+    if noted:
         raise KeyboardInterrupt
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import sys
 import time
 
@@ -30,7 +31,8 @@ from tests.unit import rankside
 from tests.unit.rankside import WAIT, KernelEnd
 
 RANK = r'''
-import ctypes, signal, sys, traceback
+import ctypes, faulthandler, signal, sys, traceback
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waited in vain asks where the rank is
 from taas_magic import protocol, wire
 from taas_magic.protocol import Abandon, Answer, Interrupt, Resumed
 from taas_magic.rank import betweencells
@@ -189,13 +191,25 @@ def test_an_interrupt_during_the_next_cells_set_up_is_raised_as_its_code_begins(
     assert out.until("the cell raised KeyboardInterrupt\n") and "should not run" not in out.text
 
 
+def _done_or_where(rank, child, err) -> object:  # noqa: ANN001 - the kept fixture's parts
+    """The rank's next frame; if none comes, the failure says where the rank's threads are and its signal state."""
+    try:
+        return rank.receive()
+    except TimeoutError:
+        with open(f"/proc/{child.pid}/status") as status:
+            signals = [line.strip() for line in status if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))]
+        child.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        raise AssertionError(f"no frame from the rank; {signals}; its stderr: {err.until('Thread', timeout=10)}") from None
+
+
 def test_an_interrupt_sent_just_after_the_next_cells_spec_and_closure_interrupts_that_cell(kept):
     """The person interrupts at once: the Interrupt follows the cell's frames on the channel, whenever the rank reads
     it. (When the rank cleared an unnamed interrupt as it took the next spec, the inbox's reader, reading on, could
     handle this one first, and it was lost: 5 of 6 runs failed so.)"""
-    rank, _, out, _ = kept
+    rank, child, out, err = kept
     rank.send(*next_cell("import time\ntime.sleep(300)\nprint('not interrupted')"), Interrupt(RUN))
-    assert said_done(rank.receive()) is True  # well before the cell's sleep ends, however loaded the machine
+    assert said_done(_done_or_where(rank, child, err)) is True  # well before the cell's sleep ends, however loaded
     assert out.until("the cell raised KeyboardInterrupt\n") and "not interrupted" not in out.text
 
 
@@ -229,3 +243,4 @@ def test_a_next_cell_that_cannot_be_received_is_an_error_while_the_channel_lives
     assert out.until("\n").endswith("could not receive the next cell: ConnectionError: expected the closure from the "
                                     "kernel, got a 'closure-host-copy' frame\n")
     assert child.wait(WAIT) == 3
+
