@@ -229,7 +229,7 @@ def _time_ddp(module: Any) -> None:
 
     @functools.wraps(builtin)
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-        self._taas_builtin_hook = comm_hook_type  # DDP keeps no record: heal registers it again (rank/heal.py)
+        self._taas_builtin_hook = comm_hook_type  # not in DDP's list of hooks: heal registers it again (rank/heal.py)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # the built-ins' Python twins
 
         twins = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
