@@ -186,9 +186,9 @@ def _hooks_again(model: Any) -> None:
     the model still lists it (``_comm_hooks``; private, see taas_magic/private.py): a PowerSGD or fp16 hook would
     silently stop compressing, and taas's timing hook stop timing. The reducer takes one hook; the entries after the
     first are those taas's hook calls (output/collectives.py), kept in the list as they were. A built-in hook is
-    registered again where taas noted it (CPU ranks: DDP's list of hooks leaves built-ins out). PowerSGD starts again from its
-    plain all-reduce: its error feedback and low-rank memories are sized by the old reducer's buckets, which the new
-    one makes anew (and on a rank that got the model from another, they are that rank's)."""
+    registered again where taas noted it (CPU ranks: DDP's list of hooks leaves built-ins out). PowerSGD starts again
+    from its plain all-reduce: its error feedback and low-rank memories are sized by the old reducer's buckets, which
+    the new one makes anew (and on a rank that got the model from another, they are that rank's)."""
     hooks, model._comm_hooks = list(model._comm_hooks), []
     for _, state in hooks:  # (one taas's hook calls is listed after it too)
         _restart_powersgd(state)

@@ -243,4 +243,3 @@ def test_a_next_cell_that_cannot_be_received_is_an_error_while_the_channel_lives
     assert out.until("\n").endswith("could not receive the next cell: ConnectionError: expected the closure from the "
                                     "kernel, got a 'closure-host-copy' frame\n")
     assert child.wait(WAIT) == 3
-
