@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import bdb
 import inspect
+import os
+import site
 import sys
+import sysconfig
 import threading
 from dataclasses import dataclass
 from types import FrameType
@@ -34,6 +37,19 @@ from taas_magic.runspec import PanelPlan
 
 RESUMING = ("continue", "next", "stepIn", "stepOut", "disconnect")
 STEPPING = ("next", "stepIn", "stepOut")
+# Python's own library and installed packages: a step or a pause never stops in them (as ipykernel's debugger, with
+# debugpy's justMyCode), only a breakpoint placed there does. A pause stopped once in a weakref callback the garbage
+# collector ran on the cell's thread before the cell's first line (_weakrefset.py).
+LIBRARY = tuple(sorted({os.path.join(os.path.realpath(path), "") for path in (
+    *(sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")),
+    *site.getsitepackages(), site.getusersitepackages())}))
+
+
+def is_library(filename: str) -> bool:
+    """Whether a code object's file is Python's or an installed package's (or frozen, as importlib's)."""
+    if filename.startswith("<"):  # a cell's, exec's, or importlib's frozen code
+        return filename.startswith("<frozen ")
+    return os.path.realpath(filename).startswith(LIBRARY)
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,7 @@ class RankTracer(bdb.Bdb):
         self._stepping = False  # stepping or pausing: every event to bdb (not bdb's stoplineno: -1 in a generator's
         # step out, as in a continue)
         self._lines_by_file: dict[str, set[int]] = {}
+        self._library_files: dict[str, bool] = {}
         self.place(plan.breakpoints)
 
     def place(self, breakpoints: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
@@ -148,6 +165,24 @@ class RankTracer(bdb.Bdb):
         self._pausing = self._stepping = True
         self._stop_info(None, 0)  # bdb's "step": the next line of any frame of the person's
         self.trace_running_frames()
+
+    def stop_here(self, frame: FrameType) -> bool:
+        """bdb's step and pause stops: only in the person's code (``break_here`` still stops at any breakpoint). A
+        step out that returns into the library (a method ``nn.Module.__call__`` called) goes on to the person's next
+        line."""
+        if not super().stop_here(frame):
+            return False
+        if not self._in_library(frame.f_code.co_filename):
+            return True
+        if frame is self.stopframe:
+            self._stop_info(None, 0)
+        return False
+
+    def _in_library(self, filename: str) -> bool:
+        known = self._library_files.get(filename)
+        if known is None:
+            known = self._library_files[filename] = is_library(filename)
+        return known
 
     # -- at a stop: the cell's thread ----------------------------------------------------------------
     def user_line(self, frame: FrameType) -> None:

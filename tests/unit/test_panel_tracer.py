@@ -2,16 +2,23 @@
 (tests/unit/rankside.py) and the rank's real inbox: what the kernel-level tests (tests/kernel/test_panel.py) cannot
 time, a pause that reaches the rank before its cell's tracer exists (JupyterLab's pause button, pressed as the cell
 is sent). It stops at the cell's first line, as a pause; it raised ``NotImplementedError`` there once (bdb's
-temporary breakpoint, whose clearing bdb leaves to a subclass)."""
+temporary breakpoint, whose clearing bdb leaves to a subclass), and stopped once in Python's own library (a weakref
+callback the garbage collector ran on the cell's thread before the cell's first line, in CI). Steps and pauses stop
+only in the person's code, as ipykernel's debugger (debugpy's justMyCode) does."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+import weakref
+
+import pytest
 
 from taas_magic.debugger import tracer
 from taas_magic.debugger.ranklink import PanelCommand, PanelNow
 from taas_magic.debugger.tracer import PanelReply, PanelResumed, PanelStopped
+from taas_magic.rank import execute
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import PanelPlan
 from tests.unit.rankside import WAIT, KernelEnd, connect_here
@@ -21,22 +28,31 @@ PLAN = PanelPlan(path="/tmp/ipykernel_1/1234.py")  # the panel's name for the ce
 SOURCE = "a = 1\nb = a + 1\n"
 
 
-def _run_cell(inbox: Inbox, namespace: dict, failed: list[BaseException]) -> None:
-    """As rank/main.py runs a cell: the tracer made, started, the cell's code, finished."""
-    cell = tracer.install(inbox, PLAN, CELL_FILE)
+class _Collected:
+    pass
+
+
+def _run_cell(inbox: Inbox, namespace: dict, failed: list[BaseException], plan: PanelPlan, source: str) -> None:
+    """As rank/main.py runs a cell: its lines registered, the tracer made, started, the cell's code, finished."""
+    execute.register_source(CELL_FILE, source)
+    cell = tracer.install(inbox, plan, CELL_FILE)
     try:
         assert cell is not None
         cell.start()
-        exec(compile(SOURCE, CELL_FILE, "exec"), namespace)  # noqa: S102 - the cell's code, as a rank runs it
+        gone = weakref.WeakSet([_Collected()])  # its callback runs here, in _weakrefset.py: Python's library
+        assert not gone
+        exec(compile(source, CELL_FILE, "exec"), namespace)  # noqa: S102 - the cell's code, as a rank runs it
         cell.finish()
     except BaseException as exc:  # noqa: BLE001 - the test says what the cell raised
         failed.append(exc)
 
 
-def _cell_on_a_thread(inbox: Inbox) -> tuple[threading.Thread, dict, list[BaseException]]:
+def _cell_on_a_thread(inbox: Inbox, plan: PanelPlan = PLAN,
+                      source: str = SOURCE) -> tuple[threading.Thread, dict, list[BaseException]]:
     namespace: dict = {"__name__": "__main__"}
     failed: list[BaseException] = []
-    thread = threading.Thread(target=_run_cell, args=(inbox, namespace, failed), name="test-cell", daemon=True)
+    thread = threading.Thread(target=_run_cell, args=(inbox, namespace, failed, plan, source), name="test-cell",
+                              daemon=True)
     thread.start()
     return thread, namespace, failed
 
@@ -67,3 +83,45 @@ def test_a_pause_that_comes_before_the_cells_tracer_stops_at_its_first_line_then
         rank.close()
         channel.close()
         kernel.close()
+
+
+DEEPCOPIED = """import copy
+class Kept:
+    def __deepcopy__(self, memo):
+        inside = 1
+        return self
+
+kept = copy.deepcopy(Kept())
+after = 2
+"""
+
+
+def test_a_step_out_of_a_function_the_library_called_stops_at_the_persons_next_line_not_in_the_library():
+    kernel = KernelEnd()
+    channel, rank = connect_here(kernel)
+    inbox = Inbox(channel, {PanelNow: tracer.now})
+    plan = PanelPlan(path=PLAN.path, breakpoints=((PLAN.path, (4,)),))  # inside = 1
+    try:
+        thread, namespace, failed = _cell_on_a_thread(inbox, plan, DEEPCOPIED)
+        assert rank.receive() == PanelStopped("breakpoint", 4)
+        rank.send(PanelCommand(1, "stepOut", {"threadId": 1}))  # returns into copy.deepcopy, then into the cell
+        assert rank.receive() == PanelReply(1, {"allThreadsContinued": False})
+        assert rank.receive() == PanelResumed(stepping=True)
+        assert rank.receive() == PanelStopped("step", 8)  # after = 2: copy.py's lines are not the person's
+        rank.send(PanelCommand(2, "continue", {"threadId": 1}))
+        assert rank.receive() == PanelReply(2, {"allThreadsContinued": False})
+        assert rank.receive() == PanelResumed(stepping=False)
+        thread.join(WAIT)
+        assert not failed and namespace["after"] == 2, failed
+    finally:
+        tracer.install(inbox, None, CELL_FILE)
+        rank.close()
+        channel.close()
+        kernel.close()
+
+
+def test_the_library_is_pythons_and_the_installed_packages_and_the_cell_is_not():
+    assert tracer.is_library(copy.__file__) and tracer.is_library(weakref.__file__)
+    assert tracer.is_library(threading.__file__) and tracer.is_library("<frozen importlib._bootstrap>")
+    assert not tracer.is_library(CELL_FILE) and not tracer.is_library(__file__)
+    assert tracer.is_library(pytest.__file__)
