@@ -195,18 +195,22 @@ PRIVATE: tuple[Private, ...] = (
             "transfer/unwrap.py", attributes=("module",), by_path=True),
     # -- torch: each rank's time in collectives (the straggler line)
     Private("torch.nn.parallel.distributed.DistributedDataParallel", "torch", TORCH,
-            "a model's registered communication hooks: none, and taas times its all-reduce with a hook of its own; "
-            "one registered after taas's is appended there; compiled autograd's reducer (not timed); after heal "
-            "rebuilt a model's reducer, its hook registered again from the list",
-            "output/collectives.py, rank/heal.py", attributes=("_comm_hooks", "_use_python_reducer")),
+            "a model's Python communication hooks (its all-reduce is then timed by the dist.* calls they make; after "
+            "heal rebuilt its reducer, its hook is registered again from the list); compiled autograd's reducer "
+            "(not timed)", "output/ddptiming.py, rank/heal.py", attributes=("_comm_hooks", "_use_python_reducer")),
+    Private("torch.nn.parallel.distributed.DistributedDataParallel._get_ddp_logging_data", "torch", TORCH,
+            "DDP's own timer's latest sampled iteration (its events' times, its number), read on the cell's thread "
+            "after a step: the straggler line's wait in DDP's all-reduce; and the built-in hook a model runs, "
+            "registered again after heal rebuilt its reducer", "output/ddptiming.py, rank/heal.py"),
+    Private("torch.nn.parallel.distributed.DistributedDataParallel._set_ddp_runtime_logging_sample_rate", "torch",
+            TORCH, "how often DDP's timer samples an iteration: about every 0.1 s of a model's steps, never rarer "
+            "than DDP's default", "output/ddptiming.py", params=("sample_rate",)),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._register_builtin_comm_hook", "torch", TORCH,
-            "wrapped to note that a model has a built-in hook (then its all-reduce is not timed), and after "
-            "taas's hook to call the built-in's Python twin from it; registered again after heal rebuilt the "
-            "model's reducer", "output/collectives.py, rank/heal.py",
+            "a built-in hook registered again after heal rebuilt the model's reducer", "rank/heal.py",
             params=("comm_hook_type",)),
-    Private("torch.nn.parallel.distributed.DistributedDataParallel._check_comm_hook", "torch", TORCH,
-            "DDP's own check of a hook registered after taas's (which then calls it)", "output/collectives.py",
-            params=("hook",)),
+    Private("torch.nn.parallel.distributed.DistributedDataParallel._match_all_reduce_for_bwd_pass", "torch", TORCH,
+            "wrapped with the collectives: a rank joined under Join (uneven inputs) shadows the others' all-reduces "
+            "here, a wait like any other", "output/ddptiming.py", params=()),
     Private("torch.distributed._broadcast_coalesced", "torch", TORCH,
             "wrapped with the collectives: DDP's buffer broadcast at each forward (BatchNorm's statistics), a "
             "wait in a collective like any other", "output/collectives.py"),

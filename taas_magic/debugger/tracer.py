@@ -20,6 +20,7 @@ reply. Nothing here opens a port: every frame goes over the rank's own channel t
 from __future__ import annotations
 
 import bdb
+import functools
 import inspect
 import os
 import site
@@ -45,6 +46,7 @@ LIBRARY = tuple(sorted({os.path.join(os.path.realpath(path), "") for path in (
     *site.getsitepackages(), site.getusersitepackages())}))
 
 
+@functools.lru_cache(maxsize=4096)
 def is_library(filename: str) -> bool:
     """Whether a code object's file is Python's or an installed package's (or frozen, as importlib's)."""
     if filename.startswith("<"):  # a cell's, exec's, or importlib's frozen code
@@ -88,7 +90,6 @@ class RankTracer(bdb.Bdb):
         self._stepping = False  # stepping or pausing: every event to bdb (not bdb's stoplineno: -1 in a generator's
         # step out, as in a continue)
         self._lines_by_file: dict[str, set[int]] = {}
-        self._library_files: dict[str, bool] = {}
         self.place(plan.breakpoints)
 
     def place(self, breakpoints: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
@@ -172,17 +173,11 @@ class RankTracer(bdb.Bdb):
         line."""
         if not super().stop_here(frame):
             return False
-        if not self._in_library(frame.f_code.co_filename):
+        if not is_library(frame.f_code.co_filename):
             return True
         if frame is self.stopframe:
             self._stop_info(None, 0)
         return False
-
-    def _in_library(self, filename: str) -> bool:
-        known = self._library_files.get(filename)
-        if known is None:
-            known = self._library_files[filename] = is_library(filename)
-        return known
 
     # -- at a stop: the cell's thread ----------------------------------------------------------------
     def user_line(self, frame: FrameType) -> None:
@@ -201,29 +196,8 @@ class RankTracer(bdb.Bdb):
         first = next((index for index, each in enumerate(frames) if each.f_code.co_filename == self.cell_file), 0)
         view = FrameView(frames[first:][::-1], self.cell_file, self.plan.path)
         self.inbox.send(PanelStopped(reason, frame.f_lineno))
-        while True:
-            command = self.inbox.take(lambda each: isinstance(each, PanelCommand))
-            if self._serve(view, command, frame):
-                break
-        self.inbox.send(PanelResumed(stepping=command.command in STEPPING + ("disconnect",)))
-
-    def _serve(self, view: FrameView, command: PanelCommand, frame: FrameType) -> bool:
-        """One command answered; True when it resumes the rank."""
-        name, arguments = command.command, command.arguments
-        answers = {"stackTrace": view.stack_trace, "scopes": view.scopes, "variables": view.variables,
-                   "evaluate": view.evaluate, "richInspectVariables": view.rich_inspect, "copyToGlobals": view.copy}
-        try:
-            if name in answers:
-                body: dict = answers[name](arguments)
-            elif name in RESUMING:
-                body = self._resume(name, frame)
-            else:
-                body = {}  # pause at a stop, and what a stopped rank has nothing to say about
-        except Exception as exc:  # noqa: BLE001 - the person's expression, a stale id: said in the panel
-            self.inbox.send(PanelReply(command.seq, None, f"{type(exc).__name__}: {exc}"))
-            return False
-        self.inbox.send(PanelReply(command.seq, body))
-        return name in RESUMING
+        resumed = serve_stop(self.inbox, view, lambda name: self._resume(name, frame))
+        self.inbox.send(PanelResumed(stepping=resumed in STEPPING + ("disconnect",)))
 
     def _resume(self, name: str, frame: FrameType) -> dict:
         self._stepping = name in STEPPING
@@ -240,6 +214,29 @@ class RankTracer(bdb.Bdb):
                 self.place(())
             self._stop_info(self.botframe, -1)
         return {"allThreadsContinued": False}
+
+
+def serve_stop(inbox: Any, view: FrameView, resume: Callable[[str], dict]) -> str:
+    """At a stop, on the cell's thread: the panel's commands answered (``PanelReply``) until one resumes the rank
+    (``resume(name)`` sets where it stops next); that command's name."""
+    answers = {"stackTrace": view.stack_trace, "scopes": view.scopes, "variables": view.variables,
+               "evaluate": view.evaluate, "richInspectVariables": view.rich_inspect, "copyToGlobals": view.copy}
+    while True:
+        command = inbox.take(lambda each: isinstance(each, PanelCommand))
+        name, arguments = command.command, command.arguments
+        try:
+            if name in answers:
+                body: dict = answers[name](arguments)
+            elif name in RESUMING:
+                body = resume(name)
+            else:
+                body = {}  # pause at a stop, and what a stopped rank has nothing to say about
+        except Exception as exc:  # noqa: BLE001 - the person's expression, a stale id: said in the panel
+            inbox.send(PanelReply(command.seq, None, f"{type(exc).__name__}: {exc}"))
+            continue
+        inbox.send(PanelReply(command.seq, body))
+        if name in RESUMING:
+            return name
 
 
 _tracer: RankTracer | None = None

@@ -9,11 +9,11 @@
 - ``health.py``: the health line: each rank's figures, its time per step split into working and waiting.
 - ``straggler.py``: the rank the others wait for, from each rank's share of time waiting in collectives.
 - ``collectives.py``: the rank's seconds in collectives and its steps, sent with its health.
+- ``ddptiming.py``: DDP's all-reduce in those seconds, from DDP's own timer, read on the cell's thread.
 - ``liveview.py``: a view fed from the log on its own thread; the screen; the text view.
 - ``widget.py``: the live widget a reloaded page restores (its page half: liveview.js).
 - ``frontend.py``: the page the kernel is shown in: does it restore widgets; ``kernel_info`` answered while a
   cell waits; a cell's messages straight to the IOPub thread.
 - ``reports.py``: ``taas.report``'s batches in the rank; asynchronous CUDA copies.
-- ``straggler.py``: the slow rank named, from each rank's share of time waiting in collectives.
 - ``trialtable.py``: a search's table and chart, one display.
 """

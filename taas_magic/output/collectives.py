@@ -16,22 +16,18 @@ What is timed, on a rank whose device is the CPU (gloo):
   collectives, point to point): the module's functions are wrapped; a synchronous call is timed to its return, an
   ``async_op=True`` one until its work's future completes (a callback on gloo's thread). While torch.compile traces,
   the wrapper is the function itself (nothing to trace);
-- DDP's gradient all-reduce, which its C++ reducer issues without Python: at a ``DistributedDataParallel``'s first
-  forward, when no communication hook was registered and it all-reduces over the default group, taas registers
-  :func:`timed_allreduce`, the same average (each bucket divided by the world's size, then summed) that DDP's
-  built-in does, through the group's ``allreduce`` and a completion callback. A model with a hook of its own before
-  its first forward keeps it (its ``dist.*`` calls are timed as above; a built-in one, ``_register_builtin_comm_hook``,
-  is not timed); one registered after it is called by taas's (a built-in one as its Python twin), and timed so; one
-  over a group of its own is not timed.
+- DDP's gradient all-reduce, which its C++ reducer issues without Python: by DDP's own timer, read on the cell's
+  thread after its steps (output/ddptiming.py). No communication hook is registered: a person's is DDP's own.
 
-On CUDA nothing is wrapped and no hook is registered: reading a collective's end on the host would wait for the GPU.
+On CUDA nothing is wrapped and DDP's timer is not read: reading a collective's end on the host would wait for the GPU.
 NCCL measures its own collectives on the GPU (``TORCH_NCCL_ENABLE_TIMING``, set in a CUDA rank's environment) and
 reports each one's GPU time to a completion hook on its watchdog thread (``ProcessGroup._register_on_completion_hook``,
 listed in taas_magic/private.py), registered on the default group when the health first finds it made.
 
 Steps: :meth:`CollectiveClock.step`, at each step rank/steps.py counts (the outermost ``optimizer.step`` of the cell's
 first optimizer); the reports thread adds the ``taas.report`` calls (the steps of a cell with no optimizer).
-The cost when no collective runs: nothing; per collective, two clock reads and a lock (about a microsecond).
+The cost when no collective runs: nothing; per collective, two clock reads and a lock (about a microsecond); DDP's
+per step: output/ddptiming.py.
 """
 
 from __future__ import annotations
@@ -41,8 +37,9 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
+
+from taas_magic.output import ddptiming
 
 # torch.distributed's functions that wait for other ranks (the object collectives call others; counted once)
 # (FSDP2 calls all_gather_single and reduce_scatter_single; batch_isend_irecv's works are not timed)
@@ -106,7 +103,7 @@ def figures(now: float) -> dict:
     _hook_nccl_once()
     if _cuda and not _nccl_hooked:
         return {"steps": clock.steps}
-    return {"collective": clock.seconds(now), "steps": clock.steps}
+    return {"collective": clock.seconds(now) + ddptiming.times.seconds, "steps": clock.steps}
 
 
 def install(cuda: bool, when_imported: Callable[[str, Callable], None]) -> None:
@@ -118,7 +115,7 @@ def install(cuda: bool, when_imported: Callable[[str, Callable], None]) -> None:
         os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # NCCL's process groups made from now on time on the GPU
     if not cuda:
         when_imported("torch.distributed", _wrap_distributed)
-        when_imported("torch.nn.parallel.distributed", _time_ddp)
+        when_imported("torch.nn.parallel.distributed", functools.partial(ddptiming.install, collective=timed))
 
 
 _cuda = False
@@ -171,95 +168,6 @@ def _wrap_distributed(distributed: Any) -> None:
         setattr(distributed, name, wrapped)
         if c10d is not None and getattr(c10d, name, None) is function:
             setattr(c10d, name, wrapped)
-
-
-@dataclass
-class Delegate:
-    """The state taas's DDP hook is registered with: the hook a person registers after it, which it then calls
-    (picklable with the model: ``%taas heal`` copies models; it holds no process group)."""
-
-    hook: Callable | None = None
-    state: Any = None
-
-
-def timed_allreduce(state: Delegate, bucket: Any) -> Any:
-    """DDP's communication hook: its built-in average of a gradient bucket over the default group, timed to its
-    completion here; or, once the person registers a hook of their own, theirs (its ``dist.*`` calls are timed)."""
-    if state.hook is not None:
-        return state.hook(state.state, bucket)
-    group = sys.modules["torch.distributed"].group.WORLD
-    buffer = bucket.buffer()
-    buffer.div_(group.size())
-    cell = clock.begin()
-    try:
-        future = group.allreduce([buffer]).get_future()
-    except BaseException:
-        clock.end(cell)
-        raise
-    return future.then(functools.partial(_ended_bucket, cell))
-
-
-def _ended_bucket(cell: int, future: Any) -> Any:
-    clock.end(cell)
-    return future.value()[0]
-
-
-timed_allreduce.__annotations__ = {}  # DDP checks a hook's annotations against its own types: these are strings here
-
-
-def _time_ddp(module: Any) -> None:
-    """Each DistributedDataParallel made from now on: DDP's all-reduce timed from its first forward (see above).
-    A hook the person registers after that (DDP takes one per model) goes to taas's, which calls it from then on."""
-    ddp = module.DistributedDataParallel
-    made, registered, builtin = ddp.__init__, ddp.register_comm_hook, ddp._register_builtin_comm_hook
-
-    @functools.wraps(made)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        made(self, *args, **kwargs)
-        self._taas_first_forward = self.register_forward_pre_hook(_first_forward)
-
-    @functools.wraps(registered)
-    def register_comm_hook(self: Any, state: object, hook: Callable) -> None:
-        delegate = _delegate(self)
-        if delegate is None:
-            return registered(self, state, hook)  # taas's hook is not in (or theirs already is): DDP's own rules
-        self._check_comm_hook(hook)
-        delegate.hook, delegate.state = hook, state
-        self._comm_hooks.append((hook, state))
-
-    @functools.wraps(builtin)
-    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-        self._taas_builtin_hook = comm_hook_type  # not in DDP's list of hooks: heal registers it again (rank/heal.py)
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # the built-ins' Python twins
-
-        twins = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
-        delegate = _delegate(self)
-        if delegate is None or getattr(comm_hook_type, "name", "") not in twins:
-            return builtin(self, comm_hook_type)  # taas's hook is not in, or a built-in without a twin: DDP's own rules
-        delegate.hook, delegate.state = twins[comm_hook_type.name], None
-
-    ddp.__init__, ddp.register_comm_hook, ddp._register_builtin_comm_hook = (
-        __init__, register_comm_hook, _register_builtin_comm_hook)
-
-
-def _delegate(model: Any) -> Delegate | None:
-    """The state of taas's hook on ``model`` while no other hook was registered after it; else None."""
-    for hook, state in model._comm_hooks:
-        if hook is timed_allreduce and isinstance(state, Delegate) and state.hook is None:
-            return state
-    return None
-
-
-def _first_forward(model: Any, _inputs: Any) -> None:
-    model._taas_first_forward.remove()
-    del model._taas_first_forward
-    if model._comm_hooks or getattr(model, "_taas_builtin_hook", None) is not None or _cuda:
-        return  # the model's own hook stays (its dist.* calls are timed); CUDA: NCCL measures
-    if getattr(model, "_use_python_reducer", False):
-        return  # compiled autograd's reducer calls hooks per gradient, hook(state, (grad, param)): not timed
-    if model.process_group is not sys.modules["torch.distributed"].group.WORLD:
-        return  # a group of its own: its all-reduce is not timed (the hook holds no group, see timed_allreduce)
-    model.register_comm_hook(Delegate(), timed_allreduce)
 
 
 _nccl_tried = False

@@ -68,6 +68,13 @@ _channel: PeerChannel | None = None
 _more: Callable[[float], dict] | None = None  # more of the rank's figures, measured with its health (the hang line's)
 
 
+def _nothing() -> None:
+    pass
+
+
+after_report: Callable[[], None] = _nothing  # then, on the reporting thread (DDP's timing: output/ddptiming.py)
+
+
 def report(step: Any = None, **metrics: Any) -> None:
     """``taas.report`` inside a rank (the bootstrap puts it there): keep it for the next batch."""
     for value in metrics.values():
@@ -77,6 +84,7 @@ def report(step: Any = None, **metrics: Any) -> None:
     if type(step) is not int and step is not None:
         step = _stage(step)
     _keep((step, metrics))
+    after_report()
 
 
 class Staged:

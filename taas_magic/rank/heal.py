@@ -167,6 +167,7 @@ def _rebuild_ddp(namespace: dict) -> list[str]:
     rebuilt, lines = [], []
     for name, value in sorted(namespace.items()):
         if isinstance(value, ddp) and not name.startswith("_"):
+            builtin = _builtin_hook(value)
             try:
                 value.__setstate__(value.__getstate__())
             except Exception as error:  # noqa: BLE001 - alike on every rank (a group not the default): said
@@ -174,31 +175,43 @@ def _rebuild_ddp(namespace: dict) -> list[str]:
                 continue
             rebuilt.append(name)
             try:
-                _hooks_again(value)
+                _hooks_again(value, builtin)
             except Exception as error:  # noqa: BLE001 - the hook refused its new reducer: said
                 lines.append(f"taas: heal: {name}'s DDP reducer rebuilt without its communication hook "
                              f"({type(error).__name__}: {error})")
     return ([f"taas: heal: DDP's reducer rebuilt on every rank for {', '.join(rebuilt)}"] if rebuilt else []) + lines
 
 
-def _hooks_again(model: Any) -> None:
+def _hooks_again(model: Any, builtin: Any) -> None:
     """The model's communication hook registered on its new reducer, which DDP's unpickling makes without one while
     the model still lists it (``_comm_hooks``; private, see taas_magic/private.py): a PowerSGD or fp16 hook would
-    silently stop compressing, and taas's timing hook stop timing. The reducer takes one hook; the entries after the
-    first are those taas's hook calls (output/collectives.py), kept in the list as they were. A built-in hook is
-    registered again where taas noted it (CPU ranks: DDP's list of hooks leaves built-ins out). PowerSGD starts again
-    from its plain all-reduce: its error feedback and low-rank memories are sized by the old reducer's buckets, which
-    the new one makes anew (and on a rank that got the model from another, they are that rank's)."""
+    silently stop compressing. The reducer takes one hook: the list's first. A ``builtin`` one (not in the list) is
+    registered again too. PowerSGD starts again from its plain all-reduce: its error feedback and low-rank memories
+    are sized by the old reducer's buckets, which the new one makes anew (and on a rank that got the model from
+    another, they are that rank's)."""
     hooks, model._comm_hooks = list(model._comm_hooks), []
-    for _, state in hooks:  # (one taas's hook calls is listed after it too)
+    for _, state in hooks:
         _restart_powersgd(state)
-    builtin = getattr(model, "_taas_builtin_hook", None)
     if hooks:
         hook, state = hooks[0]
         model.register_comm_hook(state, hook)
         model._comm_hooks.extend(hooks[1:])
     elif builtin is not None:
         model._register_builtin_comm_hook(builtin)
+
+
+def _builtin_hook(model: Any) -> Any:
+    """The built-in communication hook (``_register_builtin_comm_hook``, such as fp16 compression) the model's reducer
+    runs, which DDP's list of hooks leaves out and its logging data names (private, see taas_magic/private.py); or
+    None."""
+    if model._comm_hooks:
+        return None
+    try:
+        named = str(model._get_ddp_logging_data().get("comm_hook") or "")
+    except Exception:  # noqa: BLE001 - a DDP without its logger (another torch): no built-in known
+        return None
+    kinds = getattr(sys.modules.get("torch.distributed"), "BuiltinCommHookType", None)
+    return kinds.__members__.get(named.rpartition(".")[2]) if named and kinds is not None else None
 
 
 def _restart_powersgd(state: Any) -> None:

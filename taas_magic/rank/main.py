@@ -42,7 +42,7 @@ from taas_magic.compilecache import artifacts as compiled
 from taas_magic.debugger import tracer as panel_tracer
 from taas_magic.debugger.ranklink import PanelNow
 from taas_magic.import_hooks import when_imported
-from taas_magic.output import collectives, reports
+from taas_magic.output import collectives, ddptiming, reports
 from taas_magic.profiling import window as profiling
 from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec, ToKernel
 from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup, steps
@@ -101,7 +101,9 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     reports.start(channel, lambda now: {**waiting.figures(now, away), **collectives.figures(now)})  # the lines' figures
     collectives.install(spec.device == "cuda", when_imported)  # each rank's time in collectives: the straggler line
     when_imported("torch.optim.optimizer", steps.install)  # its steps: the straggler line's, --profile's marks
-    steps.listeners += [collectives.clock.step, functools.partial(profiling.mark, "optimizer")]
+    steps.listeners += [collectives.clock.step, ddptiming.times.after_step,
+                        functools.partial(profiling.mark, "optimizer")]
+    reports.after_report = ddptiming.times.after_step  # DDP's all-reduce read after a step (a cell with no optimizer's)
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
         groups.keep_across_cells(abortable=spec.device != "cuda")  # their groups outlive a cell, even a failed one
