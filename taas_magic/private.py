@@ -200,13 +200,13 @@ PRIVATE: tuple[Private, ...] = (
             "(not timed)", "output/ddptiming.py, rank/heal.py", attributes=("_comm_hooks", "_use_python_reducer")),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._get_ddp_logging_data", "torch", TORCH,
             "DDP's own timer's latest sampled iteration (its events' times, its number), read on the cell's thread "
-            "after a step: the straggler line's wait in DDP's all-reduce; and the built-in hook a model runs, "
-            "registered again after heal rebuilt its reducer", "output/ddptiming.py, rank/heal.py"),
+            "after a step: the straggler line's wait in DDP's all-reduce", "output/ddptiming.py"),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._set_ddp_runtime_logging_sample_rate", "torch",
-            TORCH, "how often DDP's timer samples an iteration: about every 0.1 s of a model's steps, never rarer "
-            "than DDP's default", "output/ddptiming.py", params=("sample_rate",)),
+            TORCH, "which iteration DDP's timer samples next: at random up to about 0.1 s of a model's steps away, "
+            "never rarer than DDP's default", "output/ddptiming.py", params=("sample_rate",)),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._register_builtin_comm_hook", "torch", TORCH,
-            "a built-in hook registered again after heal rebuilt the model's reducer", "rank/heal.py",
+            "wrapped in kept ranks to note a built-in hook on the model by its name, registered again after heal "
+            "rebuilt the model's reducer (on a rank heal copied the model to, too)", "rank/heal.py",
             params=("comm_hook_type",)),
     Private("torch.nn.parallel.distributed.DistributedDataParallel._match_all_reduce_for_bwd_pass", "torch", TORCH,
             "wrapped with the collectives: a rank joined under Join (uneven inputs) shadows the others' all-reduces "

@@ -41,6 +41,7 @@ STEPPING = ("next", "stepIn", "stepOut")
 # Python's own library and installed packages: a step or a pause never stops in them (as ipykernel's debugger, with
 # debugpy's justMyCode), only a breakpoint placed there does. A pause stopped once in a weakref callback the garbage
 # collector ran on the cell's thread before the cell's first line (_weakrefset.py).
+CELLS = ("<taas In[", "<ipython-input-")  # the file names of the cells a rank runs (rank/execute.py) and IPython's
 LIBRARY = tuple(sorted({os.path.join(os.path.realpath(path), "") for path in (
     *(sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")),
     *site.getsitepackages(), site.getusersitepackages())}))
@@ -48,9 +49,10 @@ LIBRARY = tuple(sorted({os.path.join(os.path.realpath(path), "") for path in (
 
 @functools.lru_cache(maxsize=4096)
 def is_library(filename: str) -> bool:
-    """Whether a code object's file is Python's or an installed package's (or frozen, as importlib's)."""
-    if filename.startswith("<"):  # a cell's, exec's, or importlib's frozen code
-        return filename.startswith("<frozen ")
+    """Whether a code object's file is Python's or an installed package's, or generated code not a cell's."""
+    if filename.startswith("<"):  # made, not read from a file: a notebook cell's is the person's (<taas In[3]>,
+        return not filename.startswith(CELLS)  # <ipython-input-…>); a dataclass's or namedtuple's methods
+        # (<string>), torch.fx's code (<eval_with_key>.3) or importlib's (<frozen …>) have no source to show
     return os.path.realpath(filename).startswith(LIBRARY)
 
 
@@ -173,8 +175,9 @@ class RankTracer(bdb.Bdb):
         line."""
         if not super().stop_here(frame):
             return False
-        if not is_library(frame.f_code.co_filename):
-            return True
+        filename = frame.f_code.co_filename
+        if not is_library(filename) or self._lines_in(filename):
+            return True  # the person's code, or a library file the person placed a breakpoint in: stepped in too
         if frame is self.stopframe:
             self._stop_info(None, 0)
         return False

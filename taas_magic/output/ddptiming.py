@@ -15,31 +15,41 @@ it: 14 of a 1-rank step's 18 ms backward read as waiting).
 - **Where it is read.** DDP reads and writes these figures under its reducer's mutex, which it holds while the
   backward waits for its buckets: read from another thread, the reports thread blocked for as long as a peer was
   late (3.5 s), and the rank sent no health meanwhile. So they are read on the cell's thread, after an optimizer
-  step (the backward is over), at most every :data:`READ_EVERY` seconds; each model's latest sampled iteration is
-  counted for every iteration since the last one counted: a sample per reading, not a sum of every step.
-- **Which samples.** DDP's figures are of the latest sampled iteration, and a grad-enabled forward without a backward
-  is an iteration too: its forward's time beside an older backward's. A sample counts only when its forward is later
-  than the last counted one's and its events are in order (:data:`EVENTS`).
+  step or a report (the backward is over), at most every :data:`READ_EVERY` seconds. A cell that trains on a thread
+  of its own is not timed.
+- **What a sample counts for.** DDP keeps only its latest sampled iteration. Each new one stands for the iterations
+  since the last one seen: its tail times their number, at most the seconds since (a sample, not a sum of every
+  step). DDP counts a grad-enabled forward without a backward (an evaluation without ``no_grad``) as an iteration:
+  its sample has that forward beside an older backward's events, is not counted, and stands for iterations without
+  an all-reduce. A sample counts only when its events are one iteration's, in order (:data:`EVENTS`), and not the
+  last one's again.
 - **How often.** A sampled iteration costs DDP tens of microseconds, more with more parameter tensors (it joins
-  every gradient's index into a string). Each model's sample rate is set, on the cell's thread between steps, to
-  about one sample every :data:`SAMPLE_EVERY` seconds of its steps, never rarer than DDP's own default: a step of
-  100 ms or more is sampled every step; one of a millisecond, as DDP does without taas.
+  every gradient's index into a string). Each model's next sampled iteration is set, on the cell's thread between
+  steps, at random up to about :data:`SAMPLE_EVERY` seconds of its steps away and never rarer than DDP's own
+  default: DDP samples the iterations its rate divides, and a fixed rate saw a stall every 100 steps on another rank
+  at every sample (18.9 s counted for 1.4 s of stalls) or never, by the stall's phase alone.
+- **What it holds.** The tail also holds DDP's copy of the averaged buckets into ``.grad`` (with DDP's default
+  ``gradient_as_bucket_view=False``): on every rank alike, about a tenth of a lone rank's backward for a 34M-parameter
+  MLP.
 - **What is not.** A model with a Python communication hook is timed by the ``dist.*`` calls its hook makes (not
-  twice); a hook that calls a group's methods directly is not timed. A model under compiled autograd's Python reducer
-  is not timed (DDP's timer does not see it). While a rank has joined (``Join``, uneven inputs), its shadow
-  all-reduces are timed as a collective each (:func:`install`).
+  twice), from its first bucket's all-reduce to its last one's completion, the overlapped compute included; a hook
+  that calls a group's or the reducer's methods directly (DDP's ``mixed_precision``) is not timed. A model under
+  compiled autograd's Python reducer is not timed (DDP's timer does not see it). While a rank has joined (``Join``,
+  uneven inputs), its shadow all-reduces are timed as a collective each (:func:`install`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import random
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-READ_EVERY = 0.25  # seconds between readings of the models' samples (the health goes every 2 s)
+READ_EVERY = 0.05  # seconds between readings of the models' samples: about every sample seen
 SAMPLE_EVERY = 0.1  # seconds of steps between two sampled iterations of a model
 DDP_SAMPLE_RATE = 100  # DDP's own: one iteration in 100 (kDDPRuntimeLoggingSampleRate)
 EVENTS = ("forward_compute_time_start", "backward_compute_time_start", "backward_comm_time_start",
@@ -48,31 +58,33 @@ EVENTS = ("forward_compute_time_start", "backward_compute_time_start", "backward
 
 @dataclass
 class _Sampled:
-    """What was last counted of one model (all on the cell's thread)."""
+    """What was last seen of one model's samples (all on the cell's thread)."""
 
-    reducer: Any  # the reducer it was counted from (heal makes a new one, counting from iteration 0)
-    iteration: int = 0  # DDP's number of the last sample counted
-    forward: int = 0  # its forward's start (DDP's clock, ns)
-    rate: int = DDP_SAMPLE_RATE
-    read_at: float = 0.0  # when it was last read, and DDP's iteration then: the model's time per iteration
-    read_iteration: int = -1
+    reducer: Any  # the reducer it was read from (heal makes a new one, counting from iteration 0)
+    seen_at: float  # when its last sample was seen (monotonic)
+    seen: int = 0  # DDP's number of that sample's iteration
+    forward: int = -1  # its forward's start (DDP's clock): the same start again is the same sample, not a new one
 
 
 class DdpTimes:
     """Seconds the rank's DDP models waited in their gradient all-reduce (see the module docstring)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # models are added on any thread (a DDP made or unpickled), read on the cell's
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Sampled
         self.seconds = 0.0  # written on the cell's thread only; the reports thread reads it
         self._due = 0.0
+        self._draw = random.Random()  # the sampled iterations' spacing (never the person's random state)
 
     def add(self, model: Any) -> None:
         """A DDP model made (or rebuilt by unpickling: heal's new reducer) on this rank."""
-        self._models[model] = _Sampled(reducer=getattr(model, "reducer", None))
+        with self._lock:
+            self._models[model] = _Sampled(getattr(model, "reducer", None), time.monotonic())
 
     def leave(self, model: Any) -> None:
         """``model`` left to DDP's own logging (its default rate, never read): its all-reduce is not timed."""
-        self._models.pop(model, None)
+        with self._lock:
+            self._models.pop(model, None)
 
     def after_step(self) -> None:
         """After an optimizer step or a ``taas.report``: on the cell's thread (the rank's main thread), where no
@@ -81,7 +93,9 @@ class DdpTimes:
         if now < self._due or threading.get_ident() != _CELLS:
             return
         self._due = now + READ_EVERY
-        for model, sampled in list(self._models.items()):
+        with self._lock:
+            models = list(self._models.items())
+        for model, sampled in models:
             self._read(model, sampled, now)
 
     def _read(self, model: Any, sampled: _Sampled, now: float) -> None:
@@ -89,36 +103,42 @@ class DdpTimes:
             return  # a Python hook's dist.* calls are timed (output/collectives.py); compiled autograd's: not timed
         reducer = getattr(model, "reducer", None)
         if reducer is not sampled.reducer:  # heal rebuilt it: its iterations count from 0 again
-            sampled = self._models[model] = _Sampled(reducer=reducer)
+            sampled = _Sampled(reducer, now)
+            with self._lock:
+                self._models[model] = sampled
         try:
             data = model._get_ddp_logging_data()  # private API: see taas_magic/private.py
         except Exception:  # noqa: BLE001 - a DDP without its logger (another torch): its all-reduce is not timed
             return
         iteration = int(data.get("iteration", 0))
-        if iteration <= sampled.iteration:
-            return  # no new sample since the last counted
-        self._pace(model, sampled, iteration, now)
+        if iteration <= sampled.seen:
+            return  # no new sample
+        # the sample stands for the iterations since the last one seen: counted if it is one iteration's events
+        # (one without a backward, such as an evaluation with gradients, stands for iterations with no all-reduce)
+        span, elapsed = iteration - sampled.seen, now - sampled.seen_at
         forward, compute, first, last_gradient, done = (int(data.get(name, -1)) for name in EVENTS)
-        if not sampled.forward < forward <= compute <= min(first, last_gradient) <= max(first, last_gradient) <= done:
-            return  # not one iteration's events (a forward without a backward), or counted already
-        self.seconds += (done - last_gradient) / 1e9 * (iteration - sampled.iteration)
-        sampled.iteration, sampled.forward = iteration, forward
+        if forward != sampled.forward and 0 <= forward <= compute <= min(first, last_gradient) <= max(
+                first, last_gradient) <= done:
+            self.seconds += min((done - last_gradient) / 1e9 * span, elapsed)
+        sampled.seen, sampled.seen_at, sampled.forward = iteration, now, forward
+        self._pace(model, elapsed / span)
 
-    def _pace(self, model: Any, sampled: _Sampled, iteration: int, now: float) -> None:
-        """The model's sample rate, from its time per iteration since the last reading (see the module docstring)."""
-        if sampled.read_iteration >= 0 and iteration > sampled.read_iteration:
-            per_iteration = (now - sampled.read_at) / (iteration - sampled.read_iteration)
-            rate = max(1, min(DDP_SAMPLE_RATE, int(SAMPLE_EVERY / max(per_iteration, 1e-9))))
-            if rate != sampled.rate:
-                try:
-                    model._set_ddp_runtime_logging_sample_rate(rate)  # private API: see taas_magic/private.py
-                    sampled.rate = rate
-                except Exception:  # noqa: BLE001 - kept at DDP's own rate
-                    pass
-        sampled.read_at, sampled.read_iteration = now, iteration
+    def _pace(self, model: Any, per_iteration: float) -> None:
+        """The model's next sampled iteration: about :data:`SAMPLE_EVERY` seconds of its steps away, drawn at random
+        up to that (DDP samples the iterations whose number its rate divides: a fixed rate would always see, or
+        never see, a stall that comes every so many steps). Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` DDP logs each
+        sampled iteration: its own rate is kept."""
+        if _DETAIL:
+            return
+        rate = max(1, min(DDP_SAMPLE_RATE, int(SAMPLE_EVERY / max(per_iteration, 1e-9))))
+        try:
+            model._set_ddp_runtime_logging_sample_rate(self._draw.randint((rate + 1) // 2, rate))  # private API
+        except Exception:  # noqa: BLE001 - kept at its rate (see taas_magic/private.py)
+            pass
 
 
 times = DdpTimes()
+_DETAIL = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 _CELLS = threading.main_thread().ident  # the thread a rank runs its cells on (rank/main.py)
 
 

@@ -24,6 +24,7 @@ model larger than a third of a host's memory.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pickle
 import sys
@@ -200,18 +201,27 @@ def _hooks_again(model: Any, builtin: Any) -> None:
         model._register_builtin_comm_hook(builtin)
 
 
+def note_builtin_hooks(module: ModuleType) -> None:
+    """Each DDP model made from now on notes the built-in communication hook registered on it by its name
+    (``_register_builtin_comm_hook``, such as fp16 compression; DDP's list of hooks leaves built-ins out, and only the
+    model's logger, which stays behind when heal copies the model, names it): the note travels with the model, and
+    heal registers the hook again on every rank's new reducer (kept ranks: rank/main.py)."""
+    ddp = module.DistributedDataParallel
+    builtin = ddp._register_builtin_comm_hook
+
+    @functools.wraps(builtin)
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        builtin(self, comm_hook_type)
+        self._taas_builtin_hook = comm_hook_type.name
+
+    ddp._register_builtin_comm_hook = _register_builtin_comm_hook
+
+
 def _builtin_hook(model: Any) -> Any:
-    """The built-in communication hook (``_register_builtin_comm_hook``, such as fp16 compression) the model's reducer
-    runs, which DDP's list of hooks leaves out and its logging data names (private, see taas_magic/private.py); or
-    None."""
-    if model._comm_hooks:
-        return None
-    try:
-        named = str(model._get_ddp_logging_data().get("comm_hook") or "")
-    except Exception:  # noqa: BLE001 - a DDP without its logger (another torch): no built-in known
-        return None
+    """The built-in hook noted on the model (:func:`note_builtin_hooks`), or None."""
     kinds = getattr(sys.modules.get("torch.distributed"), "BuiltinCommHookType", None)
-    return kinds.__members__.get(named.rpartition(".")[2]) if named and kinds is not None else None
+    name = getattr(model, "_taas_builtin_hook", None)
+    return kinds.__members__.get(name) if kinds is not None and name and not model._comm_hooks else None
 
 
 def _restart_powersgd(state: Any) -> None:

@@ -45,7 +45,7 @@ from taas_magic.import_hooks import when_imported
 from taas_magic.output import collectives, ddptiming, reports
 from taas_magic.profiling import window as profiling
 from taas_magic.protocol import JOIN_VARIABLE, Abandon, Hold, Interrupt, PeerChannel, RankError, Spec, ToKernel
-from taas_magic.rank import betweencells, cellpdb, execute, groups, identity, lifeline, lightning, shell, startup, steps
+from taas_magic.rank import betweencells, cellpdb, execute, groups, heal, identity, lifeline, lightning, shell, startup, steps
 from taas_magic.rank.inbox import Inbox
 from taas_magic.runspec import RunSpec
 from taas_magic.search import trial as search_trial
@@ -107,6 +107,7 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
         groups.keep_across_cells(abortable=spec.device != "cuda")  # their groups outlive a cell, even a failed one
+        when_imported("torch.nn.parallel.distributed", heal.note_builtin_hooks)  # a built-in hook heal registers again
     when_imported("torch.distributed", groups.defer_destroy)  # the default group outlives the cell's sharded names' gather
     when_imported("torch.distributed", refresh.follow_collectives)  # past a collective, rank 0's writes are seen here
     module = types.ModuleType("__main__")

@@ -19,8 +19,10 @@ SCRIPT = textwrap.dedent("""
     from taas_magic.import_hooks import when_imported
     from taas_magic.output import collectives, ddptiming
     collectives.install(False, when_imported)
-    ddptiming.READ_EVERY = 0.0  # read at every step (the rank reads every 0.25 s)
-    import torch, torch.distributed as dist
+    ddptiming.READ_EVERY = 0.0  # read at every step (the rank reads every 0.05 s)
+    from taas_magic.rank import heal
+    when_imported("torch.nn.parallel.distributed", heal.note_builtin_hooks)  # as a kept rank does
+    import pickle, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
@@ -64,7 +66,6 @@ SCRIPT = textwrap.dedent("""
     print("their hook called", calls == ["their state"] * 2, grads)
 
     # %taas heal rebuilds every DDP model's reducer (DDP's pickling pair), which comes without the hook
-    from taas_magic.rank import heal
     own_calls = []
     def own(state, bucket):
         own_calls.append(state)
@@ -73,14 +74,15 @@ SCRIPT = textwrap.dedent("""
     plain.register_comm_hook("own", own)
     built = DDP(torch.nn.Linear(4, 4))
     built._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-    models = {"model": model, "plain": plain, "built": built, "timed": timed}
+    received = pickle.loads(pickle.dumps(built))  # as a replaced rank gets it from another: without DDP's logger
+    models = {"model": model, "plain": plain, "built": built, "timed": timed, "received": received}
     print(heal._rebuild_ddp(models))
     calls.clear()
     for each in models.values():
         each.zero_grad()
         each(torch.randn(8, 4) if each is not timed else torch.randn(16, 64)).sum().backward()
     print("after heal: their hook", calls == ["their state"], "own hook", own_calls == ["own"],
-          "built-in", built._get_ddp_logging_data().get("comm_hook"))
+          "built-in", built._get_ddp_logging_data().get("comm_hook"), received._get_ddp_logging_data().get("comm_hook"))
     def has_hook(each):
         try:
             dist._register_comm_hook(each.reducer, None, default_hooks.allreduce_hook)
@@ -120,9 +122,10 @@ def test_ddps_own_timer_counts_whole_steps_only_hooks_are_the_persons_and_heal_k
         "the next step is True",
         "read on the cell's thread only True",
         "their hook called True [torch.float32, torch.float32]",
-        "[\"taas: heal: DDP's reducer rebuilt on every rank for built, model, plain, timed\"]",
-        "after heal: their hook True own hook True built-in BuiltinCommHookType.FP16_COMPRESS",
-        "reducers with their hook {'model': True, 'plain': True, 'built': True}",
+        "[\"taas: heal: DDP's reducer rebuilt on every rank for built, model, plain, received, timed\"]",
+        "after heal: their hook True own hook True built-in BuiltinCommHookType.FP16_COMPRESS "
+        "BuiltinCommHookType.FP16_COMPRESS",
+        "reducers with their hook {'model': True, 'plain': True, 'built': True, 'received': True}",
         "timed again after heal True",
         "PowerSGD restarted True its reducer has its hook True",
     ], done.stdout + done.stderr
@@ -165,24 +168,22 @@ def _two_ranks(rank: int, port: int, sends) -> None:
             time.sleep(LAG)
         step()
     waited, took = ddptiming.times.seconds, time.monotonic() - started
-    rate = ddptiming.times._models[model].rate
     before = collectives.clock.seconds(time.monotonic())
     with Join([model]):
         for _ in range(LAST_STEPS if rank == 0 else 0):
             step(LAG)
     shadowed = collectives.clock.seconds(time.monotonic()) - before
-    sends.send((waited, took, rate, shadowed))
+    sends.send((waited, took, shadowed))
     dist.destroy_process_group()
 
 
 def test_the_fast_rank_waits_in_ddps_all_reduce_the_slow_one_hardly_and_a_joined_rank_shadows_in_a_collective():
-    (fast, took, fast_rate, _), (slow, _, slow_rate, shadowed) = forked_ranks(_two_ranks)
+    (fast, took, _), (slow, _, shadowed) = forked_ranks(_two_ranks)
     lagged = STEPS * LAG
     # rank 0 waited in its all-reduce for rank 1's lag at every step; rank 1 found it waiting (for the moments rank 0
     # took to be scheduled: a tenth of the lag on two cores beside two busy processes). DDP's timer samples steps of
-    # about 80 ms at every step or every other one (about one sample every 0.1 s)
+    # about 80 ms at every step (about one sample every 0.1 s)
     assert 0.6 * lagged < fast < took, (fast, lagged, took)
     assert slow < 0.5 * fast, (slow, fast)
-    assert 1 <= fast_rate <= 2 and 1 <= slow_rate <= 2, (fast_rate, slow_rate)
     # rank 1, joined, shadowed rank 0's all-reduces while rank 0 worked LAG before each
     assert shadowed > 0.6 * LAST_STEPS * LAG, shadowed

@@ -9,6 +9,7 @@ only in the person's code, as ipykernel's debugger (debugpy's justMyCode) does."
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import time
 import weakref
@@ -120,8 +121,36 @@ def test_a_step_out_of_a_function_the_library_called_stops_at_the_persons_next_l
         kernel.close()
 
 
-def test_the_library_is_pythons_and_the_installed_packages_and_the_cell_is_not():
+def test_a_breakpoint_placed_in_the_library_steps_on_in_that_file():
+    kernel = KernelEnd()
+    channel, rank = connect_here(kernel)
+    inbox = Inbox(channel, {PanelNow: tracer.now})
+    lines, first = inspect.getsourcelines(copy.deepcopy)
+    line = first + next(index for index, text in enumerate(lines) if text.strip() == "if memo is None:")
+    plan = PanelPlan(path=PLAN.path, breakpoints=((copy.__file__, (line,)),))
+    try:
+        thread, namespace, failed = _cell_on_a_thread(inbox, plan, DEEPCOPIED)
+        assert rank.receive() == PanelStopped("breakpoint", line)
+        rank.send(PanelCommand(1, "next", {"threadId": 1}))
+        assert rank.receive() == PanelReply(1, {"allThreadsContinued": False})
+        assert rank.receive() == PanelResumed(stepping=True)
+        assert rank.receive() == PanelStopped("step", line + 1)  # copy.py's next line: the person chose that file
+        rank.send(PanelCommand(2, "disconnect", {}))
+        assert rank.receive() == PanelReply(2, {"allThreadsContinued": False})
+        assert rank.receive() == PanelResumed(stepping=True)
+        thread.join(WAIT)
+        assert not failed and namespace["after"] == 2, failed
+    finally:
+        tracer.install(inbox, None, CELL_FILE)
+        rank.close()
+        channel.close()
+        kernel.close()
+
+
+def test_the_library_is_pythons_the_installed_packages_and_generated_code_and_the_cells_are_not():
     assert tracer.is_library(copy.__file__) and tracer.is_library(weakref.__file__)
     assert tracer.is_library(threading.__file__) and tracer.is_library("<frozen importlib._bootstrap>")
-    assert not tracer.is_library(CELL_FILE) and not tracer.is_library(__file__)
     assert tracer.is_library(pytest.__file__)
+    assert tracer.is_library("<string>") and tracer.is_library("<eval_with_key>.3")  # a dataclass's, torch.fx's code
+    assert not tracer.is_library(CELL_FILE) and not tracer.is_library(__file__)
+    assert not tracer.is_library("<ipython-input-3-0123456789ab>")
