@@ -8,11 +8,13 @@ only in the person's code, as ipykernel's debugger (debugpy's justMyCode) does."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
 import time
 import weakref
+from typing import Any, Iterator
 
 import pytest
 
@@ -58,20 +60,38 @@ def _cell_on_a_thread(inbox: Inbox, plan: PanelPlan = PLAN,
     return thread, namespace, failed
 
 
-def test_a_pause_that_comes_before_the_cells_tracer_stops_at_its_first_line_then_the_next_cell_runs_free():
+@contextlib.contextmanager
+def _rank_and_kernel() -> Iterator[tuple[Any, Inbox]]:
+    """The kernel's end of a real channel (``rank``: what the rank sends, and sending to it) and the rank's inbox;
+    no tracer left afterwards for other tests."""
     kernel = KernelEnd()
     channel, rank = connect_here(kernel)
     inbox = Inbox(channel, {PanelNow: tracer.now})
     try:
+        yield rank, inbox
+    finally:
+        tracer.install(inbox, None, CELL_FILE)
+        rank.close()
+        channel.close()
+        kernel.close()
+
+
+def _said(rank: Any, seq: int, command: str, stepping: bool) -> None:
+    """``command`` sent to the stopped rank: its reply, then its resuming."""
+    rank.send(PanelCommand(seq, command, {"threadId": 1}))
+    assert rank.receive() == PanelReply(seq, {"allThreadsContinued": False})
+    assert rank.receive() == PanelResumed(stepping=stepping)
+
+
+def test_a_pause_that_comes_before_the_cells_tracer_stops_at_its_first_line_then_the_next_cell_runs_free():
+    with _rank_and_kernel() as (rank, inbox):
         rank.send(PanelNow(pause=True))  # no cell runs yet: the reader keeps the pause for the next tracer
         deadline = time.monotonic() + WAIT
         while not tracer._pause_asked and time.monotonic() < deadline:
             time.sleep(0.01)
         thread, namespace, failed = _cell_on_a_thread(inbox)
         assert rank.receive() == PanelStopped("pause", 1)
-        rank.send(PanelCommand(1, "continue", {"threadId": 1}))
-        assert rank.receive() == PanelReply(1, {"allThreadsContinued": False})
-        assert rank.receive() == PanelResumed(stepping=False)
+        _said(rank, 1, "continue", stepping=False)
         thread.join(WAIT)
         assert not failed and namespace["b"] == 2, failed
 
@@ -79,11 +99,6 @@ def test_a_pause_that_comes_before_the_cells_tracer_stops_at_its_first_line_then
         thread.join(WAIT)
         assert not failed and namespace["b"] == 2, failed
         assert not rank._arrived
-    finally:
-        tracer.install(inbox, None, CELL_FILE)  # no tracer left for other tests
-        rank.close()
-        channel.close()
-        kernel.close()
 
 
 DEEPCOPIED = """import copy
@@ -97,54 +112,23 @@ after = 2
 """
 
 
-def test_a_step_out_of_a_function_the_library_called_stops_at_the_persons_next_line_not_in_the_library():
-    kernel = KernelEnd()
-    channel, rank = connect_here(kernel)
-    inbox = Inbox(channel, {PanelNow: tracer.now})
-    plan = PanelPlan(path=PLAN.path, breakpoints=((PLAN.path, (4,)),))  # inside = 1
-    try:
-        thread, namespace, failed = _cell_on_a_thread(inbox, plan, DEEPCOPIED)
-        assert rank.receive() == PanelStopped("breakpoint", 4)
-        rank.send(PanelCommand(1, "stepOut", {"threadId": 1}))  # returns into copy.deepcopy, then into the cell
-        assert rank.receive() == PanelReply(1, {"allThreadsContinued": False})
-        assert rank.receive() == PanelResumed(stepping=True)
-        assert rank.receive() == PanelStopped("step", 8)  # after = 2: copy.py's lines are not the person's
-        rank.send(PanelCommand(2, "continue", {"threadId": 1}))
-        assert rank.receive() == PanelReply(2, {"allThreadsContinued": False})
-        assert rank.receive() == PanelResumed(stepping=False)
-        thread.join(WAIT)
-        assert not failed and namespace["after"] == 2, failed
-    finally:
-        tracer.install(inbox, None, CELL_FILE)
-        rank.close()
-        channel.close()
-        kernel.close()
-
-
-def test_a_breakpoint_placed_in_the_library_steps_on_in_that_file():
-    kernel = KernelEnd()
-    channel, rank = connect_here(kernel)
-    inbox = Inbox(channel, {PanelNow: tracer.now})
+@pytest.mark.parametrize("placed", ["cell", "library"])
+def test_steps_stop_in_the_persons_code_and_in_a_library_file_the_person_placed_a_breakpoint_in(placed):
+    """From a breakpoint in the cell's ``__deepcopy__``, a step out returns through copy.py to the cell's next line;
+    from one the person placed in copy.py itself, a step stays in copy.py."""
     lines, first = inspect.getsourcelines(copy.deepcopy)
-    line = first + next(index for index, text in enumerate(lines) if text.strip() == "if memo is None:")
-    plan = PanelPlan(path=PLAN.path, breakpoints=((copy.__file__, (line,)),))
-    try:
-        thread, namespace, failed = _cell_on_a_thread(inbox, plan, DEEPCOPIED)
+    in_copy = first + next(index for index, text in enumerate(lines) if text.strip() == "if memo is None:")
+    where, line, command, then = {"cell": (PLAN.path, 4, "stepOut", 8), "library": (copy.__file__, in_copy, "next",
+                                                                                     in_copy + 1)}[placed]
+    with _rank_and_kernel() as (rank, inbox):
+        thread, namespace, failed = _cell_on_a_thread(inbox, PanelPlan(path=PLAN.path, breakpoints=((where, (line,)),)),
+                                                      DEEPCOPIED)
         assert rank.receive() == PanelStopped("breakpoint", line)
-        rank.send(PanelCommand(1, "next", {"threadId": 1}))
-        assert rank.receive() == PanelReply(1, {"allThreadsContinued": False})
-        assert rank.receive() == PanelResumed(stepping=True)
-        assert rank.receive() == PanelStopped("step", line + 1)  # copy.py's next line: the person chose that file
-        rank.send(PanelCommand(2, "disconnect", {}))
-        assert rank.receive() == PanelReply(2, {"allThreadsContinued": False})
-        assert rank.receive() == PanelResumed(stepping=True)
+        _said(rank, 1, command, stepping=True)
+        assert rank.receive() == PanelStopped("step", then)
+        _said(rank, 2, "continue", stepping=False)
         thread.join(WAIT)
         assert not failed and namespace["after"] == 2, failed
-    finally:
-        tracer.install(inbox, None, CELL_FILE)
-        rank.close()
-        channel.close()
-        kernel.close()
 
 
 def test_the_library_is_pythons_the_installed_packages_and_generated_code_and_the_cells_are_not():
