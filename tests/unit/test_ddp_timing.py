@@ -4,15 +4,15 @@ What reviewers found: DDP's buffer broadcast (BatchNorm) untimed; a hook registe
 while taas's own timing hook was in; every hook lost from a model's reducer when ``%taas heal`` rebuilt it (DDP's
 unpickling makes it without one); and, reading DDP's timer, the compute overlapped by the all-reduce counted as
 waiting, a stale sample (a forward without a backward) counted, and the reading blocked on DDP's mutex from another
-thread. One process runs the wrappers (they patch torch for good: a fresh process, or forks of this one).
+thread. The wrappers patch torch for good: each rank is a fresh process.
 """
 
+import json
 import subprocess
 import sys
 import textwrap
-import time
 
-from tests.unit.gloo import forked_ranks
+from tests.unit.gloo import free_port
 
 SCRIPT = textwrap.dedent("""
     import os, tempfile, threading, time
@@ -135,26 +135,25 @@ LAG = 0.08  # seconds rank 1 works outside any collective before each step
 STEPS = 15
 LAST_STEPS = 4  # rank 0's steps after rank 1 ran out of inputs (DDP's Join), each LAG between forward and backward
 
-
-def _two_ranks(rank: int, port: int, sends) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.join import Join
-    torch.set_num_threads(1)  # no OpenMP region: a fork of a process whose OpenMP pool ran (an earlier test) hangs in one
-
+TWO_RANKS = textwrap.dedent(f"""
+    import datetime, json, sys, time
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
     from taas_magic.import_hooks import when_imported
     from taas_magic.output import collectives, ddptiming
     collectives.install(False, when_imported)
     ddptiming.READ_EVERY = 0.0
+    import torch, torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(32, 256)
 
-    def step(lag_in_step: float = 0.0) -> None:
+    def step(lag_in_step=0.0):
         optimizer.zero_grad()
         out = model(x)
         time.sleep(lag_in_step)  # between the forward and its backward: a joined rank waits in its shadow all-reduce
@@ -163,22 +162,34 @@ def _two_ranks(rank: int, port: int, sends) -> None:
         ddptiming.times.after_step()
 
     started = time.monotonic()
-    for _ in range(STEPS):
+    for _ in range({STEPS}):
         if rank == 1:
-            time.sleep(LAG)
+            time.sleep({LAG})
         step()
     waited, took = ddptiming.times.seconds, time.monotonic() - started
     before = collectives.clock.seconds(time.monotonic())
     with Join([model]):
-        for _ in range(LAST_STEPS if rank == 0 else 0):
-            step(LAG)
+        for _ in range({LAST_STEPS} if rank == 0 else 0):
+            step({LAG})
     shadowed = collectives.clock.seconds(time.monotonic()) - before
-    sends.send((waited, took, shadowed))
+    print(json.dumps([waited, took, shadowed]), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
+""")
 
 
 def test_the_fast_rank_waits_in_ddps_all_reduce_the_slow_one_hardly_and_a_joined_rank_shadows_in_a_collective():
-    (fast, took, _), (slow, _, shadowed) = forked_ranks(_two_ranks)
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(rank), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        said = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert [rank.returncode for rank in ranks] == [0, 0], said
+    (fast, took, _), (slow, _, shadowed) = (json.loads(out.splitlines()[-1]) for out, _ in said)
     lagged = STEPS * LAG
     # rank 0 waited in its all-reduce for rank 1's lag at every step; rank 1 found it waiting (for the moments rank 0
     # took to be scheduled: a tenth of the lag on two cores beside two busy processes). DDP's timer samples steps of
