@@ -49,7 +49,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-READ_EVERY = 0.05  # seconds between readings of the models' samples: about every sample seen
+READ_EVERY = 0.25  # seconds between readings of the models' samples (a reading sees the latest; each stands for all since)
 SAMPLE_EVERY = 0.1  # seconds of steps between two sampled iterations of a model
 DDP_SAMPLE_RATE = 100  # DDP's own: one iteration in 100 (kDDPRuntimeLoggingSampleRate)
 EVENTS = ("forward_compute_time_start", "backward_compute_time_start", "backward_comm_time_start",
