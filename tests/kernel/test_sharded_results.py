@@ -9,14 +9,14 @@ the kernel's resident memory through a real kernel, and rank 0's peak over the g
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.unit.gloo import fresh_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -281,19 +281,9 @@ def test_rank_0_holds_the_whole_model_once_and_each_rank_one_parameter_in_flight
         port = probe.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
-    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for rank in (0, 1)]
-    try:
-        outputs = [rank.communicate(timeout=240) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
-    reports = {}
-    for (out, err), rank in zip(outputs, ranks):
-        assert rank.returncode == 0, err
-        report = json.loads(out.strip().splitlines()[-1])
-        reports[report["rank"]] = report
+    reports = {report["rank"]: report for report in fresh_ranks(
+        lambda rank: [sys.executable, str(script)], timeout=240, cwd=str(ROOT),
+        env=lambda rank: {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})}
     in_flight = 2 * LARGEST + 8 * MIB
     assert reports[0]["kept"] and 0.95 * WHOLE <= reports[0]["grew"] <= WHOLE + in_flight, (reports[0]["grew"] / MIB, WHOLE / MIB)
     assert reports[1]["grew"] <= in_flight, (reports[1]["grew"] / MIB, in_flight / MIB)

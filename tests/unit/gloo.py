@@ -1,13 +1,16 @@
 """torch.distributed for the unit tests of what needs a process group (FSDP, DTensor, DCP, DDP): a gloo group of one
 rank in the test process and its CPU mesh, over a TCPStore that binds its own free port (no port picked, then bound
 later, which a test beside it could take meanwhile); and real ranks, forks of the test process in a group of
-their own, each reporting what it saw."""
+their own, each reporting what it saw, or fresh processes (what patches torch for good, or must not inherit the
+test process's threads)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import socket
+import subprocess
 from typing import Callable, Iterator
 
 import torch.distributed as dist
@@ -59,3 +62,19 @@ def forked_ranks(target: Callable[..., None], *args: object, world: int = 2) -> 
         for receives, sends in pipes:
             receives.close()
             sends.close()
+
+
+def fresh_ranks(command: Callable[[int], list[str]], world: int = 2, timeout: float = 120,
+                env: Callable[[int], dict] | None = None, cwd: str | None = None) -> list:
+    """What each of ``world`` ranks, fresh processes running ``command(rank)``, printed last (one JSON line each);
+    all exit 0, or the failure holds what they wrote on stderr; every one reaped."""
+    ranks = [subprocess.Popen(command(rank), env=env(rank) if env else None, cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    try:
+        said = [rank.communicate(timeout=timeout) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert [rank.returncode for rank in ranks] == [0] * world, [err for _, err in said]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in said]

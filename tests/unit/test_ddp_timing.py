@@ -7,12 +7,11 @@ waiting, a stale sample (a forward without a backward) counted, and the reading 
 thread. The wrappers patch torch for good: each rank is a fresh process.
 """
 
-import json
 import subprocess
 import sys
 import textwrap
 
-from tests.unit.gloo import free_port
+from tests.unit.gloo import free_port, fresh_ranks
 
 SCRIPT = textwrap.dedent("""
     import os, tempfile, threading, time
@@ -180,16 +179,8 @@ TWO_RANKS = textwrap.dedent(f"""
 
 def test_the_fast_rank_waits_in_ddps_all_reduce_the_slow_one_hardly_and_a_joined_rank_shadows_in_a_collective():
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(rank), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    try:
-        said = [rank.communicate(timeout=120) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
-    assert [rank.returncode for rank in ranks] == [0, 0], said
-    (fast, took, _), (slow, _, shadowed) = (json.loads(out.splitlines()[-1]) for out, _ in said)
+    (fast, took, _), (slow, _, shadowed) = fresh_ranks(lambda rank: [sys.executable, "-c", TWO_RANKS, str(rank),
+                                                                     str(port)])
     lagged = STEPS * LAG
     # rank 0 waited in its all-reduce for rank 1's lag at every step; rank 1 found it waiting (for the moments rank 0
     # took to be scheduled: a tenth of the lag on two cores beside two busy processes). DDP's timer samples steps of
