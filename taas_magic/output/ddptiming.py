@@ -52,8 +52,10 @@ from typing import Any, Callable
 READ_EVERY = 0.25  # seconds between readings of the models' samples (a reading sees the latest; each stands for all since)
 SAMPLE_EVERY = 0.1  # seconds of steps between two sampled iterations of a model
 DDP_SAMPLE_RATE = 100  # DDP's own: one iteration in 100 (kDDPRuntimeLoggingSampleRate)
+# a sampled iteration's events (DDP's clock, ns): its forward, its backward's first gradient, its first bucket's
+# all-reduce and its last gradient (in either order), every bucket completed
 EVENTS = ("forward_compute_time_start", "backward_compute_time_start", "backward_comm_time_start",
-          "backward_compute_time_end", "backward_comm_time_end")  # in this order in a sample of one iteration
+          "backward_compute_time_end", "backward_comm_time_end")
 
 
 @dataclass
