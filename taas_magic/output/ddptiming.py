@@ -62,7 +62,6 @@ EVENTS = ("forward_compute_time_start", "backward_compute_time_start", "backward
 class _Sampled:
     """What was last seen of one model's samples (all on the cell's thread)."""
 
-    reducer: Any  # the reducer it was read from (heal makes a new one, counting from iteration 0)
     seen_at: float  # when its last sample was seen (monotonic)
     seen: int = 0  # DDP's number of that sample's iteration
     forward: int = -1  # its forward's start (DDP's clock): the same start again is the same sample, not a new one
@@ -79,9 +78,9 @@ class DdpTimes:
         self._draw = random.Random()  # the sampled iterations' spacing (never the person's random state)
 
     def add(self, model: Any) -> None:
-        """A DDP model made (or rebuilt by unpickling: heal's new reducer) on this rank."""
+        """A DDP model made, or rebuilt by unpickling (heal's new reducer counts its iterations from 0 again)."""
         with self._lock:
-            self._models[model] = _Sampled(getattr(model, "reducer", None), time.monotonic())
+            self._models[model] = _Sampled(time.monotonic())
 
     def leave(self, model: Any) -> None:
         """``model`` left to DDP's own logging (its default rate, never read): its all-reduce is not timed."""
@@ -103,11 +102,6 @@ class DdpTimes:
     def _read(self, model: Any, sampled: _Sampled, now: float) -> None:
         if model._comm_hooks or getattr(model, "_use_python_reducer", False):
             return  # a Python hook's dist.* calls are timed (output/collectives.py); compiled autograd's: not timed
-        reducer = getattr(model, "reducer", None)
-        if reducer is not sampled.reducer:  # heal rebuilt it: its iterations count from 0 again
-            sampled = _Sampled(reducer, now)
-            with self._lock:
-                self._models[model] = sampled
         try:
             data = model._get_ddp_logging_data()  # private API: see taas_magic/private.py
         except Exception:  # noqa: BLE001 - a DDP without its logger (another torch): its all-reduce is not timed

@@ -186,18 +186,15 @@ def _rebuild_ddp(namespace: dict) -> list[str]:
 def _hooks_again(model: Any, builtin: Any) -> None:
     """The model's communication hook registered on its new reducer, which DDP's unpickling makes without one while
     the model still lists it (``_comm_hooks``; private, see taas_magic/private.py): a PowerSGD or fp16 hook would
-    silently stop compressing. The reducer takes one hook: the list's first. A ``builtin`` one (not in the list) is
-    registered again too. PowerSGD starts again from its plain all-reduce: its error feedback and low-rank memories
-    are sized by the old reducer's buckets, which the new one makes anew (and on a rank that got the model from
-    another, they are that rank's)."""
+    silently stop compressing (DDP takes one hook a model). A ``builtin`` one (not in the list) is registered again
+    instead. PowerSGD starts again from its plain all-reduce: its error feedback and low-rank memories are sized by
+    the old reducer's buckets, which the new one makes anew (and on a rank that got the model from another, they are
+    that rank's)."""
     hooks, model._comm_hooks = list(model._comm_hooks), []
-    for _, state in hooks:
+    for hook, state in hooks:
         _restart_powersgd(state)
-    if hooks:
-        hook, state = hooks[0]
         model.register_comm_hook(state, hook)
-        model._comm_hooks.extend(hooks[1:])
-    elif builtin is not None:
+    if not hooks and builtin is not None:
         model._register_builtin_comm_hook(builtin)
 
 
@@ -221,7 +218,7 @@ def _builtin_hook(model: Any) -> Any:
     """The built-in hook noted on the model (:func:`note_builtin_hooks`), or None."""
     kinds = getattr(sys.modules.get("torch.distributed"), "BuiltinCommHookType", None)
     name = getattr(model, "_taas_builtin_hook", None)
-    return kinds.__members__.get(name) if kinds is not None and name and not model._comm_hooks else None
+    return kinds.__members__.get(name) if kinds is not None and name else None
 
 
 def _restart_powersgd(state: Any) -> None:

@@ -101,9 +101,10 @@ def _rank_module(spec: RunSpec, channel: PeerChannel, rank: int) -> types.Module
     reports.start(channel, lambda now: {**waiting.figures(now, away), **collectives.figures(now)})  # the lines' figures
     collectives.install(spec.device == "cuda", when_imported)  # each rank's time in collectives: the straggler line
     when_imported("torch.optim.optimizer", steps.install)  # its steps: the straggler line's, --profile's marks
-    steps.listeners += [collectives.clock.step, ddptiming.times.after_step,
-                        functools.partial(profiling.mark, "optimizer")]
-    reports.after_report = ddptiming.times.after_step  # DDP's all-reduce read after a step (a cell with no optimizer's)
+    steps.listeners += [collectives.clock.step, functools.partial(profiling.mark, "optimizer")]
+    if spec.device != "cuda":  # DDP's all-reduce read after a step (a cell with no optimizer's: a report); CUDA: NCCL's
+        steps.listeners.append(ddptiming.times.after_step)
+        reports.after_report = ddptiming.times.after_step
     when_imported("torch.distributed", cellpdb.distributed_breakpoint)
     if spec.keep:
         groups.keep_across_cells(abortable=spec.device != "cuda")  # their groups outlive a cell, even a failed one

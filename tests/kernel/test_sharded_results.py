@@ -10,13 +10,12 @@ the kernel's resident memory through a real kernel, and rank 0's peak over the g
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.unit.gloo import fresh_ranks
+from tests.unit.gloo import free_port, fresh_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -276,10 +275,7 @@ def test_rank_0_holds_the_whole_model_once_and_each_rank_one_parameter_in_flight
         pytest.skip("this kernel does not let a process reset its own peak (/proc/self/clear_refs)")
     script = tmp_path / "gather.py"
     script.write_text(GATHER)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
     reports = {report["rank"]: report for report in fresh_ranks(
         lambda rank: [sys.executable, str(script)], timeout=240, cwd=str(ROOT),
